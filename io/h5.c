@@ -1,0 +1,278 @@
+#include "kqsvd_h5.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+typedef struct {
+  char top[256], inner[256];
+} h5_messages_t;
+
+static herr_t walk_cb(unsigned n, const H5E_error2_t *e, void *data) {
+  h5_messages_t *m = data;
+  if (n == 0) snprintf(m->top, sizeof m->top, "%s", e->desc ? e->desc : "");
+  snprintf(m->inner, sizeof m->inner, "%s", e->desc ? e->desc : "");
+  return 0;
+}
+
+kqsvd_status_t kqsvd_h5_fail_(const char *call, const char *file, int line, const char *func) {
+  h5_messages_t m = {"", ""};
+  H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, walk_cb, &m);
+  H5Eclear2(H5E_DEFAULT);
+  if (strcmp(m.top, m.inner) != 0 && m.inner[0])
+    return kqsvd_error_set(KQSVD_ERR_HDF5, file, line, func, "HDF5: %s (%s) in %s", m.top,
+                           m.inner, call);
+  return kqsvd_error_set(KQSVD_ERR_HDF5, file, line, func, "HDF5: %s in %s",
+                         m.top[0] ? m.top : "failure", call);
+}
+
+void kqsvd_h5_init(void) { H5Eset_auto2(H5E_DEFAULT, NULL, NULL); }
+
+void kqsvd_h5_close(hid_t *id) {
+  if (!id || *id < 0) return;
+  switch (H5Iget_type(*id)) {
+  case H5I_FILE: H5Fclose(*id); break;
+  case H5I_GROUP: H5Gclose(*id); break;
+  case H5I_DATASET: H5Dclose(*id); break;
+  case H5I_DATASPACE: H5Sclose(*id); break;
+  case H5I_DATATYPE: H5Tclose(*id); break;
+  case H5I_ATTR: H5Aclose(*id); break;
+  case H5I_GENPROP_LST: H5Pclose(*id); break;
+  default: break;
+  }
+  *id = -1;
+}
+
+kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t fapl = -1;
+  struct stat sb;
+  *file = -1;
+  KQSVD_CHECK(stat(path, &sb) == 0, KQSVD_ERR_INPUT, "%s: %s", path, strerror(errno));
+  KQSVD_CHECK(S_ISREG(sb.st_mode), KQSVD_ERR_INPUT, "%s: not a regular file", path);
+  htri_t is = H5Fis_hdf5(path);
+  H5Eclear2(H5E_DEFAULT);
+  KQSVD_CHECK(is > 0, KQSVD_ERR_INPUT, "%s: not an HDF5 file", path);
+  KQSVD_H5_ID(fapl, H5Pcreate(H5P_FILE_ACCESS));
+  if (comm != MPI_COMM_NULL) KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
+  *file = H5Fopen(path, H5F_ACC_RDONLY, fapl);
+  if (*file < 0) {
+    kqsvd_h5_fail_("H5Fopen", __FILE__, __LINE__, __func__);
+    kqsvd_error_clear();
+    KQSVD_FAIL(KQSVD_ERR_INPUT, "%s: cannot open as HDF5 (damaged or truncated file?)", path);
+  }
+done:
+  kqsvd_h5_close(&fapl);
+  return st;
+}
+
+/* Opens attribute `name` of obj or fails naming it. */
+static kqsvd_status_t open_attr(hid_t obj, const char *path, const char *name, hid_t *attr,
+                                H5T_class_t *cls) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t type = -1, space = -1;
+  *attr = -1;
+  htri_t exists = H5Aexists(obj, name);
+  KQSVD_CHECK(exists > 0, KQSVD_ERR_INPUT, "%s: attribute '%s' is missing", path, name);
+  KQSVD_H5_ID(*attr, H5Aopen(obj, name, H5P_DEFAULT));
+  KQSVD_H5_ID(type, H5Aget_type(*attr));
+  KQSVD_H5_ID(space, H5Aget_space(*attr));
+  *cls = H5Tget_class(type);
+  KQSVD_CHECK(H5Sget_simple_extent_npoints(space) == 1, KQSVD_ERR_INPUT,
+              "%s: attribute '%s' must be a scalar", path, name);
+done:
+  kqsvd_h5_close(&type);
+  kqsvd_h5_close(&space);
+  if (st != KQSVD_OK) kqsvd_h5_close(attr);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, int64_t *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t attr = -1;
+  H5T_class_t cls;
+  KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
+  KQSVD_CHECK(cls == H5T_INTEGER, KQSVD_ERR_INPUT, "%s: attribute '%s' must be an integer", path,
+              name);
+  long long x = 0;
+  KQSVD_H5(H5Aread(attr, H5T_NATIVE_LLONG, &x));
+  *v = x;
+done:
+  kqsvd_h5_close(&attr);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_attr_double(hid_t obj, const char *path, const char *name, double *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t attr = -1;
+  H5T_class_t cls;
+  KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
+  KQSVD_CHECK(cls == H5T_FLOAT || cls == H5T_INTEGER, KQSVD_ERR_INPUT,
+              "%s: attribute '%s' must be a number", path, name);
+  KQSVD_H5(H5Aread(attr, H5T_NATIVE_DOUBLE, v));
+done:
+  kqsvd_h5_close(&attr);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, char *buf,
+                                 size_t n) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t attr = -1, ftype = -1, mtype = -1;
+  H5T_class_t cls;
+  char *vstr = NULL;
+  KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
+  KQSVD_CHECK(cls == H5T_STRING, KQSVD_ERR_INPUT, "%s: attribute '%s' must be a string", path,
+              name);
+  KQSVD_H5_ID(ftype, H5Aget_type(attr));
+  KQSVD_H5_ID(mtype, H5Tcopy(H5T_C_S1));
+  KQSVD_H5(H5Tset_cset(mtype, H5Tget_cset(ftype)));
+  if (H5Tis_variable_str(ftype) > 0) {
+    /* h5py writes Python str attributes as variable-length strings. */
+    KQSVD_H5(H5Tset_size(mtype, H5T_VARIABLE));
+    KQSVD_H5(H5Aread(attr, mtype, &vstr));
+    snprintf(buf, n, "%s", vstr ? vstr : "");
+  } else {
+    const size_t len = H5Tget_size(ftype);
+    char tmp[1024] = "";
+    KQSVD_CHECK(len < sizeof tmp, KQSVD_ERR_INPUT, "%s: attribute '%s' is too long", path, name);
+    KQSVD_H5(H5Tset_size(mtype, len + 1));
+    KQSVD_H5(H5Tset_strpad(mtype, H5T_STR_NULLTERM));
+    KQSVD_H5(H5Aread(attr, mtype, tmp));
+    snprintf(buf, n, "%s", tmp);
+  }
+done:
+  if (vstr) H5free_memory(vstr);
+  kqsvd_h5_close(&attr);
+  kqsvd_h5_close(&ftype);
+  kqsvd_h5_close(&mtype);
+  return st;
+}
+
+static kqsvd_status_t put_attr(hid_t obj, const char *name, hid_t ftype, hid_t mtype,
+                               const void *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t space = -1, attr = -1;
+  KQSVD_H5_ID(space, H5Screate(H5S_SCALAR));
+  KQSVD_H5_ID(attr, H5Acreate2(obj, name, ftype, space, H5P_DEFAULT, H5P_DEFAULT));
+  KQSVD_H5(H5Awrite(attr, mtype, v));
+done:
+  kqsvd_h5_close(&attr);
+  kqsvd_h5_close(&space);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_put_int(hid_t obj, const char *name, hid_t type, int64_t v) {
+  long long x = v;
+  return put_attr(obj, name, type, H5T_NATIVE_LLONG, &x);
+}
+
+kqsvd_status_t kqsvd_h5_put_double(hid_t obj, const char *name, double v) {
+  return put_attr(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
+}
+
+kqsvd_status_t kqsvd_h5_put_str(hid_t obj, const char *name, const char *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t type = -1;
+  KQSVD_H5_ID(type, H5Tcopy(H5T_C_S1));
+  KQSVD_H5(H5Tset_size(type, H5T_VARIABLE));
+  KQSVD_H5(H5Tset_cset(type, H5T_CSET_UTF8));
+  KQSVD_CALL(put_attr(obj, name, type, type, &v));
+done:
+  kqsvd_h5_close(&type);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, int ndims,
+                                hsize_t *dims, hid_t *dset) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t space = -1;
+  *dset = -1;
+  htri_t exists = H5Lexists(file, name, H5P_DEFAULT);
+  KQSVD_CHECK(exists > 0, KQSVD_ERR_INPUT, "%s: dataset '%s' is missing", path, name);
+  *dset = H5Dopen2(file, name, H5P_DEFAULT);
+  KQSVD_CHECK(*dset >= 0, KQSVD_ERR_INPUT, "%s: '%s' is not a readable dataset", path, name);
+  KQSVD_H5_ID(space, H5Dget_space(*dset));
+  const int nd = H5Sget_simple_extent_ndims(space);
+  KQSVD_CHECK(nd == ndims, KQSVD_ERR_INPUT, "%s: dataset '%s' has %d dimensions, expected %d",
+              path, name, nd, ndims);
+  KQSVD_H5(H5Sget_simple_extent_dims(space, dims, NULL));
+done:
+  kqsvd_h5_close(&space);
+  if (st != KQSVD_OK) kqsvd_h5_close(dset);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name,
+                                  kqsvd_dtype_t *t) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t type = -1;
+  KQSVD_H5_ID(type, H5Dget_type(dset));
+  const H5T_class_t cls = H5Tget_class(type);
+  const size_t size = H5Tget_size(type);
+  if (cls == H5T_FLOAT && size == 2) {
+    size_t spos, epos, esize, mpos, msize;
+    KQSVD_H5(H5Tget_fields(type, &spos, &epos, &esize, &mpos, &msize));
+    KQSVD_CHECK(spos == 15 && epos == 10 && esize == 5 && mpos == 0 && msize == 10 &&
+                    H5Tget_ebias(type) == 15,
+                KQSVD_ERR_INPUT, "%s: dataset '%s' is a 16-bit float that is not IEEE half",
+                path, name);
+    *t = KQSVD_F16;
+  } else if (cls == H5T_FLOAT && (size == 4 || size == 8)) {
+    *t = size == 4 ? KQSVD_F32 : KQSVD_F64;
+  } else if (cls == H5T_INTEGER && size == 2) {
+    char tag[64] = "";
+    KQSVD_CHECK(H5Aexists(dset, "dtype") > 0, KQSVD_ERR_INPUT,
+                "%s: dataset '%s' holds 16-bit integers without the attribute "
+                "dtype = \"bfloat16\"",
+                path, name);
+    KQSVD_CALL(kqsvd_h5_attr_str(dset, path, "dtype", tag, sizeof tag));
+    KQSVD_CHECK(strcmp(tag, "bfloat16") == 0, KQSVD_ERR_INPUT,
+                "%s: dataset '%s' has dtype = \"%s\" (only \"bfloat16\" is supported)", path,
+                name, tag);
+    *t = KQSVD_BF16;
+  } else {
+    KQSVD_FAIL(KQSVD_ERR_INPUT,
+               "%s: dataset '%s' has unsupported elements (expected float16, bfloat16, "
+               "float32 or float64)",
+               path, name);
+  }
+done:
+  kqsvd_h5_close(&type);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_mem_type(kqsvd_dtype_t t, hid_t *type) {
+  kqsvd_status_t st = KQSVD_OK;
+  *type = -1;
+  switch (t) {
+  case KQSVD_F16:
+    /* The same construction as h5py's float16, so reads are no-ops. */
+    KQSVD_H5_ID(*type, H5Tcopy(H5T_IEEE_F32LE));
+    KQSVD_H5(H5Tset_fields(*type, 15, 10, 5, 0, 10));
+    KQSVD_H5(H5Tset_size(*type, 2));
+    KQSVD_H5(H5Tset_ebias(*type, 15));
+    break;
+  case KQSVD_BF16: KQSVD_H5_ID(*type, H5Tcopy(H5T_NATIVE_UINT16)); break;
+  case KQSVD_F32: KQSVD_H5_ID(*type, H5Tcopy(H5T_NATIVE_FLOAT)); break;
+  case KQSVD_F64: KQSVD_H5_ID(*type, H5Tcopy(H5T_NATIVE_DOUBLE)); break;
+  }
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_create_dataset(hid_t file, const char *name, kqsvd_dtype_t t, int ndims,
+                                       const hsize_t *dims, hid_t *dset) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t type = -1, space = -1;
+  *dset = -1;
+  KQSVD_CALL(kqsvd_h5_mem_type(t, &type));
+  KQSVD_H5_ID(space, H5Screate_simple(ndims, dims, NULL));
+  KQSVD_H5_ID(*dset, H5Dcreate2(file, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+  if (t == KQSVD_BF16) KQSVD_CALL(kqsvd_h5_put_str(*dset, "dtype", "bfloat16"));
+done:
+  kqsvd_h5_close(&type);
+  kqsvd_h5_close(&space);
+  return st;
+}

@@ -1,0 +1,33 @@
+/* Per-rank checkpoints of the streaming stage: the rank's running R factors
+ * and how far it got.  Each rank owns DIR/rank-R-of-N.h5, so saving and
+ * loading are not collective.  Files are written under a temporary name and
+ * renamed, so a kill leaves either the previous checkpoint or the new one. */
+#ifndef KQSVD_CHECKPOINT_H
+#define KQSVD_CHECKPOINT_H
+
+#include <stdint.h>
+
+#include "kqsvd_error.h"
+
+typedef struct kqsvd_checkpoint_pos {
+  int64_t segment; /* index of the first segment not yet fully done */
+  int64_t item;    /* items of that segment already folded in */
+} kqsvd_checkpoint_pos_t;
+
+/* Saves state (nvals doubles) with the run's fingerprint and a readable
+ * description of what it covers.  Errors: KQSVD_ERR_IO, _HDF5. */
+kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint64_t fingerprint,
+                                     const char *about, kqsvd_checkpoint_pos_t pos,
+                                     int64_t nvals, const double *state);
+
+/* Loads this rank's checkpoint if there is one (*found = 0 otherwise).
+ * Refuses, with KQSVD_ERR_INPUT naming the file, a checkpoint written by a
+ * run with another number of ranks, other inputs or other options. */
+kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint64_t fingerprint,
+                                     int64_t nvals, double *state, kqsvd_checkpoint_pos_t *pos,
+                                     int *found);
+
+/* Deletes this rank's checkpoint file (after a successful run). */
+void kqsvd_checkpoint_remove(const char *dir, int rank, int nranks);
+
+#endif

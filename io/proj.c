@@ -1,0 +1,146 @@
+#include "kqsvd_proj.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { P_KEY_DOWN, P_QUERY_DOWN, P_VALUE_DOWN, P_VALUE_UP, P_SIGMA_K, P_SIGMA_V, P_RANK_K,
+       P_RANK_V, P_N };
+static const char *const g_pnames[P_N] = {"key_down", "query_down", "value_down", "value_up",
+                                          "sigma_k",  "sigma_v",    "rank_k",     "rank_v"};
+enum { S_K, S_Q, S_V, S_KQT, S_VWO, S_N };
+static const char *const g_snames[S_N] = {"K", "Q", "V", "KQt", "VWo"};
+
+struct kqsvd_proj_writer {
+  hid_t file;
+  hid_t group[KQSVD_NMETHODS + 1];
+  hid_t p[KQSVD_NMETHODS][P_N];
+  hid_t s[S_N];
+  int64_t d;
+};
+
+static kqsvd_status_t create_ds(hid_t loc, const char *name, hid_t type, int nd,
+                                const hsize_t *dims, hid_t *ds) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t space = -1;
+  KQSVD_H5_ID(space, H5Screate_simple(nd, dims, NULL));
+  KQSVD_H5_ID(*ds, H5Dcreate2(loc, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+done:
+  kqsvd_h5_close(&space);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_proj_meta_t *meta,
+                                 kqsvd_proj_writer_t **out) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t fapl = -1;
+  kqsvd_proj_writer_t *w = calloc(1, sizeof *w);
+  *out = NULL;
+  KQSVD_CHECK(w, KQSVD_ERR_NOMEM, "cannot allocate the projections writer");
+  w->file = -1;
+  for (int m = 0; m <= KQSVD_NMETHODS; m++) w->group[m] = -1;
+  for (int m = 0; m < KQSVD_NMETHODS; m++)
+    for (int i = 0; i < P_N; i++) w->p[m][i] = -1;
+  for (int i = 0; i < S_N; i++) w->s[i] = -1;
+  const kqsvd_dims_t *dm = &meta->dims;
+  w->d = dm->head_dim;
+  KQSVD_H5_ID(fapl, H5Pcreate(H5P_FILE_ACCESS));
+  KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
+  w->file = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  if (w->file < 0) {
+    kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
+    kqsvd_error_clear();
+    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create file (does the folder exist and is it writable?)",
+               path);
+  }
+  KQSVD_CALL(kqsvd_h5_write_dims(w->file, "projections", dm, 1));
+  KQSVD_CALL(kqsvd_h5_put_double(w->file, "eps", meta->eps));
+  KQSVD_CALL(kqsvd_h5_put_int(w->file, "tokens", H5T_STD_I64LE, meta->tokens));
+  KQSVD_CALL(kqsvd_h5_put_int(w->file, "shards", H5T_STD_I64LE, meta->shards));
+  KQSVD_CALL(kqsvd_h5_put_int(w->file, "qr_block_rows", H5T_STD_I64LE, meta->qr_block));
+  KQSVD_CALL(kqsvd_h5_put_str(w->file, "kqsvd_version", KQSVD_VERSION));
+
+  const hsize_t mat[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
+                          (hsize_t)dm->head_dim};
+  const hsize_t lay[1] = {(hsize_t)dm->layers};
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    char name[32];
+    snprintf(name, sizeof name, "/%s", kqsvd_method_name((kqsvd_method_t)m));
+    KQSVD_H5_ID(w->group[m], H5Gcreate2(w->file, name, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    for (int i = 0; i < P_N; i++) {
+      const int nd = i <= P_VALUE_UP ? 4 : i <= P_SIGMA_V ? 3 : 1;
+      KQSVD_CALL(create_ds(w->group[m], g_pnames[i], i >= P_RANK_K ? H5T_STD_I32LE : H5T_IEEE_F64LE,
+                           nd, nd == 1 ? lay : mat, &w->p[m][i]));
+    }
+    if (m == KQSVD_METHOD_EIGEN) KQSVD_CALL(kqsvd_h5_put_double(w->group[m], "beta", meta->beta));
+  }
+  KQSVD_H5_ID(w->group[KQSVD_NMETHODS],
+              H5Gcreate2(w->file, "/spectra", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+  for (int i = 0; i < S_N; i++)
+    KQSVD_CALL(create_ds(w->group[KQSVD_NMETHODS], g_snames[i], H5T_IEEE_F64LE, 3, mat, &w->s[i]));
+  *out = w;
+  w = NULL;
+done:
+  kqsvd_h5_close(&fapl);
+  if (w) kqsvd_proj_close(&w);
+  return st;
+}
+
+/* Writes `n` float64 values at [layer, head, ...] of a 3- or 4-d dataset. */
+static kqsvd_status_t put_slice(hid_t ds, int nd, int64_t layer, int64_t head, int64_t d,
+                                const double *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t fspace = -1, mspace = -1;
+  const hsize_t start[4] = {(hsize_t)layer, (hsize_t)head, 0, 0};
+  const hsize_t count[4] = {1, 1, (hsize_t)d, (hsize_t)d};
+  hsize_t n = nd == 4 ? (hsize_t)(d * d) : (hsize_t)d;
+  KQSVD_H5_ID(fspace, H5Dget_space(ds));
+  KQSVD_H5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start, NULL, count, NULL));
+  KQSVD_H5_ID(mspace, H5Screate_simple(1, &n, NULL));
+  KQSVD_H5(H5Dwrite(ds, H5T_NATIVE_DOUBLE, mspace, fspace, H5P_DEFAULT, v));
+done:
+  kqsvd_h5_close(&fspace);
+  kqsvd_h5_close(&mspace);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_write_item(kqsvd_proj_writer_t *w, int64_t layer, int64_t kv_head,
+                                     const kqsvd_solution_t *sol) {
+  kqsvd_status_t st = KQSVD_OK;
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    const kqsvd_projection_t *p = &sol->method[m];
+    const double *v[P_RANK_K] = {p->key_down, p->query_down, p->value_down,
+                                 p->value_up, p->sigma_k,    p->sigma_v};
+    for (int i = 0; i < P_RANK_K; i++)
+      KQSVD_CALL(put_slice(w->p[m][i], i <= P_VALUE_UP ? 4 : 3, layer, kv_head, w->d, v[i]));
+  }
+  const double *s[S_N] = {sol->spec_K, sol->spec_Q, sol->spec_V, sol->spec_KQt, sol->spec_VWo};
+  for (int i = 0; i < S_N; i++) KQSVD_CALL(put_slice(w->s[i], 3, layer, kv_head, w->d, s[i]));
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_write_ranks(kqsvd_proj_writer_t *w, const int32_t *rank_k,
+                                      const int32_t *rank_v) {
+  kqsvd_status_t st = KQSVD_OK;
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_K], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, rank_k));
+    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_V], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, rank_v));
+  }
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_close(kqsvd_proj_writer_t **wp) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_proj_writer_t *w = *wp;
+  if (!w) return KQSVD_OK;
+  *wp = NULL;
+  for (int m = 0; m < KQSVD_NMETHODS; m++)
+    for (int i = 0; i < P_N; i++) kqsvd_h5_close(&w->p[m][i]);
+  for (int i = 0; i < S_N; i++) kqsvd_h5_close(&w->s[i]);
+  for (int m = 0; m <= KQSVD_NMETHODS; m++) kqsvd_h5_close(&w->group[m]);
+  if (w->file >= 0) KQSVD_H5(H5Fclose(w->file));
+done:
+  free(w);
+  return st;
+}

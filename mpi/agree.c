@@ -1,0 +1,36 @@
+#include <stdio.h>
+
+#include "kqsvd_mpi.h"
+
+kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int line,
+                                const char *func) {
+  if (rc == MPI_SUCCESS) return KQSVD_OK;
+  char msg[MPI_MAX_ERROR_STRING] = "";
+  int len = 0;
+  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "code %d", rc);
+  return kqsvd_error_set(KQSVD_ERR_MPI, file, line, func, "MPI call failed: %s: %s", call, msg);
+}
+
+kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local) {
+  kqsvd_status_t st = KQSVD_OK;
+  int rank = 0, size = 1;
+  KQSVD_MPI(MPI_Comm_rank(comm, &rank));
+  KQSVD_MPI(MPI_Comm_size(comm, &size));
+  /* A rank that only stopped because another failed is not an origin. */
+  const int origin = local != KQSVD_OK && local != KQSVD_ERR_REMOTE;
+  int mine[2] = {origin ? rank : size, local != KQSVD_OK ? -1 : 0}, all[2];
+  KQSVD_MPI(MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MIN, comm));
+  if (all[1] == 0) return KQSVD_OK;
+  const int first = all[0];
+  if (!origin) {
+    kqsvd_error_clear();
+    st = kqsvd_error_set(KQSVD_ERR_REMOTE, __FILE__, __LINE__, __func__,
+                         "rank %d failed (see its message)", first);
+  } else {
+    st = local;
+  }
+  /* If no rank recorded an origin, rank 0 at least says the run stopped. */
+  kqsvd_error_mark_collective(first < size ? rank == first : rank == 0);
+done:
+  return st;
+}

@@ -1,0 +1,79 @@
+/* Distribution: MPI error checking, agreement on failures, the split of
+ * rows and (layer, head) items over ranks, and the TSQR tree reduction. */
+#ifndef KQSVD_MPI_H
+#define KQSVD_MPI_H
+
+#include <mpi.h>
+#include <stdint.h>
+
+#include "kqsvd_error.h"
+
+/* MPI return-code checker (communicators must use MPI_ERRORS_RETURN). */
+kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int line,
+                                const char *func);
+#define KQSVD_MPI(call) KQSVD_CALL(kqsvd_mpi_check_((call), #call, __FILE__, __LINE__, __func__))
+
+/* Collective.  Agrees on the outcome of a phase: returns KQSVD_OK when every
+ * rank passed `local` == KQSVD_OK.  Otherwise every rank returns an error
+ * marked collective; the lowest failing rank keeps its message and is the
+ * one to print it, the others return their own status or KQSVD_ERR_REMOTE.
+ * Errors: KQSVD_ERR_MPI (not collective: main() then aborts). */
+kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local);
+
+/* A contiguous row range [row0, row1) of one shard. */
+typedef struct kqsvd_segment {
+  int64_t shard, row0, row1;
+} kqsvd_segment_t;
+
+/* Not collective (deterministic, so every rank computes the same split).
+ * Splits the rows of `nshards` shards (rows[s] each, in order) into `nranks`
+ * contiguous, balanced parts.  A part boundary moves to the nearest shard
+ * boundary when that costs at most `snap` of a part's size (0.1 = 10%), so
+ * whole shards go to ranks when there are enough of them and large shards
+ * are cut into row ranges otherwise.  On return segs[first[p] ..
+ * first[p+1]) are rank p's segments in order; free both with free().
+ * Errors: KQSVD_ERR_NOMEM. */
+kqsvd_status_t kqsvd_partition_rows(int64_t nshards, const int64_t *rows, int nranks, double snap,
+                                    kqsvd_segment_t **segs, int64_t **first);
+
+/* Not collective.  Block split of `n` items: rank p owns [first, last). */
+void kqsvd_partition_items(int64_t n, int nranks, int p, int64_t *first, int64_t *last);
+
+/* Collective.  TSQR reduction of `nitems` items of `per_item` packed d x d
+ * upper triangles each (kqsvd_tri_size(d) doubles per triangle, item-major)
+ * held by every rank: items of rank p (kqsvd_partition_items) end on rank p
+ * as the R factors of the ranks' factors stacked in rank order.  Uses a
+ * non-commutative MPI_Op, so MPI picks the tree and any rank count works.
+ * Other items' contents are left unspecified.  Errors: KQSVD_ERR_MPI,
+ * _LAPACK, _NOMEM (not collective). */
+kqsvd_status_t kqsvd_tsqr_reduce(MPI_Comm comm, int d, int per_item, int64_t nitems,
+                                 double *packed);
+
+/* Progress reporting to rank 0 and cooperative cancellation. */
+typedef struct kqsvd_monitor kqsvd_monitor_t;
+
+/* Called on rank 0 only, with the summed work of all ranks; `final` is 1 on
+ * the last call. */
+typedef void (*kqsvd_progress_fn)(void *ctx, int64_t done, int64_t total, int final);
+
+/* Collective.  `total` is the global amount of work; `fn` (may be NULL) is
+ * called on rank 0 at most every `interval` seconds.  Errors: _MPI, _NOMEM. */
+kqsvd_status_t kqsvd_monitor_init(MPI_Comm comm, int64_t total, kqsvd_progress_fn fn, void *ctx,
+                                  double interval, kqsvd_monitor_t **mon);
+
+/* Not collective.  Records this rank's work done so far, exchanges messages
+ * when due, and sets *stop once another rank has raised a failure. */
+kqsvd_status_t kqsvd_monitor_update(kqsvd_monitor_t *mon, int64_t local_done, int *stop);
+
+/* Not collective.  Tells every other rank to stop at its next update. */
+kqsvd_status_t kqsvd_monitor_raise(kqsvd_monitor_t *mon);
+
+/* Collective.  Drains all messages in flight, shows the final progress and
+ * agrees on the outcome like kqsvd_mpi_agree. */
+kqsvd_status_t kqsvd_monitor_finish(kqsvd_monitor_t *mon, int64_t local_done,
+                                    kqsvd_status_t local);
+
+/* Not collective; call after finish. */
+void kqsvd_monitor_free(kqsvd_monitor_t **mon);
+
+#endif

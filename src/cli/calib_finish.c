@@ -1,0 +1,103 @@
+/* The final stage of kqsvd calibrate: TSQR reduction of the R factors onto
+ * the ranks that own each (layer, KV group), the d x d solves, ranks, and a
+ * parallel write of the projections under a temporary name. */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "calibrate.h"
+#include "kqsvd_linalg.h"
+#include "kqsvd_proj.h"
+#include "kqsvd_rank.h"
+
+/* Solves and writes the owned items; keeps sigma(K) and sigma(V) per item
+ * for the rank rule (zero for items owned elsewhere). */
+static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *sig_k,
+                                  double *sig_v) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_solution_t sol;
+  double *R = NULL;
+  const int d = (int)c->d;
+  const size_t tri = kqsvd_tri_size(d), dd = (size_t)d * (size_t)d;
+  memset(&sol, 0, sizeof sol);
+  KQSVD_CALL(kqsvd_solution_init(d, &sol));
+  KQSVD_MALLOC(R, CAL_NR * dd, "R factors of one item");
+  for (int64_t i = c->own0; i < c->own1; i++) {
+    for (int k = 0; k < CAL_NR; k++)
+      kqsvd_tri_unpack(d, c->state + ((size_t)i * CAL_NR + k) * tri, R + k * dd);
+    KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd,
+                           c->RW + (size_t)(i - c->own0) * dd, c->beta, &sol));
+    KQSVD_CALL(kqsvd_proj_write_item(w, i / c->dims.kv_heads, i % c->dims.kv_heads, &sol));
+    memcpy(sig_k + (size_t)i * d, sol.spec_K, (size_t)d * sizeof(double));
+    memcpy(sig_v + (size_t)i * d, sol.spec_V, (size_t)d * sizeof(double));
+  }
+done:
+  kqsvd_solution_free(&sol);
+  free(R);
+  return st;
+}
+
+/* Rank 0: the paper's rule per layer, over the layer's KV heads. */
+static kqsvd_status_t choose_ranks(calib_t *c, const double *sig_k, const double *sig_v) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int64_t L = c->dims.layers, H = c->dims.kv_heads;
+  KQSVD_MALLOC(c->rank_k, L, "ranks");
+  KQSVD_MALLOC(c->rank_v, L, "ranks");
+  for (int64_t l = 0; l < L; l++) {
+    c->rank_k[l] = kqsvd_rank_eps((int)H, (int)c->d, sig_k + l * H * c->d, c->eps);
+    c->rank_v[l] = kqsvd_rank_eps((int)H, (int)c->d, sig_v + l * H * c->d, c->eps);
+  }
+done:
+  return st;
+}
+
+kqsvd_status_t calib_finish(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm comm = c->cli->comm;
+  const int root = c->cli->rank == 0;
+  kqsvd_proj_writer_t *w = NULL;
+  double *sig_k = NULL, *sig_v = NULL;
+  char tmp[PATH_MAX + 32] = "";
+  int nsig_int = 0;
+
+  KQSVD_CALL(kqsvd_tsqr_reduce(comm, (int)c->d, CAL_NR, c->nitems, c->state));
+
+  /* One temporary name for all ranks, unique to this run. */
+  if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->out_path, (long)getpid());
+  KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
+  kqsvd_proj_meta_t meta = {c->dims, c->eps, c->beta, c->tokens, c->nshards, c->qr_block};
+  local = kqsvd_proj_create(tmp, comm, &meta, &w);
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+
+  const size_t nsig = (size_t)(c->nitems * c->d);
+  KQSVD_MALLOC(sig_k, nsig, "spectra");
+  KQSVD_MALLOC(sig_v, nsig, "spectra");
+  for (size_t k = 0; k < nsig; k++) sig_k[k] = sig_v[k] = 0.0;
+  KQSVD_CALL(kqsvd_mpi_agree(comm, solve_owned(c, w, sig_k, sig_v)));
+  KQSVD_TO_INT(nsig, &nsig_int, "spectra size");
+  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sig_k, sig_k, nsig_int, MPI_DOUBLE, MPI_SUM, 0, comm));
+  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sig_v, sig_v, nsig_int, MPI_DOUBLE, MPI_SUM, 0, comm));
+  local = KQSVD_OK;
+  if (root) {
+    local = choose_ranks(c, sig_k, sig_v);
+    if (local == KQSVD_OK) local = kqsvd_proj_write_ranks(w, c->rank_k, c->rank_v);
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
+  local = KQSVD_OK;
+  if (root && rename(tmp, c->out_path) != 0)
+    local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
+                            "cannot rename %s to %s: %s", tmp, c->out_path, strerror(errno));
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+done:
+  /* The close is collective: only safe when every rank knows of the
+   * failure (otherwise main() aborts).  The partial file goes. */
+  if (w && (st == KQSVD_OK || kqsvd_error_is_collective())) kqsvd_proj_close(&w);
+  if (st != KQSVD_OK && root && tmp[0]) remove(tmp);
+  free(sig_k);
+  free(sig_v);
+  return st;
+}

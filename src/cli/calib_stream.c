@@ -1,0 +1,254 @@
+/* The streaming stage of kqsvd calibrate: every row of this rank's segments
+ * is read once and folded into the running R factors of its (layer, KV
+ * group), in the same order whatever the read size, so checkpoints resume
+ * bit for bit. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "calibrate.h"
+#include "kqsvd_linalg.h"
+#include "kqsvd_util.h"
+
+/* A shard cut between several ranks is opened with MPI-IO by exactly those
+ * ranks; whole shards are opened by their one reader with the default
+ * driver when their turn comes. */
+typedef struct {
+  kqsvd_shard_t *sh;
+  MPI_Comm comm;
+} shared_t;
+
+typedef struct {
+  calib_t *c;
+  kqsvd_monitor_t *mon;
+  kqsvd_qr_ws_t *ws;
+  double *R[CAL_NR];  /* unpacked factors of the current item */
+  shared_t *shared;   /* one per local segment */
+  int64_t nseg, work; /* local segments; work units done */
+  double last_save;
+  int saves;
+} stream_t;
+
+/* Ranks of each shard's first and last reader (segments are contiguous). */
+static kqsvd_status_t open_shared(stream_t *s) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t *c = s->c;
+  const int me = c->cli->rank;
+  int *lo = NULL, *hi = NULL;
+  MPI_Group world = MPI_GROUP_NULL, grp = MPI_GROUP_NULL;
+  KQSVD_MALLOC(lo, c->nshards, "shard reader ranks");
+  KQSVD_MALLOC(hi, c->nshards, "shard reader ranks");
+  for (int k = 0; k < c->nshards; k++) lo[k] = c->cli->size, hi[k] = -1;
+  for (int p = 0; p < c->cli->size; p++)
+    for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) {
+      const int64_t sh = c->segs[k].shard;
+      lo[sh] = p < lo[sh] ? p : lo[sh];
+      hi[sh] = p > hi[sh] ? p : hi[sh];
+    }
+  KQSVD_MPI(MPI_Comm_group(c->cli->comm, &world));
+  /* Every rank meets its shared shards in increasing order and each group
+   * is a contiguous range of ranks, so these group-collective opens cannot
+   * deadlock. */
+  for (int64_t k = 0; k < s->nseg; k++) {
+    const int64_t sh = c->segs[c->seg_first[me] + k].shard;
+    if (lo[sh] == hi[sh]) continue;
+    int range[1][3] = {{lo[sh], hi[sh], 1}};
+    KQSVD_MPI(MPI_Group_range_incl(world, 1, range, &grp));
+    KQSVD_MPI(MPI_Comm_create_group(c->cli->comm, grp, (int)(sh % 32768), &s->shared[k].comm));
+    MPI_Group_free(&grp);
+    KQSVD_CALL(kqsvd_shard_open(c->shards[sh], s->shared[k].comm, &s->shared[k].sh));
+  }
+done:
+  if (grp != MPI_GROUP_NULL) MPI_Group_free(&grp);
+  if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
+  free(lo);
+  free(hi);
+  return st;
+}
+
+static void close_shared(stream_t *s) {
+  for (int64_t k = 0; s->shared && k < s->nseg; k++) {
+    kqsvd_shard_close(&s->shared[k].sh);
+    if (s->shared[k].comm != MPI_COMM_NULL) MPI_Comm_free(&s->shared[k].comm);
+  }
+}
+
+static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t *c = s->c;
+  kqsvd_checkpoint_pos_t pos = {seg, item};
+  if (item == c->nitems) pos.segment = seg + 1, pos.item = 0;
+  KQSVD_CALL(kqsvd_checkpoint_save(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint,
+                                   c->about, pos,
+                                   c->nitems * CAL_NR * (int64_t)kqsvd_tri_size((int)c->d),
+                                   c->state));
+  s->last_save = kqsvd_now();
+  s->saves++;
+  /* Test hook: die like `kill -9` right after the n-th checkpoint. */
+  const char *kill_after = getenv("KQSVD_TEST_KILL_AFTER_CHECKPOINTS");
+  const char *kill_rank = getenv("KQSVD_TEST_KILL_RANK");
+  if (kill_after && s->saves == atoi(kill_after) && c->cli->rank == (kill_rank ? atoi(kill_rank) : 0))
+    raise(SIGKILL);
+done:
+  return st;
+}
+
+/* Folds nj rows starting at row j0 of each block just read. */
+static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, int64_t r0,
+                           int64_t n, int64_t j0, int64_t nj) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t *c = s->c;
+  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
+  const kqsvd_tensor_t tens[3] = {KQSVD_KEYS, KQSVD_QUERIES, KQSVD_VALUES};
+  const int target[3] = {CAL_RK, CAL_RQ, CAL_RV};
+  const int64_t heads[3] = {1, m, 1};
+  char *base = c->raw;
+  for (int t = 0; t < 3; t++) {
+    const kqsvd_dtype_t type = kqsvd_shard_dtype(sh, tens[t]);
+    const size_t esz = kqsvd_dtype_size(type);
+    for (int64_t h = 0; h < heads[t]; h++) {
+      int64_t bad = -1;
+      const char *rows = base + (size_t)((h * n + j0) * d) * esz;
+      KQSVD_CALL(kqsvd_qr_absorb(s->ws, s->R[target[t]], rows, type, nj, &bad));
+      KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
+                  "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
+                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]),
+                  (long long)(item / c->dims.kv_heads),
+                  (long long)(tens[t] == KQSVD_QUERIES ? g * m + h : g),
+                  (long long)(r0 + j0 + bad));
+    }
+    base += (size_t)(heads[t] * n * d) * esz;
+  }
+done:
+  return st;
+}
+
+/* All rows of one segment for one item. */
+static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_segment_t *seg,
+                                  int64_t item, int *stop) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t *c = s->c;
+  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
+  const int64_t layer = item / c->dims.kv_heads;
+  const size_t tri = kqsvd_tri_size((int)d);
+  for (int k = 0; k < CAL_NR; k++)
+    kqsvd_tri_unpack((int)d, c->state + ((size_t)item * CAL_NR + k) * tri, s->R[k]);
+  for (int64_t r0 = seg->row0; r0 < seg->row1 && !*stop; r0 += c->io_rows) {
+    const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
+    char *p = c->raw;
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_KEYS, layer, g, 1, r0, n, p));
+    p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_QUERIES, layer, g * m, m, r0, n, p));
+    p += (size_t)(m * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, 1, r0, n, p));
+    /* Sub-blocks in row order, K then each query head then V: the order
+     * of updates of each factor does not depend on io_rows. */
+    for (int64_t j0 = 0; j0 < n; j0 += c->qr_block)
+      KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->qr_block ? n - j0 : c->qr_block));
+    s->work += n * (m + 2);
+    KQSVD_CALL(kqsvd_monitor_update(s->mon, s->work, stop));
+  }
+  for (int k = 0; k < CAL_NR; k++)
+    kqsvd_tri_pack((int)d, s->R[k], c->state + ((size_t)item * CAL_NR + k) * tri);
+done:
+  return st;
+}
+
+static kqsvd_status_t stream_segments(stream_t *s) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t *c = s->c;
+  kqsvd_shard_t *own = NULL;
+  int stop = 0;
+  const kqsvd_segment_t *segs = c->segs + c->seg_first[c->cli->rank];
+  for (int64_t k = c->pos.segment; k < s->nseg && !stop; k++) {
+    kqsvd_shard_t *sh = s->shared[k].sh;
+    if (!sh) {
+      KQSVD_CALL(kqsvd_shard_open(c->shards[segs[k].shard], MPI_COMM_NULL, &own));
+      sh = own;
+    }
+    for (int64_t i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems && !stop; i++) {
+      KQSVD_CALL(stream_item(s, sh, &segs[k], i, &stop));
+      if (!stop && c->ckpt_dir && kqsvd_now() - s->last_save >= c->ckpt_every)
+        KQSVD_CALL(save_checkpoint(s, k, i + 1));
+    }
+    kqsvd_shard_close(&own);
+  }
+  if (stop) st = KQSVD_ERR_REMOTE; /* the failing rank reports */
+done:
+  kqsvd_shard_close(&own);
+  return st;
+}
+
+/* Work units: rows times the heads they are read for. */
+static int64_t work_before(const calib_t *c, const kqsvd_segment_t *segs) {
+  int64_t w = 0;
+  for (int64_t k = 0; k < c->pos.segment; k++) w += (segs[k].row1 - segs[k].row0) * c->nitems;
+  if (c->pos.item > 0) w += (segs[c->pos.segment].row1 - segs[c->pos.segment].row0) * c->pos.item;
+  return w * (c->group + 2);
+}
+
+kqsvd_status_t calib_stream(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm comm = c->cli->comm;
+  stream_t s;
+  kqsvd_progress_t prog;
+  memset(&s, 0, sizeof s);
+  s.c = c;
+  s.nseg = c->seg_first[c->cli->rank + 1] - c->seg_first[c->cli->rank];
+  const size_t tri = kqsvd_tri_size((int)c->d);
+  const int64_t nvals = c->nitems * CAL_NR * (int64_t)tri;
+  KQSVD_MALLOC(c->state, (size_t)nvals, "R factors");
+  for (int64_t k = 0; k < nvals; k++) c->state[k] = 0.0;
+  c->pos.segment = c->pos.item = 0;
+  if (c->ckpt_dir) {
+    int found = 0;
+    local = kqsvd_checkpoint_load(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint, nvals,
+                                  c->state, &c->pos, &found);
+    if (local == KQSVD_OK && (c->pos.segment < 0 || c->pos.segment > s.nseg ||
+                              c->pos.item < 0 || c->pos.item >= c->nitems))
+      local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                              "checkpoint in %s does not fit this run's plan", c->ckpt_dir);
+    c->resumed = found;
+    int any = 0;
+    KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+    KQSVD_MPI(MPI_Reduce(&found, &any, 1, MPI_INT, MPI_SUM, 0, comm));
+    if (c->cli->rank == 0 && any && c->progress != KQSVD_PROGRESS_OFF)
+      fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s\n", any,
+              c->cli->size, c->ckpt_dir);
+  }
+  KQSVD_MALLOC(s.shared, (size_t)s.nseg + 1, "shared shard handles");
+  for (int64_t k = 0; k <= s.nseg; k++) s.shared[k].sh = NULL, s.shared[k].comm = MPI_COMM_NULL;
+  for (int k = 0; k < CAL_NR; k++) KQSVD_MALLOC(s.R[k], (size_t)(c->d * c->d), "R factor");
+  KQSVD_CALL(kqsvd_qr_ws_init((int)c->d, (int)c->qr_block, &s.ws));
+  st = kqsvd_mpi_agree(comm, open_shared(&s));
+  if (st != KQSVD_OK) {
+    /* A partner that failed to open would never join the collective
+     * close; only an abort ends every rank cleanly here. */
+    s.nseg = 0;
+    kqsvd_error_mark_local();
+    goto done;
+  }
+
+  s.work = work_before(c, c->segs + c->seg_first[c->cli->rank]);
+  int64_t base = 0;
+  KQSVD_MPI(MPI_Allreduce(&s.work, &base, 1, MPI_INT64_T, MPI_SUM, comm));
+  const int64_t total = c->tokens * c->nitems * (c->group + 2);
+  kqsvd_progress_init(&prog, c->progress, "calibrate", c->tokens, base);
+  KQSVD_CALL(kqsvd_monitor_init(comm, total, kqsvd_progress_show, &prog,
+                                kqsvd_progress_interval(&prog), &s.mon));
+  s.last_save = kqsvd_now();
+  const double t0 = kqsvd_now();
+  local = stream_segments(&s);
+  if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(s.mon));
+  c->t_stream = kqsvd_now() - t0;
+  st = kqsvd_monitor_finish(s.mon, s.work, local);
+done:
+  /* Collective closes of shared shards, in the order they were opened. */
+  close_shared(&s);
+  kqsvd_monitor_free(&s.mon);
+  kqsvd_qr_ws_free(&s.ws);
+  for (int k = 0; k < CAL_NR; k++) free(s.R[k]);
+  free(s.shared);
+  return st;
+}

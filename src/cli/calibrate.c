@@ -1,0 +1,303 @@
+/* kqsvd calibrate: options, input validation, the work plan and the W^O
+ * factors; the streaming and solving stages live in calib_stream.c and
+ * calib_finish.c. */
+#include "calibrate.h"
+
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "kqsvd_linalg.h"
+#include "kqsvd_util.h"
+
+static void calibrate_help(void) {
+  printf(
+      "usage: [mpirun -np N] kqsvd calibrate --model MODEL.h5 --out PROJ.h5 [OPTIONS] SHARD...\n"
+      "\n"
+      "Streams the cache shards once, folds every (layer, KV head)'s K, stacked Q and V\n"
+      "into float64 R factors (Householder QR per block, TSQR across ranks), and writes\n"
+      "the kqsvd, ksvd and eigen projections with all d columns, spectra and ranks.\n"
+      "\n"
+      "  --model FILE           model file with o_proj (required)\n"
+      "  --out FILE             projections file to write (required); written under a\n"
+      "                         temporary name and renamed when complete\n"
+      "  --eps X                energy tolerance of the rank rule, in (0, 1) [0.1]\n"
+      "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n"
+      "  --checkpoint DIR       save progress in DIR; rerunning the same command resumes\n"
+      "  --checkpoint-every S   seconds between checkpoints, 0 = after every item [60]\n"
+      "  --mem-limit MIB        memory bound per rank for factors and buffers [1024]\n"
+      "  --qr-block N           rows per Householder update [256]\n"
+      "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
+      "  --progress MODE        auto, bar, lines or off [auto]\n"
+      "  -v, --verbose          print a trace with errors\n"
+      "  -h, --help             this text\n");
+}
+
+static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
+  kqsvd_status_t st = KQSVD_OK;
+  enum { O_MODEL = 256, O_OUT, O_EPS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_THREADS,
+         O_PROGRESS };
+  static const struct option longopts[] = {
+      {"model", required_argument, NULL, O_MODEL},
+      {"out", required_argument, NULL, O_OUT},
+      {"eps", required_argument, NULL, O_EPS},
+      {"beta", required_argument, NULL, O_BETA},
+      {"checkpoint", required_argument, NULL, O_CKPT},
+      {"checkpoint-every", required_argument, NULL, O_CKPT_EVERY},
+      {"mem-limit", required_argument, NULL, O_MEM},
+      {"qr-block", required_argument, NULL, O_QRB},
+      {"threads", required_argument, NULL, O_THREADS},
+      {"progress", required_argument, NULL, O_PROGRESS},
+      {"verbose", no_argument, NULL, 'v'},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0}};
+  c->eps = 0.1;
+  c->beta = 1.0;
+  c->ckpt_every = 60.0;
+  c->mem_mib = 1024;
+  c->qr_block = KQSVD_QR_BLOCK_DEFAULT;
+  c->threads = 1;
+  c->progress = KQSVD_PROGRESS_AUTO;
+  optind = 1;
+  for (;;) {
+    int o;
+    KQSVD_CALL(kqsvd_getopt(argc, argv, ":hv", longopts, &o));
+    if (o == -1) break;
+    switch (o) {
+    case O_MODEL: c->model_path = optarg; break;
+    case O_OUT: c->out_path = optarg; break;
+    case O_EPS: KQSVD_CALL(kqsvd_opt_double("--eps", optarg, 0, 1, 1, 1, &c->eps)); break;
+    case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
+    case O_CKPT: c->ckpt_dir = optarg; break;
+    case O_CKPT_EVERY:
+      KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
+      break;
+    case O_MEM: KQSVD_CALL(kqsvd_opt_int("--mem-limit", optarg, 16, INT64_C(1) << 30, &c->mem_mib)); break;
+    case O_QRB: KQSVD_CALL(kqsvd_opt_int("--qr-block", optarg, 1, 1 << 20, &c->qr_block)); break;
+    case O_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", optarg, 1, 1024, &c->threads)); break;
+    case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &c->progress)); break;
+    case 'v': c->cli->verbose = 1; break;
+    case 'h':
+      if (c->cli->rank == 0) calibrate_help();
+      c->help = 1;
+      return KQSVD_OK;
+    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
+    }
+  }
+  KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required");
+  KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
+  c->nshards = argc - optind;
+  c->shards = argv + optind;
+  KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
+  /* The same file twice would count its rows twice. */
+  for (int i = 0; i < c->nshards; i++) {
+    struct stat a;
+    if (stat(c->shards[i], &a) != 0) continue;
+    for (int j = 0; j < i; j++) {
+      struct stat b;
+      KQSVD_CHECK(stat(c->shards[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
+                  KQSVD_ERR_USAGE, "shard %s is given twice (also as %s)", c->shards[i],
+                  c->shards[j]);
+    }
+  }
+done:
+  return st;
+}
+
+/* Every rank opens the model (small) and ranks share the shard headers. */
+static kqsvd_status_t validate_inputs(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm comm = c->cli->comm;
+  int64_t *seqs = NULL;
+  int esz = 0, esz_max = 0;
+  kqsvd_shard_t *sh = NULL;
+  local = kqsvd_model_open(c->model_path, &c->model);
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  c->dims = *kqsvd_model_dims(c->model);
+  c->d = c->dims.head_dim;
+  c->group = c->dims.heads / c->dims.kv_heads;
+  c->nitems = c->dims.layers * c->dims.kv_heads;
+  esz = (int)kqsvd_dtype_size(kqsvd_model_dtype(c->model));
+
+  KQSVD_MALLOC(c->shard_rows, c->nshards, "shard sizes");
+  KQSVD_MALLOC(seqs, c->nshards, "shard sequence counts");
+  for (int s = 0; s < c->nshards; s++) c->shard_rows[s] = seqs[s] = 0;
+  for (int s = c->cli->rank; s < c->nshards && local == KQSVD_OK; s += c->cli->size) {
+    local = kqsvd_shard_open(c->shards[s], MPI_COMM_NULL, &sh);
+    if (local == KQSVD_OK)
+      local = kqsvd_dims_match(kqsvd_shard_dims(sh), c->shards[s], &c->dims, c->model_path);
+    if (local == KQSVD_OK) {
+      c->shard_rows[s] = kqsvd_shard_tokens(sh);
+      seqs[s] = kqsvd_shard_sequences(sh);
+      for (int t = 0; t < 3; t++) {
+        const int e = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
+        esz = e > esz ? e : esz;
+      }
+      if (strcmp(kqsvd_shard_dims(sh)->model, c->dims.model) != 0)
+        fprintf(stderr, "kqsvd calibrate: warning: %s is from model \"%s\", %s says \"%s\"\n",
+                c->shards[s], kqsvd_shard_dims(sh)->model, c->model_path, c->dims.model);
+    }
+    kqsvd_shard_close(&sh);
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, c->shard_rows, c->nshards, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, seqs, c->nshards, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
+  c->elem_max = (size_t)esz_max;
+  c->tokens = c->sequences = 0;
+  for (int s = 0; s < c->nshards; s++) c->tokens += c->shard_rows[s], c->sequences += seqs[s];
+  local = c->tokens > 0 ? KQSVD_OK
+                        : kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                                          "the shards hold no tokens at all");
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+done:
+  free(seqs);
+  kqsvd_shard_close(&sh);
+  return st;
+}
+
+/* The split of rows and items, buffer sizes under --mem-limit, and the
+ * fingerprint that ties checkpoints to exactly these inputs. */
+static kqsvd_status_t plan(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int P = c->cli->size;
+  KQSVD_CALL(kqsvd_partition_rows(c->nshards, c->shard_rows, P, 0.1, &c->segs, &c->seg_first));
+  kqsvd_partition_items(c->nitems, P, c->cli->rank, &c->own0, &c->own1);
+
+  const double mib = 1048576.0, d = (double)c->d;
+  const double state = (double)c->nitems * CAL_NR * (double)kqsvd_tri_size((int)c->d) * 8.0;
+  const double rw = (double)(c->own1 - c->own0) * d * d * 8.0;
+  /* Solver, reduction messages (64 MiB at most) and library overheads. */
+  const double reserve = 96.0 * mib;
+  const double per_row = (double)(c->group + 2) * d * (double)c->elem_max;
+  const double avail = (double)c->mem_mib * mib - state - rw - reserve;
+  int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
+  rows = rows > 65536 ? 65536 : rows;
+  rows -= rows % c->qr_block;
+  KQSVD_CHECK(rows >= c->qr_block, KQSVD_ERR_USAGE,
+              "--mem-limit %lld MiB is too small here: the R factors need %.1f MiB, reading "
+              "needs %.1f MiB more (plus %.0f MiB reserved); raise --mem-limit to at least %.0f",
+              (long long)c->mem_mib, (state + rw) / mib, per_row * (double)c->qr_block / mib,
+              reserve / mib, (state + rw + reserve + per_row * (double)c->qr_block) / mib + 1);
+  c->io_rows = rows;
+
+  /* Anything that changes which rows meet which R factor, or the order of
+   * the Householder updates, changes the checkpointed state. */
+  uint64_t h = KQSVD_FNV_INIT;
+  const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d};
+  h = kqsvd_fnv1a(h, key, sizeof key);
+  for (int s = 0; s < c->nshards; s++) {
+    struct stat sb;
+    char real[PATH_MAX];
+    const char *name = realpath(c->shards[s], real) ? real : c->shards[s];
+    h = kqsvd_fnv1a(h, name, strlen(name) + 1);
+    if (stat(c->shards[s], &sb) == 0) {
+      const int64_t meta[] = {(int64_t)sb.st_size, (int64_t)sb.st_mtime, c->shard_rows[s]};
+      h = kqsvd_fnv1a(h, meta, sizeof meta);
+    }
+  }
+  c->fingerprint = h;
+  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr-block %lld",
+           c->nshards, (long long)c->tokens, P, (long long)c->qr_block);
+done:
+  return st;
+}
+
+/* R factor of W^T for each owned item: the group's o_proj columns, read in
+ * row chunks of o_proj and folded like cache rows. */
+static kqsvd_status_t factor_wo(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_qr_ws_t *ws = NULL;
+  const int64_t d = c->d, m = c->group, D = c->dims.hidden;
+  const kqsvd_dtype_t t = kqsvd_model_dtype(c->model);
+  const size_t raw_bytes = (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)d * c->elem_max;
+  const int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
+  KQSVD_MALLOC(c->RW, (size_t)((c->own1 - c->own0) * d * d) + 1, "W^O factors");
+  KQSVD_CALL(kqsvd_qr_ws_init((int)d, (int)c->qr_block, &ws));
+  for (int64_t i = c->own0; i < c->own1; i++) {
+    const int64_t layer = i / c->dims.kv_heads, g = i % c->dims.kv_heads;
+    double *R = c->RW + (i - c->own0) * d * d;
+    for (int64_t k = 0; k < d * d; k++) R[k] = 0.0;
+    for (int64_t r0 = 0; r0 < D; r0 += chunk) {
+      const int64_t n = D - r0 < chunk ? D - r0 : chunk;
+      KQSVD_CALL(kqsvd_model_read_oproj(c->model, layer, r0, n, g * m * d, m * d, c->raw));
+      int64_t bad = -1;
+      KQSVD_CALL(kqsvd_qr_absorb(ws, R, c->raw, t, n * m, &bad));
+      KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
+                  "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld (head %lld's block)",
+                  c->model_path, (long long)layer, (long long)(r0 + bad / m),
+                  (long long)(g * m + bad % m));
+    }
+  }
+done:
+  kqsvd_qr_ws_free(&ws);
+  return st;
+}
+
+int64_t calib_local_rows(const calib_t *c) {
+  int64_t n = 0;
+  for (int64_t k = c->seg_first[c->cli->rank]; k < c->seg_first[c->cli->rank + 1]; k++)
+    n += c->segs[k].row1 - c->segs[k].row0;
+  return n;
+}
+
+static void print_header(const calib_t *c) {
+  char tok[32];
+  kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
+  fprintf(stderr,
+          "kqsvd calibrate: %d shard%s, %s tokens in %lld sequences; %lld layers x %lld KV "
+          "heads x %lld queries each, d = %lld; %d rank%s, %lld rows per read\n",
+          c->nshards, c->nshards == 1 ? "" : "s", tok, (long long)c->sequences,
+          (long long)c->dims.layers, (long long)c->dims.kv_heads, (long long)c->group,
+          (long long)c->d, c->cli->size, c->cli->size == 1 ? "" : "s", (long long)c->io_rows);
+}
+
+static void print_summary(const calib_t *c, double seconds) {
+  char rate[32];
+  kqsvd_fmt_count((double)c->tokens / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
+  printf("layer  rank_k  rank_v   of d = %lld at eps = %g\n", (long long)c->d, c->eps);
+  for (int64_t l = 0; l < c->dims.layers; l++)
+    printf("%5lld  %6d  %6d\n", (long long)l, c->rank_k[l], c->rank_v[l]);
+  printf("wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
+         "streamed)\n",
+         c->out_path, c->beta, seconds, rate);
+}
+
+kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
+  kqsvd_status_t st = KQSVD_OK;
+  calib_t c;
+  memset(&c, 0, sizeof c);
+  c.cli = cli;
+  c.t_start = kqsvd_now();
+  st = parse(&c, argc, argv);
+  if (st != KQSVD_OK) return kqsvd_usage_error(cli, "calibrate", st);
+  if (c.help) return KQSVD_OK;
+  kqsvd_blas_set_threads((int)c.threads);
+
+  KQSVD_CALL(validate_inputs(&c));
+  st = plan(&c);
+  if (st != KQSVD_OK) return kqsvd_usage_error(cli, "calibrate", st);
+  if (cli->rank == 0 && c.progress != KQSVD_PROGRESS_OFF) print_header(&c);
+  KQSVD_MALLOC(c.raw, (size_t)(c.group + 2) * (size_t)c.io_rows * (size_t)c.d * c.elem_max,
+               "read buffer");
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(&c)));
+  kqsvd_model_close(&c.model);
+  KQSVD_CALL(calib_stream(&c));
+  KQSVD_CALL(calib_finish(&c));
+  if (c.ckpt_dir) kqsvd_checkpoint_remove(c.ckpt_dir, cli->rank, cli->size);
+  if (cli->rank == 0) print_summary(&c, kqsvd_now() - c.t_start);
+done:
+  kqsvd_model_close(&c.model);
+  free(c.shard_rows);
+  free(c.segs);
+  free(c.seg_first);
+  free(c.state);
+  free(c.RW);
+  free(c.raw);
+  free(c.rank_k);
+  free(c.rank_v);
+  return st;
+}

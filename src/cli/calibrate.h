@@ -1,0 +1,55 @@
+/* State shared by the stages of `kqsvd calibrate` (private to src/cli). */
+#ifndef KQSVD_CALIBRATE_H
+#define KQSVD_CALIBRATE_H
+
+#include <limits.h>
+#include <stdint.h>
+
+#include "kqsvd_cache.h"
+#include "kqsvd_checkpoint.h"
+#include "kqsvd_cli.h"
+#include "kqsvd_mpi.h"
+
+/* R factors kept per (layer, KV group), in this order in the state. */
+enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
+
+typedef struct calib {
+  kqsvd_cli_t *cli;
+  /* options */
+  const char *model_path, *out_path, *ckpt_dir;
+  double eps, beta, ckpt_every;
+  int64_t mem_mib, qr_block, threads;
+  kqsvd_progress_mode_t progress;
+  int nshards, help;
+  char **shards;
+  /* inputs */
+  kqsvd_model_t *model;
+  kqsvd_dims_t dims;
+  int64_t d, group, nitems, tokens, sequences;
+  int64_t *shard_rows; /* T of each shard */
+  size_t elem_max;     /* widest element type among the inputs */
+  /* plan */
+  kqsvd_segment_t *segs;
+  int64_t *seg_first; /* rank p: segs[seg_first[p] .. seg_first[p+1]) */
+  int64_t io_rows;    /* rows per read, a multiple of qr_block */
+  int64_t own0, own1; /* items this rank solves */
+  uint64_t fingerprint;
+  char about[256];
+  /* working state */
+  double *state;    /* nitems x CAL_NR packed triangles */
+  double *RW;       /* (own1 - own0) x d x d, R of W^T, column-major */
+  char *raw;        /* (group + 2) x io_rows x d elements */
+  kqsvd_checkpoint_pos_t pos;
+  int resumed;
+  int32_t *rank_k, *rank_v; /* [L], rank 0 */
+  double t_start, t_stream;
+} calib_t;
+
+/* Stages, each collective over cli->comm and ending in agreement. */
+kqsvd_status_t calib_stream(calib_t *c);
+kqsvd_status_t calib_finish(calib_t *c);
+
+/* Rows of this rank's segments, in total. */
+int64_t calib_local_rows(const calib_t *c);
+
+#endif

@@ -1,0 +1,67 @@
+/* The kqsvd command line: subcommands, option parsing and progress display. */
+#ifndef KQSVD_CLI_H
+#define KQSVD_CLI_H
+
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kqsvd_error.h"
+
+/* What every subcommand gets from main(). */
+typedef struct kqsvd_cli {
+  MPI_Comm comm;
+  int rank, size;
+  int verbose; /* set by -v: print error traces */
+} kqsvd_cli_t;
+
+/* Subcommands: collective over cli->comm.  On failure every rank returns an
+ * error; those marked collective let main() finalize, others make it abort. */
+kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
+kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
+
+/* Option values, parsed strictly: the whole string must be a number in
+ * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */
+kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v);
+kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
+                                int open_lo, int open_hi, double *v);
+
+/* Turns a usage error found identically on every rank into a collective
+ * one that rank 0 prints, with a pointer to --help. */
+kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status_t st);
+
+/* getopt_long front end shared by the subcommands: returns the option
+ * character, -1 at the end, or fails with a message for an unknown option
+ * or a missing argument. */
+struct option;
+kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
+                            const struct option *longopts, int *c);
+
+/* Progress of a long run on rank 0's stderr: a live bar on a terminal,
+ * a line every `line_interval` seconds otherwise, or nothing. */
+typedef enum kqsvd_progress_mode {
+  KQSVD_PROGRESS_AUTO = 0,
+  KQSVD_PROGRESS_BAR,
+  KQSVD_PROGRESS_LINES,
+  KQSVD_PROGRESS_OFF
+} kqsvd_progress_mode_t;
+
+typedef struct kqsvd_progress {
+  kqsvd_progress_mode_t mode;
+  const char *label;
+  int64_t tokens;    /* what `total` work units amount to */
+  int64_t work_base; /* work already done before this run (resumed) */
+  double t0;
+  int drawn;
+} kqsvd_progress_t;
+
+kqsvd_status_t kqsvd_progress_parse(const char *s, kqsvd_progress_mode_t *mode);
+/* Resolves AUTO against whether stderr is a terminal. */
+void kqsvd_progress_init(kqsvd_progress_t *p, kqsvd_progress_mode_t mode, const char *label,
+                         int64_t tokens, int64_t work_base);
+/* Seconds between updates that suit the mode. */
+double kqsvd_progress_interval(const kqsvd_progress_t *p);
+/* A kqsvd_progress_fn: ctx is a kqsvd_progress_t. */
+void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final);
+
+#endif

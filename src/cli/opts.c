@@ -1,0 +1,65 @@
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kqsvd_cli.h"
+
+kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  char *end = NULL;
+  errno = 0;
+  long long x = strtoll(s, &end, 10);
+  KQSVD_CHECK(*s && end && !*end && errno == 0, KQSVD_ERR_USAGE,
+              "%s expects an integer, got '%s'", opt, s);
+  KQSVD_CHECK(x >= lo && x <= hi, KQSVD_ERR_USAGE, "%s must be in [%lld, %lld], got %lld", opt,
+              (long long)lo, (long long)hi, x);
+  *v = x;
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
+                                int open_lo, int open_hi, double *v) {
+  kqsvd_status_t st = KQSVD_OK;
+  char *end = NULL;
+  errno = 0;
+  double x = strtod(s, &end);
+  KQSVD_CHECK(*s && end && !*end && errno == 0 && isfinite(x), KQSVD_ERR_USAGE,
+              "%s expects a finite number, got '%s'", opt, s);
+  const int ok = (open_lo ? x > lo : x >= lo) && (open_hi ? x < hi : x <= hi);
+  KQSVD_CHECK(ok, KQSVD_ERR_USAGE, "%s must be in %c%g, %g%c, got %s", opt, open_lo ? '(' : '[',
+              lo, hi, open_hi ? ')' : ']', s);
+  *v = x;
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status_t st) {
+  if (st == KQSVD_ERR_USAGE) {
+    char msg[1200];
+    snprintf(msg, sizeof msg, "%s (see kqsvd %s --help)", kqsvd_error_message(), cmd);
+    kqsvd_error_clear();
+    kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__, "%s", msg);
+  }
+  /* Options are parsed identically everywhere: all ranks agree already. */
+  kqsvd_error_mark_collective(cli->rank == 0);
+  return st;
+}
+
+kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
+                            const struct option *longopts, int *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  opterr = 0;
+  *c = getopt_long(argc, argv, shortopts, longopts, NULL);
+  if (*c == '?') {
+    const char *arg = argv[optind - 1];
+    if (optopt) KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '-%c'", optopt);
+    KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '%s'", arg);
+  }
+  if (*c == ':') KQSVD_FAIL(KQSVD_ERR_USAGE, "option '%s' needs a value", argv[optind - 1]);
+done:
+  return st;
+}

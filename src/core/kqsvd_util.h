@@ -1,0 +1,31 @@
+/* Small helpers shared by every layer: clock, hashing, formatting.
+ * Not collective; thread-safe. */
+#ifndef KQSVD_UTIL_H
+#define KQSVD_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Monotonic wall clock in seconds. */
+double kqsvd_now(void);
+
+/* 64-bit FNV-1a over bytes, chainable through `h` (start with
+ * KQSVD_FNV_INIT).  Used for checkpoint fingerprints. */
+#define KQSVD_FNV_INIT UINT64_C(0xcbf29ce484222325)
+uint64_t kqsvd_fnv1a(uint64_t h, const void *data, size_t n);
+
+/* Stateless mixing of a key and a counter into 64 random bits (splitmix64
+ * finaliser), and a standard normal drawn from it.  Counter-based, so any
+ * element of a synthetic set can be generated independently. */
+uint64_t kqsvd_mix64(uint64_t key, uint64_t counter);
+double kqsvd_normal(uint64_t key, uint64_t counter);
+double kqsvd_uniform(uint64_t key, uint64_t counter); /* in (0, 1) */
+/* Two independent standard normals from one Box-Muller pair. */
+void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
+
+/* "1.23 k", "4.56 M" style rendering of a count into buf. */
+const char *kqsvd_fmt_count(double v, char *buf, size_t n);
+/* "1:02:03" style rendering of seconds into buf. */
+const char *kqsvd_fmt_duration(double seconds, char *buf, size_t n);
+
+#endif

@@ -1,0 +1,64 @@
+#include "kqsvd_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <time.h>
+
+double kqsvd_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+uint64_t kqsvd_fnv1a(uint64_t h, const void *data, size_t n) {
+  const unsigned char *p = data;
+  for (size_t i = 0; i < n; i++) {
+    h ^= p[i];
+    h *= UINT64_C(0x100000001b3);
+  }
+  return h;
+}
+
+uint64_t kqsvd_mix64(uint64_t key, uint64_t counter) {
+  uint64_t z = key * UINT64_C(0x9e3779b97f4a7c15) + counter * UINT64_C(0xd1b54a32d192ed03) +
+               UINT64_C(0x632be59bd9b4e019);
+  z = (z ^ (z >> 30)) * UINT64_C(0xbf58476d1ce4e5b9);
+  z = (z ^ (z >> 27)) * UINT64_C(0x94d049bb133111eb);
+  return z ^ (z >> 31);
+}
+
+double kqsvd_uniform(uint64_t key, uint64_t counter) {
+  return ((double)(kqsvd_mix64(key, counter) >> 11) + 0.5) * 0x1.0p-53;
+}
+
+void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b) {
+  const double u1 = kqsvd_uniform(key, 2 * counter), u2 = kqsvd_uniform(key, 2 * counter + 1);
+  const double rad = sqrt(-2.0 * log(u1)), ang = 6.283185307179586 * u2;
+  *a = rad * cos(ang);
+  *b = rad * sin(ang);
+}
+
+double kqsvd_normal(uint64_t key, uint64_t counter) {
+  /* Box-Muller on two independent counters. */
+  const double u1 = kqsvd_uniform(key, 2 * counter), u2 = kqsvd_uniform(key, 2 * counter + 1);
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+const char *kqsvd_fmt_count(double v, char *buf, size_t n) {
+  static const char *unit[] = {"", " k", " M", " G", " T"};
+  int u = 0;
+  while (fabs(v) >= 1000.0 && u < 4) v /= 1000.0, u++;
+  snprintf(buf, n, u ? "%.2f%s" : "%.0f%s", v, unit[u]);
+  return buf;
+}
+
+const char *kqsvd_fmt_duration(double s, char *buf, size_t n) {
+  if (!(s >= 0) || s > 1e8) {
+    snprintf(buf, n, "--:--");
+    return buf;
+  }
+  long t = (long)(s + 0.5);
+  if (t >= 3600) snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else snprintf(buf, n, "%ld:%02ld", t / 60, t % 60);
+  return buf;
+}
