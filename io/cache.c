@@ -62,9 +62,10 @@ done:
   return st;
 }
 
-/* Reads start[]/count[] of a 3- or 4-dimensional tensor into buf. */
-static kqsvd_status_t tensor_read(tensor_t *t, int nd, const hsize_t *start,
-                                  const hsize_t *count, void *buf) {
+/* Reads start[]/count[] of a 3- or 4-dimensional tensor into buf; a
+ * failure (a truncated or damaged file) names the file and dataset. */
+static kqsvd_status_t tensor_read(tensor_t *t, const char *path, const char *name, int nd,
+                                  const hsize_t *start, const hsize_t *count, void *buf) {
   kqsvd_status_t st = KQSVD_OK;
   hid_t fspace = -1, mspace = -1;
   hsize_t n = 1;
@@ -73,7 +74,15 @@ static kqsvd_status_t tensor_read(tensor_t *t, int nd, const hsize_t *start,
   KQSVD_H5_ID(fspace, H5Dget_space(t->dset));
   KQSVD_H5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start, NULL, count, NULL));
   KQSVD_H5_ID(mspace, H5Screate_simple(1, &n, NULL));
-  KQSVD_H5(H5Dread(t->dset, t->mtype, mspace, fspace, H5P_DEFAULT, buf));
+  if (H5Dread(t->dset, t->mtype, mspace, fspace, H5P_DEFAULT, buf) < 0) {
+    kqsvd_h5_fail_("H5Dread", __FILE__, __LINE__, __func__);
+    char why[1024];
+    snprintf(why, sizeof why, "%s", kqsvd_error_message());
+    kqsvd_error_clear();
+    KQSVD_FAIL(KQSVD_ERR_INPUT, "%s: cannot read dataset '%s' at [%llu, %llu, %llu, ...] (%s)",
+               path, name, (unsigned long long)start[0], (unsigned long long)start[1],
+               (unsigned long long)start[2], why);
+  }
 done:
   kqsvd_h5_close(&fspace);
   kqsvd_h5_close(&mspace);
@@ -157,7 +166,7 @@ kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t lay
                                 void *buf) {
   const hsize_t start[4] = {(hsize_t)layer, (hsize_t)head0, (hsize_t)row0, 0};
   const hsize_t count[4] = {1, (hsize_t)nheads, (hsize_t)nrows, (hsize_t)sh->dims.head_dim};
-  return tensor_read(&sh->t[t], 4, start, count, buf);
+  return tensor_read(&sh->t[t], sh->path, kqsvd_tensor_name(t), 4, start, count, buf);
 }
 
 kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **out) {
@@ -195,5 +204,5 @@ kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t r
                                       int64_t nrows, int64_t col0, int64_t ncols, void *buf) {
   const hsize_t start[3] = {(hsize_t)layer, (hsize_t)row0, (hsize_t)col0};
   const hsize_t count[3] = {1, (hsize_t)nrows, (hsize_t)ncols};
-  return tensor_read(&m->o, 3, start, count, buf);
+  return tensor_read(&m->o, m->path, "o_proj", 3, start, count, buf);
 }

@@ -142,7 +142,6 @@ kqsvd_status_t kqsvd_monitor_finish(kqsvd_monitor_t *m, int64_t local_done, kqsv
         KQSVD_CALL(handle(m, &probe));
         if (probe.MPI_TAG == TAG_FIN) break;
       }
-    if (m->fn) m->fn(m->ctx, summed(m), m->total, 1);
   }
   /* Receive the cancel notices still in flight, then complete our own. */
   KQSVD_MALLOC(raised, m->size, "cancel flags");
@@ -155,6 +154,8 @@ kqsvd_status_t kqsvd_monitor_finish(kqsvd_monitor_t *m, int64_t local_done, kqsv
     }
   KQSVD_MPI(MPI_Waitall(m->size, m->cancel_reqs, MPI_STATUSES_IGNORE));
   st = kqsvd_mpi_agree(m->comm, local);
+  /* The closing line only for a run that completed. */
+  if (st == KQSVD_OK && m->rank == 0 && m->fn) m->fn(m->ctx, summed(m), m->total, 1);
 done:
   free(raised);
   return st;

@@ -30,6 +30,8 @@ static void calibrate_help(void) {
       "  --checkpoint-every S   seconds between checkpoints, 0 = after every item [60]\n"
       "  --mem-limit MIB        memory bound per rank for factors and buffers [1024]\n"
       "  --qr-block N           rows per Householder update [256]\n"
+      "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
+      "                         [as many as --mem-limit allows, at most 65536]\n"
       "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
       "  --progress MODE        auto, bar, lines or off [auto]\n"
       "  -v, --verbose          print a trace with errors\n"
@@ -38,8 +40,8 @@ static void calibrate_help(void) {
 
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_OUT, O_EPS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_THREADS,
-         O_PROGRESS };
+  enum { O_MODEL = 256, O_OUT, O_EPS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_READ,
+         O_THREADS, O_PROGRESS };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -49,6 +51,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"checkpoint-every", required_argument, NULL, O_CKPT_EVERY},
       {"mem-limit", required_argument, NULL, O_MEM},
       {"qr-block", required_argument, NULL, O_QRB},
+      {"read-rows", required_argument, NULL, O_READ},
       {"threads", required_argument, NULL, O_THREADS},
       {"progress", required_argument, NULL, O_PROGRESS},
       {"verbose", no_argument, NULL, 'v'},
@@ -77,6 +80,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       break;
     case O_MEM: KQSVD_CALL(kqsvd_opt_int("--mem-limit", optarg, 16, INT64_C(1) << 30, &c->mem_mib)); break;
     case O_QRB: KQSVD_CALL(kqsvd_opt_int("--qr-block", optarg, 1, 1 << 20, &c->qr_block)); break;
+    case O_READ: KQSVD_CALL(kqsvd_opt_int("--read-rows", optarg, 1, 1 << 24, &c->read_rows)); break;
     case O_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", optarg, 1, 1024, &c->threads)); break;
     case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &c->progress)); break;
     case 'v': c->cli->verbose = 1; break;
@@ -176,10 +180,11 @@ static kqsvd_status_t plan(calib_t *c) {
   const double avail = (double)c->mem_mib * mib - state - rw - reserve;
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   rows = rows > 65536 ? 65536 : rows;
+  if (c->read_rows > 0 && c->read_rows < rows) rows = c->read_rows < c->qr_block ? c->qr_block : c->read_rows;
   rows -= rows % c->qr_block;
   KQSVD_CHECK(rows >= c->qr_block, KQSVD_ERR_USAGE,
-              "--mem-limit %lld MiB is too small here: the R factors need %.1f MiB, reading "
-              "needs %.1f MiB more (plus %.0f MiB reserved); raise --mem-limit to at least %.0f",
+              "--mem-limit %lld MiB is too small here: the R factors need %.2f MiB, reading "
+              "needs %.2f MiB more and %.0f MiB are reserved; raise it to at least %.0f",
               (long long)c->mem_mib, (state + rw) / mib, per_row * (double)c->qr_block / mib,
               reserve / mib, (state + rw + reserve + per_row * (double)c->qr_block) / mib + 1);
   c->io_rows = rows;

@@ -18,7 +18,7 @@ typedef struct calib {
   /* options */
   const char *model_path, *out_path, *ckpt_dir;
   double eps, beta, ckpt_every;
-  int64_t mem_mib, qr_block, threads;
+  int64_t mem_mib, qr_block, read_rows, threads;
   kqsvd_progress_mode_t progress;
   int nshards, help;
   char **shards;

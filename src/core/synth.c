@@ -107,17 +107,19 @@ kqsvd_status_t kqsvd_synth_layer_init(const kqsvd_synth_t *g, int64_t layer,
   const uint64_t ko = stream(g, layer, STREAM_OUTLIER, 0);
   for (int64_t c = 0; c < D; c++) {
     const int outlier = kqsvd_uniform(ko, (uint64_t)c) < 4.0 / (double)(D > 64 ? D : 64);
-    mu[c] = (outlier ? 4.0 : 0.2) * kqsvd_normal(km, (uint64_t)c);
+    mu[c] = (outlier ? 1.5 : 0.05) * kqsvd_normal(km, (uint64_t)c);
     for (int j = 0; j < r; j++) {
-      const double s = pow(1.0 + j, -0.8) * (outlier ? 6.0 : 1.0);
+      const double s = pow(1.0 + j, -0.55) * (outlier ? 6.0 : 1.0);
       P[(int64_t)j * D + c] = s * kqsvd_normal(kp, (uint64_t)(j * D + c)) / sqrt((double)r);
     }
   }
   for (int64_t h = 0; h < nproj; h++) {
     const uint64_t kw = stream(g, layer, STREAM_W, h), ks = stream(g, layer, STREAM_WSCALE, h);
+    /* Unequal output dimensions, as trained projections have; query and key
+     * projections more so, which makes keys lower-rank than values. */
+    const double spread = h < g->c.heads + g->c.kv_heads ? log(0.08) : log(0.5);
     for (int64_t j = 0; j < d; j++) {
-      /* Unequal output dimensions, as trained projections have. */
-      const double scale = exp(log(0.25) * kqsvd_uniform(ks, (uint64_t)j)) / sqrt((double)D);
+      const double scale = exp(spread * kqsvd_uniform(ks, (uint64_t)j)) / sqrt((double)D);
       for (int64_t c = 0; c < D; c++) W[c * d + j] = scale * kqsvd_normal(kw, (uint64_t)(c * d + j));
     }
     /* Row-major products via column-major BLAS on the transposes. */

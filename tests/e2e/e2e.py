@@ -1,0 +1,25 @@
+"""End-to-end scenarios: `python3 e2e.py SCENARIO` (ctest runs each one).
+
+types       every element type decoded bit for bit; mixed-type sets
+reference   a GQA bf16 set on uneven shards vs the independent reference
+ranks       results independent of the rank count (1, 2, 3, 4, 7)
+shards      ... and of shard, read and QR block sizes (one shard split by MPI-IO too)
+theorems    the paper's theorems on the tool's output
+degenerate  all-zero and rank-deficient heads
+bad_input   one clear message, non-zero exit, no output, no hang
+checkpoint  a killed run resumes and ends with identical output
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scenarios_data import bad_input, checkpoint, degenerate, types  # noqa: E402
+from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
+
+SCENARIOS = {f.__name__: f for f in
+             (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint)}
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
+        raise SystemExit(__doc__)
+    SCENARIOS[sys.argv[1]]()
