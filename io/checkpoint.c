@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "kqsvd_h5.h"
+#include "kqsvd_util.h"
 
 static void ckpt_path(char *buf, size_t n, const char *dir, int rank, int nranks) {
   snprintf(buf, n, "%s/rank-%05d-of-%05d.h5", dir, rank, nranks);
@@ -24,7 +25,7 @@ kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint
   ckpt_path(path, sizeof path, dir, rank, nranks);
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
-  if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+  if (kqsvd_mkdir_p(dir) != 0)
     KQSVD_FAIL(KQSVD_ERR_IO, "cannot create checkpoint folder %s: %s", dir, strerror(errno));
   file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   KQSVD_CHECK(file >= 0, KQSVD_ERR_IO, "%s: cannot create checkpoint file", tmp);

@@ -9,6 +9,9 @@
 
 #include "kqsvd_cli.h"
 #include "kqsvd_h5.h"
+#ifdef KQSVD_HAVE_CUDA
+#include "kqsvd_gpu.h"
+#endif
 
 typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
 
@@ -57,7 +60,19 @@ int main(int argc, char **argv) {
     goto finalize;
   }
   if (strcmp(cmd, "--version") == 0) {
-    if (cli.rank == 0) printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
+    if (cli.rank == 0) {
+      printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
+#ifdef KQSVD_HAVE_CUDA
+      const int ndev = kqsvd_gpu_device_count();
+      printf("CUDA backend: built; %d device%s visible\n", ndev, ndev == 1 ? "" : "s");
+      for (int dev = 0; dev < ndev; dev++) {
+        char line[256];
+        if (kqsvd_gpu_describe(dev, line, sizeof line) == KQSVD_OK) printf("  %s\n", line);
+      }
+#else
+      printf("CUDA backend: not built (configure with -DKQSVD_CUDA=ON)\n");
+#endif
+    }
     goto finalize;
   }
   if (!fn) {

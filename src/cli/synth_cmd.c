@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
@@ -31,7 +30,8 @@ static void synth_help(void) {
          "options give the same numbers, however many shards or ranks.\n"
          "\n"
          "  --layers L [4]  --heads Hq [8]  --kv-heads Hkv [2]  --head-dim d [64]\n"
-         "  --hidden D [Hq*d]  --seqs S [32]  --seq-len T [512] (lengths vary in (T/2, T])\n"
+         "  --hidden D [Hq*d]  --seqs S [32]  --seq-len T [512]\n"
+         "  --min-seq-len M [T/2+1] (lengths vary uniformly in [M, T]; M = T fixes them)\n"
          "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
          "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
          "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n");
@@ -40,7 +40,7 @@ static void synth_help(void) {
 static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_OUT = 256, O_LAYERS, O_HEADS, O_KV, O_HD, O_HIDDEN, O_SEQS, O_SEQLEN, O_SHARDS,
-         O_DTYPE, O_BETA, O_CAUSAL, O_SEED, O_UNEVEN, O_NAME, O_PROGRESS };
+         O_DTYPE, O_BETA, O_CAUSAL, O_SEED, O_UNEVEN, O_NAME, O_PROGRESS, O_MINLEN };
   static const struct option longopts[] = {
       {"out", required_argument, NULL, O_OUT},       {"layers", required_argument, NULL, O_LAYERS},
       {"heads", required_argument, NULL, O_HEADS},   {"kv-heads", required_argument, NULL, O_KV},
@@ -50,6 +50,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
       {"beta", required_argument, NULL, O_BETA},     {"causal", required_argument, NULL, O_CAUSAL},
       {"seed", required_argument, NULL, O_SEED},     {"uneven", no_argument, NULL, O_UNEVEN},
       {"model-name", required_argument, NULL, O_NAME},
+      {"min-seq-len", required_argument, NULL, O_MINLEN},
       {"progress", required_argument, NULL, O_PROGRESS},
       {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0}};
   kqsvd_synth_config_t *c = &o->cfg;
@@ -79,6 +80,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     case O_SEED: KQSVD_CALL(kqsvd_opt_int("--seed", optarg, 0, INT64_MAX, &seed)); break;
     case O_UNEVEN: o->uneven = 1; break;
     case O_NAME: o->name = optarg; break;
+    case O_MINLEN: KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len)); break;
     case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &o->progress)); break;
     case 'h': synth_help(); o->help = 1; return KQSVD_OK;
     default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", ch);
@@ -90,6 +92,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
               "--shards (%lld) must not exceed --seqs (%lld): shards hold whole sequences",
               (long long)o->shards, (long long)o->seqs);
   if (c->hidden == 0) c->hidden = c->heads * c->head_dim;
+  if (c->min_seq_len == 0) c->min_seq_len = c->max_seq_len / 2 + 1;
   c->seed = (uint64_t)seed;
 done:
   return st;
@@ -230,7 +233,7 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
   dims.layers = o.cfg.layers, dims.heads = o.cfg.heads, dims.kv_heads = o.cfg.kv_heads;
   dims.head_dim = o.cfg.head_dim, dims.hidden = o.cfg.hidden, dims.causal = o.causal;
 
-  if (cli->rank == 0 && mkdir(o.out, 0777) != 0 && errno != EEXIST)
+  if (cli->rank == 0 && kqsvd_mkdir_p(o.out) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
                             o.out, strerror(errno));
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));

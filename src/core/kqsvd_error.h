@@ -12,6 +12,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum kqsvd_status {
   KQSVD_OK = 0,
   KQSVD_ERR_USAGE,   /* impossible option or command line */
@@ -88,5 +92,9 @@ kqsvd_status_t kqsvd_malloc_(void **p, size_t count, size_t size, const char *wh
 #define KQSVD_MALLOC(p, count, what)                                            \
   KQSVD_CALL(kqsvd_malloc_((void **)&(p), (size_t)(count), sizeof(*(p)), (what), \
                            __FILE__, __LINE__, __func__))
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -16,6 +16,7 @@ typedef struct kqsvd_synth_config {
   double beta;       /* keys times beta, queries divided by beta */
   uint64_t seed;
   int64_t max_seq_len; /* positions run 0 .. max_seq_len-1 */
+  int64_t min_seq_len; /* lengths are uniform in [min_seq_len, max_seq_len] */
   double rope_theta; /* 10000 as in Llama-2 */
 } kqsvd_synth_config_t;
 
@@ -29,7 +30,7 @@ typedef struct kqsvd_synth_layer kqsvd_synth_layer_t;
 kqsvd_status_t kqsvd_synth_init(const kqsvd_synth_config_t *cfg, kqsvd_synth_t **gen);
 void kqsvd_synth_free(kqsvd_synth_t **gen);
 
-/* Lengths of S sequences, each in (max_seq_len/2, max_seq_len]. */
+/* Lengths of S sequences, each in [min_seq_len, max_seq_len]. */
 void kqsvd_synth_seq_lens(const kqsvd_synth_t *gen, int64_t S, int64_t *lens);
 
 /* Per-layer projections (about (2 head_dim) x hidden x head_dim flops per

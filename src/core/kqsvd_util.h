@@ -23,6 +23,10 @@ double kqsvd_uniform(uint64_t key, uint64_t counter); /* in (0, 1) */
 /* Two independent standard normals from one Box-Muller pair. */
 void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
 
+/* Creates a folder and its missing parents, like `mkdir -p`; returns 0 or
+ * -1 with errno set. */
+int kqsvd_mkdir_p(const char *path);
+
 /* "1.23 k", "4.56 M" style rendering of a count into buf. */
 const char *kqsvd_fmt_count(double v, char *buf, size_t n);
 /* "1:02:03" style rendering of seconds into buf. */

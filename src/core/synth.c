@@ -41,6 +41,8 @@ kqsvd_status_t kqsvd_synth_init(const kqsvd_synth_config_t *cfg, kqsvd_synth_t *
               KQSVD_ERR_USAGE, "--head-dim must be even, in [2, 4096] (RoPE rotates pairs)");
   KQSVD_CHECK(cfg->hidden >= 1, KQSVD_ERR_USAGE, "--hidden must be >= 1");
   KQSVD_CHECK(cfg->max_seq_len >= 1, KQSVD_ERR_USAGE, "--seq-len must be >= 1");
+  KQSVD_CHECK(cfg->min_seq_len >= 1 && cfg->min_seq_len <= cfg->max_seq_len, KQSVD_ERR_USAGE,
+              "--min-seq-len must be in [1, --seq-len]");
   KQSVD_CHECK(cfg->beta > 0 && isfinite(cfg->beta), KQSVD_ERR_USAGE,
               "--beta must be finite and > 0");
   g = calloc(1, sizeof *g);
@@ -73,12 +75,10 @@ void kqsvd_synth_free(kqsvd_synth_t **g) {
 }
 
 void kqsvd_synth_seq_lens(const kqsvd_synth_t *g, int64_t S, int64_t *lens) {
-  const int64_t T = g->c.max_seq_len;
+  const int64_t hi = g->c.max_seq_len, lo = g->c.min_seq_len;
   const uint64_t key = stream(g, -1, STREAM_LEN, 0);
-  for (int64_t s = 0; s < S; s++) {
-    int64_t cut = (int64_t)(kqsvd_uniform(key, (uint64_t)s) * (double)(T / 2));
-    lens[s] = T - cut > 0 ? T - cut : 1;
-  }
+  for (int64_t s = 0; s < S; s++)
+    lens[s] = lo + (int64_t)(kqsvd_uniform(key, (uint64_t)s) * (double)(hi - lo + 1));
 }
 
 kqsvd_status_t kqsvd_synth_layer_init(const kqsvd_synth_t *g, int64_t layer,

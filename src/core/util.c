@@ -1,7 +1,11 @@
 #include "kqsvd_util.h"
 
+#include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 double kqsvd_now(void) {
@@ -61,4 +65,20 @@ const char *kqsvd_fmt_duration(double s, char *buf, size_t n) {
   if (t >= 3600) snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
   else snprintf(buf, n, "%ld:%02ld", t / 60, t % 60);
   return buf;
+}
+
+int kqsvd_mkdir_p(const char *path) {
+  char buf[PATH_MAX];
+  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  for (char *p = buf + 1; *p; p++)
+    if (*p == '/') {
+      *p = '\0';
+      if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
+      *p = '/';
+    }
+  if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
+  return 0;
 }

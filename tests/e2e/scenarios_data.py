@@ -295,3 +295,35 @@ def checkpoint():
     check("other inputs or options" in p.stderr, f"changed input not refused: {p.stderr}")
     check(not os.path.exists(out), "refused resume left output")
     finish("checkpoint")
+
+
+def examples():
+    """The README's PyTorch snippet and the inspection script, on a fresh set."""
+    import re
+    import sys
+    wd = workdir("examples")
+    model, files = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=16,
+                         seqs=6, seq_len=64, shards=2)
+    out = os.path.join(wd, "proj.h5")
+    calibrate(model, out, files, np_=2)
+    ex = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+    p = subprocess.run([sys.executable, os.path.join(ex, "inspect_proj.py"), model, out, files[0]],
+                       capture_output=True, text=True)
+    check(p.returncode == 0, f"inspect_proj.py failed: {p.stderr}")
+    rows = [l.split() for l in p.stdout.splitlines() if re.match(r"\s+\d+\s", l)]
+    check(len(rows) == 2, f"inspect_proj.py printed {len(rows)} layer rows")
+    for r in rows:  # kqsvd's K Q^T error is the smallest on calibration data
+        check(float(r[4]) <= min(float(r[5]), float(r[6])) * (1 + 1e-12), f"kqsvd not best: {r}")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("SKIPPED: PyTorch is not installed (Debian: python3-torch)")
+        finish("examples")  # reports failures so far, if any
+        raise SystemExit(77)
+    p = subprocess.run([sys.executable, os.path.join(ex, "compress_cache.py"), out, files[0], "1"],
+                       capture_output=True, text=True)
+    check(p.returncode == 0, f"compress_cache.py failed: {p.stderr}")
+    m = re.search(r"relative score error ([0-9.e+-]+)", p.stdout)
+    check(m and abs(float(m.group(1)) - float(rows[1][4])) <= 1e-9, f"snippet {p.stdout} vs {rows[1]}")
+    print(p.stdout.strip())
+    finish("examples")

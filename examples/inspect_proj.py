@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Compares the three methods of a projections file on one cache shard.
+
+    python3 examples/inspect_proj.py MODEL.h5 PROJ.h5 SHARD.h5
+
+For every layer, at the ranks stored in PROJ.h5, prints the relative squared
+Frobenius errors of the attention scores K Q^T and of the value/output
+products V W^O (all heads of the layer together): the two quantities KQ-SVD
+minimises.  On calibration data kqsvd's columns are never worse; on other
+shards they show how well the projections generalise.
+"""
+import sys
+
+import h5py
+import numpy as np
+
+METHODS = ("kqsvd", "ksvd", "eigen")
+
+
+def f64(ds):
+    a = ds[...]
+    if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16"):
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def rel_err(G_left, G_right, A, B):
+    """||X A B^T Y^T - X Y^T||^2 and ||X Y^T||^2 from the Grams X^T X, Y^T Y."""
+    E = A @ B.T - np.eye(A.shape[0])
+    return np.trace(E.T @ G_left @ E @ G_right), np.trace(G_left @ G_right)
+
+
+def main(model, proj, shard):
+    with h5py.File(shard, "r") as s, h5py.File(model, "r") as m, h5py.File(proj, "r") as p:
+        K, V, Q, O = f64(s["keys"]), f64(s["values"]), f64(s["queries"]), f64(m["o_proj"])
+        L, Hkv, T, d = K.shape
+        g = Q.shape[1] // Hkv
+        print(f"{shard}: {T} tokens; errors at the ranks of {proj}")
+        print(f"{'layer':>5} {'r_k':>4} {'r_v':>4} |" + "".join(f"{'KQt ' + n:>12}" for n in METHODS)
+              + " |" + "".join(f"{'VWo ' + n:>12}" for n in METHODS))
+        total = np.zeros((2, 3))
+        for l in range(L):
+            rk, rv = int(p["kqsvd/rank_k"][l]), int(p["kqsvd/rank_v"][l])
+            errs = np.zeros((2, 3))
+            for j, meth in enumerate(METHODS):
+                num, den = np.zeros(2), np.zeros(2)
+                for h in range(Hkv):
+                    heads = range(h * g, (h + 1) * g)
+                    q = np.concatenate([Q[l, i] for i in heads])
+                    w = np.concatenate([O[l][:, i * d:(i + 1) * d].T for i in heads], axis=1)
+                    k, v = K[l, h], V[l, h]
+                    pk = [p[f"{meth}/{x}"][l, h] for x in ("key_down", "query_down", "value_down", "value_up")]
+                    for i, (GL, GR, A, B, r) in enumerate(((k.T @ k, q.T @ q, pk[0], pk[1], rk),
+                                                           (v.T @ v, w @ w.T, pk[2], pk[3], rv))):
+                        a, b = rel_err(GL, GR, A[:, :r], B[:, :r])
+                        num[i] += a
+                        den[i] += b
+                errs[:, j] = num / den
+            total += errs
+            print(f"{l:>5} {rk:>4} {rv:>4} |" + "".join(f"{e:>12.4e}" for e in errs[0]) + " |"
+                  + "".join(f"{e:>12.4e}" for e in errs[1]))
+        total /= L
+        print(f"{'mean':>15} |" + "".join(f"{e:>12.4e}" for e in total[0]) + " |"
+              + "".join(f"{e:>12.4e}" for e in total[1]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    main(*sys.argv[1:])
