@@ -141,6 +141,7 @@ kqsvd_status_t kqsvd_shard_open(const char *path, MPI_Comm comm, kqsvd_shard_t *
   *out = sh;
   sh = NULL;
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(path);
   kqsvd_shard_close(&sh);
   return st;
 }
@@ -184,6 +185,7 @@ kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **out) {
   *out = m;
   m = NULL;
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(path);
   kqsvd_model_close(&m);
   return st;
 }

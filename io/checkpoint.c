@@ -104,6 +104,7 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
   KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, state));
   *found = 1;
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(path);
   kqsvd_h5_close(&ds);
   kqsvd_h5_close(&file);
   return st;

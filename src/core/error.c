@@ -51,6 +51,19 @@ kqsvd_status_t kqsvd_error_trace(kqsvd_status_t code, const char *file, int line
   return code;
 }
 
+void kqsvd_error_context(const char *context) {
+  if (g_err.code == KQSVD_OK || strstr(g_err.message, context)) return;
+  const size_t cap = sizeof g_err.message, lc = strlen(context);
+  if (lc + 3 >= cap) return;
+  size_t lm = strlen(g_err.message);
+  if (lc + 2 + lm + 1 > cap) lm = cap - lc - 3; /* keep the head of the message */
+  memmove(g_err.message + lc + 2, g_err.message, lm);
+  g_err.message[lc + 2 + lm] = '\0';
+  memcpy(g_err.message, context, lc);
+  g_err.message[lc] = ':';
+  g_err.message[lc + 1] = ' ';
+}
+
 const char *kqsvd_error_message(void) { return g_err.message; }
 const char *kqsvd_error_trace_text(void) { return g_err.trace; }
 

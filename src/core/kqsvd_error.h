@@ -41,6 +41,10 @@ kqsvd_status_t kqsvd_error_set(kqsvd_status_t code, const char *file, int line,
 kqsvd_status_t kqsvd_error_trace(kqsvd_status_t code, const char *file, int line,
                                  const char *func);
 
+/* Makes the pending message start with "<context>: " unless it already
+ * names `context` (readers use it so every failure names the file). */
+void kqsvd_error_context(const char *context);
+
 /* The pending error's message ("" when none), its trace, and a reset. */
 const char *kqsvd_error_message(void);
 const char *kqsvd_error_trace_text(void);
