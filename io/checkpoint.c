@@ -40,11 +40,18 @@ kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint
                              H5P_DEFAULT));
   KQSVD_H5(H5Dwrite(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, state));
   kqsvd_h5_close(&ds);
-  KQSVD_H5(H5Fclose(file));
+  if (H5Fclose(file) < 0) {
+    file = -1;
+    kqsvd_h5_fail_("H5Fclose", __FILE__, __LINE__, __func__);
+    kqsvd_error_mark_fatal();
+    st = KQSVD_ERR_HDF5;
+    goto done;
+  }
   file = -1;
   KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
               strerror(errno));
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(tmp);
   kqsvd_h5_close(&ds);
   kqsvd_h5_close(&space);
   kqsvd_h5_close(&file);
@@ -81,8 +88,8 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
   char path[PATH_MAX], fp[32], have[64] = "", about[1024] = "", fmt[32] = "";
   hid_t file = -1, ds = -1;
   *found = 0;
-  KQSVD_CALL(check_rank_count(dir, nranks));
   ckpt_path(path, sizeof path, dir, rank, nranks);
+  KQSVD_CALL(check_rank_count(dir, nranks));
   if (access(path, F_OK) != 0) return KQSVD_OK;
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
   KQSVD_CALL(kqsvd_h5_open_read(path, MPI_COMM_NULL, &file));

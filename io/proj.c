@@ -11,6 +11,7 @@ enum { S_K, S_Q, S_V, S_KQT, S_VWO, S_N };
 static const char *const g_snames[S_N] = {"K", "Q", "V", "KQt", "VWo"};
 
 struct kqsvd_proj_writer {
+  char path[4096];
   hid_t file;
   hid_t group[KQSVD_NMETHODS + 1];
   hid_t p[KQSVD_NMETHODS][P_N];
@@ -43,6 +44,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   for (int i = 0; i < S_N; i++) w->s[i] = -1;
   const kqsvd_dims_t *dm = &meta->dims;
   w->d = dm->head_dim;
+  snprintf(w->path, sizeof w->path, "%s", path);
   KQSVD_H5_ID(fapl, H5Pcreate(H5P_FILE_ACCESS));
   KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
   w->file = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
@@ -81,6 +83,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   w = NULL;
 done:
   kqsvd_h5_close(&fapl);
+  if (st != KQSVD_OK) kqsvd_error_context(path);
   if (w) kqsvd_proj_close(&w);
   return st;
 }
@@ -116,6 +119,7 @@ kqsvd_status_t kqsvd_proj_write_item(kqsvd_proj_writer_t *w, int64_t layer, int6
   const double *s[S_N] = {sol->spec_K, sol->spec_Q, sol->spec_V, sol->spec_KQt, sol->spec_VWo};
   for (int i = 0; i < S_N; i++) KQSVD_CALL(put_slice(w->s[i], 3, layer, kv_head, w->d, s[i]));
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(w->path);
   return st;
 }
 
@@ -127,6 +131,7 @@ kqsvd_status_t kqsvd_proj_write_ranks(kqsvd_proj_writer_t *w, const int32_t *ran
     KQSVD_H5(H5Dwrite(w->p[m][P_RANK_V], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, rank_v));
   }
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(w->path);
   return st;
 }
 
@@ -141,6 +146,12 @@ kqsvd_status_t kqsvd_proj_close(kqsvd_proj_writer_t **wp) {
   for (int m = 0; m <= KQSVD_NMETHODS; m++) kqsvd_h5_close(&w->group[m]);
   if (w->file >= 0) KQSVD_H5(H5Fclose(w->file));
 done:
+  if (st != KQSVD_OK) {
+    kqsvd_error_context(w->path);
+    /* HDF5 keeps a file whose close failed and crashes closing it again at
+     * shutdown: end with MPI_Abort instead of MPI_Finalize. */
+    kqsvd_error_mark_fatal();
+  }
   free(w);
   return st;
 }

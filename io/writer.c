@@ -120,6 +120,7 @@ static kqsvd_status_t put(kqsvd_writer_t *w, hid_t dset, int nd, const hsize_t *
   KQSVD_H5_ID(mspace, H5Screate_simple(1, &n, NULL));
   KQSVD_H5(H5Dwrite(dset, w->mtype, mspace, fspace, H5P_DEFAULT, w->buf));
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(w->tmp);
   kqsvd_h5_close(&fspace);
   kqsvd_h5_close(&mspace);
   return st;
@@ -151,7 +152,14 @@ kqsvd_status_t kqsvd_writer_commit(kqsvd_writer_t **wp) {
   kqsvd_writer_t *w = *wp;
   *wp = NULL;
   for (int i = 0; i < 3; i++) kqsvd_h5_close(&w->dset[i]);
-  KQSVD_H5(H5Fclose(w->file));
+  if (H5Fclose(w->file) < 0) {
+    kqsvd_h5_fail_("H5Fclose", __FILE__, __LINE__, __func__);
+    kqsvd_error_context(w->tmp);
+    kqsvd_error_mark_fatal();
+    st = KQSVD_ERR_HDF5;
+    w->file = -1;
+    goto done;
+  }
   w->file = -1;
   KQSVD_CHECK(rename(w->tmp, w->path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", w->tmp,
               w->path, strerror(errno));

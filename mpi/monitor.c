@@ -25,7 +25,7 @@ struct kqsvd_monitor {
   int raised, stop;
   int *cancel_seen;     /* cancel already received from rank q */
   MPI_Request *cancel_reqs;
-  int cancel_token;
+  int64_t cancel_token; /* sent as MPI_INT64_T */
 };
 
 kqsvd_status_t kqsvd_monitor_init(MPI_Comm comm, int64_t total, kqsvd_progress_fn fn, void *ctx,

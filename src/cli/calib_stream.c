@@ -206,7 +206,8 @@ kqsvd_status_t calib_stream(calib_t *c) {
     local = kqsvd_checkpoint_load(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint, nvals,
                                   c->state, &c->pos, &found);
     if (local == KQSVD_OK && (c->pos.segment < 0 || c->pos.segment > s.nseg ||
-                              c->pos.item < 0 || c->pos.item >= c->nitems))
+                              c->pos.item < 0 || c->pos.item >= c->nitems ||
+                              (c->pos.segment == s.nseg && c->pos.item != 0)))
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
                               "checkpoint in %s does not fit this run's plan", c->ckpt_dir);
     c->resumed = found;
@@ -221,10 +222,10 @@ kqsvd_status_t calib_stream(calib_t *c) {
   for (int64_t k = 0; k <= s.nseg; k++) s.shared[k].sh = NULL, s.shared[k].comm = MPI_COMM_NULL;
   for (int k = 0; k < CAL_NR; k++) KQSVD_MALLOC(s.R[k], (size_t)(c->d * c->d), "R factor");
   KQSVD_CALL(kqsvd_qr_ws_init((int)c->d, (int)c->qr_block, &s.ws));
-  st = kqsvd_mpi_agree(comm, open_shared(&s));
+  st = open_shared(&s);
   if (st != KQSVD_OK) {
-    /* A partner that failed to open would never join the collective
-     * close; only an abort ends every rank cleanly here. */
+    /* Partners of a failed group-collective open stay blocked in it, so no
+     * agreement can be reached: main() aborts every rank. */
     s.nseg = 0;
     kqsvd_error_mark_local();
     goto done;
@@ -244,8 +245,9 @@ kqsvd_status_t calib_stream(calib_t *c) {
   c->t_stream = kqsvd_now() - t0;
   st = kqsvd_monitor_finish(s.mon, s.work, local);
 done:
-  /* Collective closes of shared shards, in the order they were opened. */
-  close_shared(&s);
+  /* Collective closes of shared shards, in the order they were opened; only
+   * when every rank knows the outcome (otherwise main() aborts). */
+  if (st == KQSVD_OK || kqsvd_error_is_collective()) close_shared(&s);
   kqsvd_monitor_free(&s.mon);
   kqsvd_qr_ws_free(&s.ws);
   for (int k = 0; k < CAL_NR; k++) free(s.R[k]);

@@ -173,7 +173,8 @@ static kqsvd_status_t plan(calib_t *c) {
 
   const double mib = 1048576.0, d = (double)c->d;
   const double state = (double)c->nitems * CAL_NR * (double)kqsvd_tri_size((int)c->d) * 8.0;
-  const double rw = (double)(c->own1 - c->own0) * d * d * 8.0;
+  /* The largest share of items, so that every rank makes the same decision. */
+  const double rw = (double)((c->nitems + P - 1) / P) * d * d * 8.0;
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
   const double per_row = (double)(c->group + 2) * d * (double)c->elem_max;
@@ -219,7 +220,16 @@ static kqsvd_status_t factor_wo(calib_t *c) {
   const int64_t d = c->d, m = c->group, D = c->dims.hidden;
   const kqsvd_dtype_t t = kqsvd_model_dtype(c->model);
   const size_t raw_bytes = (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)d * c->elem_max;
-  const int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
+  /* Each read yields chunk * m rows of d; a multiple of --qr-block keeps the
+   * Householder blocking, hence the result, independent of the read size. */
+  int64_t a = m, b = c->qr_block;
+  while (b) {
+    const int64_t r = a % b;
+    a = b, b = r;
+  }
+  const int64_t base = c->qr_block / a;
+  int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
+  chunk = chunk < base ? base : chunk - chunk % base;
   KQSVD_MALLOC(c->RW, (size_t)((c->own1 - c->own0) * d * d) + 1, "W^O factors");
   KQSVD_CALL(kqsvd_qr_ws_init((int)d, (int)c->qr_block, &ws));
   for (int64_t i = c->own0; i < c->own1; i++) {
@@ -284,7 +294,11 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
 
   KQSVD_CALL(validate_inputs(&c));
   st = plan(&c);
-  if (st != KQSVD_OK) return kqsvd_usage_error(cli, "calibrate", st);
+  if (st == KQSVD_ERR_USAGE) { /* decided alike on every rank */
+    kqsvd_usage_error(cli, "calibrate", st);
+    goto done;
+  }
+  KQSVD_CALL(st);
   if (cli->rank == 0 && c.progress != KQSVD_PROGRESS_OFF) print_header(&c);
   KQSVD_MALLOC(c.raw, (size_t)(c.group + 2) * (size_t)c.io_rows * (size_t)c.d * c.elem_max,
                "read buffer");

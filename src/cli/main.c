@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
       if (cli.verbose || getenv("KQSVD_TRACE")) fputs(kqsvd_error_trace_text(), stderr);
     }
     fflush(stderr);
-    if (!kqsvd_error_is_collective()) MPI_Abort(MPI_COMM_WORLD, code);
+    if (!kqsvd_error_is_collective() || kqsvd_error_is_fatal()) MPI_Abort(MPI_COMM_WORLD, code);
   }
 finalize:
   MPI_Finalize();

@@ -13,7 +13,8 @@ static struct {
   char trace[2048];
   bool collective;
   bool report;
-} g_err = {KQSVD_OK, "", "", false, true};
+  bool fatal;
+} g_err = {KQSVD_OK, "", "", false, true, false};
 
 static void append_frame(const char *file, int line, const char *func) {
   size_t used = strlen(g_err.trace);
@@ -73,12 +74,16 @@ void kqsvd_error_clear(void) {
   g_err.trace[0] = '\0';
   g_err.collective = false;
   g_err.report = true;
+  g_err.fatal = false;
 }
 
 void kqsvd_error_mark_collective(bool report_here) {
   g_err.collective = true;
   g_err.report = report_here;
 }
+void kqsvd_error_mark_fatal(void) { g_err.fatal = true; }
+bool kqsvd_error_is_fatal(void) { return g_err.fatal; }
+
 void kqsvd_error_mark_local(void) {
   g_err.collective = false;
   g_err.report = true;

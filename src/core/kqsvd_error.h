@@ -55,6 +55,11 @@ void kqsvd_error_clear(void);
 void kqsvd_error_mark_collective(bool report_here);
 /* Undoes that: some rank may be stuck, so main() must abort. */
 void kqsvd_error_mark_local(void);
+/* The libraries are left in a state their shutdown cannot survive (HDF5
+ * after a failed close, e.g. on a full disk): main() aborts even when every
+ * rank knows of the error.  The reporting rank still prints it once. */
+void kqsvd_error_mark_fatal(void);
+bool kqsvd_error_is_fatal(void);
 bool kqsvd_error_is_collective(void);
 bool kqsvd_error_report_here(void);
 

@@ -9,17 +9,19 @@ degenerate  all-zero and rank-deficient heads
 bad_input   one clear message, non-zero exit, no output, no hang
 checkpoint  a killed run resumes and ends with identical output
 examples    the README's PyTorch snippet and examples/inspect_proj.py
+disk_full   a full disk while writing the output (needs root for a tmpfs)
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenarios_data import bad_input, checkpoint, degenerate, examples, types  # noqa: E402
+from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, examples,  # noqa: E402
+                            types)
 from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
-              examples)}
+              examples, disk_full)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

@@ -264,6 +264,14 @@ def bad_input():
     case("unknown option", ["unknown option", "--frobnicate"], args=["--frobnicate"], code=2)
     case("shard twice", ["given twice"], files=shards + [shards[0]], code=2)
     case("tiny memory limit", ["--mem-limit"], args=["--mem-limit", "16"], code=2)
+    # Ranks owning different numbers of items must still decide alike.
+    wide_model, wide = synth(os.path.join(wd, "wide"), layers=3, heads=1, kv_heads=1, head_dim=512,
+                             hidden=512, seqs=2, seq_len=64, shards=1)
+    case("memory limit, uneven items", ["--mem-limit"], args=["--mem-limit", "110", "--qr-block", "512"],
+         files=wide, mdl=wide_model, code=2)
+    nodir = os.path.join(wd, "no", "such", "folder", "proj.h5")
+    p = calibrate(model, nodir, shards, np_=2, expect=1)
+    check(nodir in p.stderr and "cannot create" in p.stderr, f"missing output folder: {p.stderr}")
     finish("bad_input")
 
 
@@ -327,3 +335,26 @@ def examples():
     check(m and abs(float(m.group(1)) - float(rows[1][4])) <= 1e-9, f"snippet {p.stdout} vs {rows[1]}")
     print(p.stdout.strip())
     finish("examples")
+
+
+def disk_full():
+    """A full disk while writing: one message naming the file, no crash, no output."""
+    wd = workdir("disk_full")
+    model, files = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=32,
+                         seqs=4, seq_len=64, shards=2)
+    tiny = os.path.join(wd, "tiny")
+    os.makedirs(tiny)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", tiny],
+                      capture_output=True).returncode != 0:
+        print("SKIPPED: cannot mount a small tmpfs here (needs root)")
+        raise SystemExit(77)
+    try:
+        for np_ in (1, 2):
+            out = os.path.join(tiny, "proj.h5")
+            p = calibrate(model, out, files, np_=np_, expect=1)
+            check("Segmentation" not in p.stderr and p.returncode != 139, f"np {np_}: crashed")
+            check(out in p.stderr and "kqsvd calibrate: error" in p.stderr, f"np {np_}: {p.stderr}")
+            check(not os.listdir(tiny), f"np {np_}: left {os.listdir(tiny)}")
+    finally:
+        subprocess.run(["umount", tiny])
+    finish("disk_full")

@@ -104,6 +104,17 @@ def shards():
             ("five shards on 3 ranks, qr block 1000", five_model, five, 3, ["--qr-block", "1000"]),
             ("five shards, reads of 64 rows", five_model, five, 1, ["--read-rows", "64", "--qr-block", "64"]),
             ("five shards on 7 ranks", five_model, five, 7, [])]
+    # For a fixed rank count, shard list and --qr-block, the read size must
+    # not change a single bit (W^O included: hidden 2048 spans many reads).
+    exact_model, exact = synth(os.path.join(wd, "wide"), shards=2, **dict(GQA, hidden=2048))
+    outs = []
+    for extra in ([], ["--read-rows", "64"], ["--read-rows", "192", "--mem-limit", "200"]):
+        outs.append(os.path.join(wd, f"exact{len(outs)}.h5"))
+        calibrate(exact_model, outs[-1], exact, np_=2, extra=["--qr-block", "64"] + extra)
+    a = load_proj(outs[0])
+    for o in outs[1:]:
+        b = load_proj(o)
+        check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"), f"{o}: read size changed bits")
     for i, (what, model, files, np_, extra) in enumerate(runs):
         out = os.path.join(wd, f"run{i}.h5")
         calibrate(model, out, files, np_=np_, extra=extra)
