@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
@@ -96,10 +97,17 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   c->nshards = argc - optind;
   c->shards = argv + optind;
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
-  /* The same file twice would count its rows twice. */
-  for (int i = 0; i < c->nshards; i++) {
+  /* The same file twice would count its rows twice; an output that is an
+   * input would be replaced by the rename. */
+  struct stat o;
+  const int out_exists = stat(c->out_path, &o) == 0;
+  for (int i = -1; i < c->nshards; i++) {
+    const char *in = i < 0 ? c->model_path : c->shards[i];
     struct stat a;
-    if (stat(c->shards[i], &a) != 0) continue;
+    if (stat(in, &a) != 0) continue;
+    KQSVD_CHECK(!out_exists || a.st_dev != o.st_dev || a.st_ino != o.st_ino, KQSVD_ERR_USAGE,
+                "--out %s is one of the inputs", c->out_path);
+    if (i < 0) continue;
     for (int j = 0; j < i; j++) {
       struct stat b;
       KQSVD_CHECK(stat(c->shards[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
@@ -261,6 +269,10 @@ int64_t calib_local_rows(const calib_t *c) {
 
 static void print_header(const calib_t *c) {
   char tok[32];
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (c->cli->size == 1 && cores > 1)
+    fprintf(stderr, "kqsvd calibrate: one rank on a %ld-core machine; 'mpirun -np %ld kqsvd "
+            "calibrate ...' uses them all\n", cores, cores);
   kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
   fprintf(stderr,
           "kqsvd calibrate: %d shard%s, %s tokens in %lld sequences; %lld layers x %lld KV "
@@ -287,8 +299,11 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   memset(&c, 0, sizeof c);
   c.cli = cli;
   c.t_start = kqsvd_now();
+  /* Options are checked against the file system too, which may look
+   * different from another node: agree rather than assume. */
   st = parse(&c, argc, argv);
-  if (st != KQSVD_OK) return kqsvd_usage_error(cli, "calibrate", st);
+  if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "calibrate", st);
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   if (c.help) return KQSVD_OK;
   kqsvd_blas_set_threads((int)c.threads);
 

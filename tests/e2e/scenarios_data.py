@@ -263,6 +263,8 @@ def bad_input():
     case("--beta -1", ["--beta"], args=["--beta", "-1"], code=2)
     case("unknown option", ["unknown option", "--frobnicate"], args=["--frobnicate"], code=2)
     case("shard twice", ["given twice"], files=shards + [shards[0]], code=2)
+    p = calibrate(model, shards[1], shards, np_=2, expect=1)
+    check("is one of the inputs" in p.stderr and p.returncode == 2, f"--out = input: {p.stderr}")
     case("tiny memory limit", ["--mem-limit"], args=["--mem-limit", "16"], code=2)
     # Ranks owning different numbers of items must still decide alike.
     wide_model, wide = synth(os.path.join(wd, "wide"), layers=3, heads=1, kv_heads=1, head_dim=512,
