@@ -169,7 +169,9 @@ static kqsvd_status_t stream_segments(stream_t *s) {
     }
     for (int64_t i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems && !stop; i++) {
       KQSVD_CALL(stream_item(s, sh, &segs[k], i, &stop));
-      if (!stop && c->ckpt_dir && kqsvd_now() - s->last_save >= c->ckpt_every)
+      /* Every finished segment is kept; long ones also on a timer. */
+      const int last = i + 1 == c->nitems;
+      if (!stop && c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
         KQSVD_CALL(save_checkpoint(s, k, i + 1));
     }
     kqsvd_shard_close(&own);
@@ -211,12 +213,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
                               "checkpoint in %s does not fit this run's plan", c->ckpt_dir);
     c->resumed = found;
-    int any = 0;
     KQSVD_CALL(kqsvd_mpi_agree(comm, local));
-    KQSVD_MPI(MPI_Reduce(&found, &any, 1, MPI_INT, MPI_SUM, 0, comm));
-    if (c->cli->rank == 0 && any && c->progress != KQSVD_PROGRESS_OFF)
-      fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s\n", any,
-              c->cli->size, c->ckpt_dir);
   }
   KQSVD_MALLOC(s.shared, (size_t)s.nseg + 1, "shared shard handles");
   for (int64_t k = 0; k <= s.nseg; k++) s.shared[k].sh = NULL, s.shared[k].comm = MPI_COMM_NULL;
@@ -233,8 +230,13 @@ kqsvd_status_t calib_stream(calib_t *c) {
 
   s.work = work_before(c, c->segs + c->seg_first[c->cli->rank]);
   int64_t base = 0;
+  int resumed = 0;
   KQSVD_MPI(MPI_Allreduce(&s.work, &base, 1, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(&c->resumed, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
+  if (c->cli->rank == 0 && resumed && c->progress != KQSVD_PROGRESS_OFF)
+    fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s, %.1f%% "
+            "already done\n", resumed, c->cli->size, c->ckpt_dir, 100.0 * (double)base / (double)total);
   kqsvd_progress_init(&prog, c->progress, "calibrate", c->tokens, base);
   KQSVD_CALL(kqsvd_monitor_init(comm, total, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &s.mon));

@@ -2,6 +2,7 @@
 checkpoint/resume."""
 import glob
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -296,6 +297,15 @@ def checkpoint():
           "resumed output differs from the uninterrupted run")
     check(not glob.glob(os.path.join(ck, "rank-*.h5")), "checkpoints left after success")
     os.remove(out)
+    # With the default timer, every finished shard is still kept.
+    kill1 = {"KQSVD_TEST_KILL_AFTER_CHECKPOINTS": "2", "KQSVD_TEST_KILL_RANK": "0"}
+    calibrate(model, out, shards, np_=2, extra=["--checkpoint", ck], env=kill1, expect=1)
+    p = calibrate(model, out, shards, np_=2, extra=["--checkpoint", ck, "--progress", "lines"])
+    m = re.search(r"resuming \d of 2 ranks .*, ([0-9.]+)% already done", p.stderr)
+    check(m and float(m.group(1)) > 0, f"finished shards were not kept: {p.stderr}")
+    b = load_proj(out)
+    check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"), "second resume differs")
+    os.remove(out)
     # A checkpoint of another rank count, or of other inputs, is refused.
     calibrate(model, out, shards, np_=2, extra=args, env=kill, expect=1)
     p = calibrate(model, out, shards, np_=3, extra=args, expect=1)
@@ -309,7 +319,6 @@ def checkpoint():
 
 def examples():
     """The README's PyTorch snippet and the inspection script, on a fresh set."""
-    import re
     import sys
     wd = workdir("examples")
     model, files = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=16,
