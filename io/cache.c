@@ -199,7 +199,6 @@ void kqsvd_model_close(kqsvd_model_t **m) {
 }
 
 const kqsvd_dims_t *kqsvd_model_dims(const kqsvd_model_t *m) { return &m->dims; }
-const char *kqsvd_model_path(const kqsvd_model_t *m) { return m->path; }
 kqsvd_dtype_t kqsvd_model_dtype(const kqsvd_model_t *m) { return m->o.type; }
 
 kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0,

@@ -88,30 +88,19 @@ done:
   return st;
 }
 
-/* A numeric scalar read as `mtype`; floats are accepted only if `floats`. */
-static kqsvd_status_t attr_number(hid_t obj, const char *path, const char *name, hid_t mtype,
-                                  int floats, void *v) {
+kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, int64_t *v) {
   kqsvd_status_t st = KQSVD_OK;
   hid_t attr = -1;
   H5T_class_t cls;
+  long long x = 0;
   KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
-  KQSVD_CHECK(cls == H5T_INTEGER || (floats && cls == H5T_FLOAT), KQSVD_ERR_INPUT,
-              "%s: attribute '%s' must be %s", path, name, floats ? "a number" : "an integer");
-  KQSVD_H5(H5Aread(attr, mtype, v));
+  KQSVD_CHECK(cls == H5T_INTEGER, KQSVD_ERR_INPUT, "%s: attribute '%s' must be an integer", path,
+              name);
+  KQSVD_H5(H5Aread(attr, H5T_NATIVE_LLONG, &x));
+  *v = x;
 done:
   kqsvd_h5_close(&attr);
   return st;
-}
-
-kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, int64_t *v) {
-  long long x = 0;
-  kqsvd_status_t st = attr_number(obj, path, name, H5T_NATIVE_LLONG, 0, &x);
-  *v = x;
-  return st;
-}
-
-kqsvd_status_t kqsvd_h5_attr_double(hid_t obj, const char *path, const char *name, double *v) {
-  return attr_number(obj, path, name, H5T_NATIVE_DOUBLE, 1, v);
 }
 
 kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, char *buf,

@@ -45,7 +45,6 @@ typedef struct kqsvd_model kqsvd_model_t;
 kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **m);
 void kqsvd_model_close(kqsvd_model_t **m);
 const kqsvd_dims_t *kqsvd_model_dims(const kqsvd_model_t *m);
-const char *kqsvd_model_path(const kqsvd_model_t *m);
 kqsvd_dtype_t kqsvd_model_dtype(const kqsvd_model_t *m);
 
 /* Not collective.  Reads the raw block o_proj[layer][row0 .. row0+nrows,

@@ -43,7 +43,6 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file);
 /* Scalar attributes.  Readers fail with KQSVD_ERR_INPUT naming the file and
  * attribute when it is missing or of the wrong kind. */
 kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, int64_t *v);
-kqsvd_status_t kqsvd_h5_attr_double(hid_t obj, const char *path, const char *name, double *v);
 kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, char *buf,
                                  size_t n);
 kqsvd_status_t kqsvd_h5_put_int(hid_t obj, const char *name, hid_t type, int64_t v);

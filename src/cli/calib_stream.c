@@ -245,6 +245,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
   local = stream_segments(&s);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(s.mon));
   c->t_stream = kqsvd_now() - t0;
+  c->streamed = (double)c->tokens * (double)(total - base) / (double)total;
   st = kqsvd_monitor_finish(s.mon, s.work, local);
 done:
   /* Collective closes of shared shards, in the order they were opened; only

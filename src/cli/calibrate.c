@@ -261,13 +261,6 @@ done:
   return st;
 }
 
-int64_t calib_local_rows(const calib_t *c) {
-  int64_t n = 0;
-  for (int64_t k = c->seg_first[c->cli->rank]; k < c->seg_first[c->cli->rank + 1]; k++)
-    n += c->segs[k].row1 - c->segs[k].row0;
-  return n;
-}
-
 static void print_header(const calib_t *c) {
   char tok[32];
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -285,7 +278,7 @@ static void print_header(const calib_t *c) {
 
 static void print_summary(const calib_t *c, double seconds) {
   char rate[32];
-  kqsvd_fmt_count((double)c->tokens / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
+  kqsvd_fmt_count(c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
   printf("layer  rank_k  rank_v   of d = %lld at eps = %g\n", (long long)c->d, c->eps);
   for (int64_t l = 0; l < c->dims.layers; l++)
     printf("%5lld  %6d  %6d\n", (long long)l, c->rank_k[l], c->rank_v[l]);

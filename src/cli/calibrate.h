@@ -42,14 +42,11 @@ typedef struct calib {
   kqsvd_checkpoint_pos_t pos;
   int resumed;
   int32_t *rank_k, *rank_v; /* [L], rank 0 */
-  double t_start, t_stream;
+  double t_start, t_stream, streamed; /* streamed: tokens read by this run */
 } calib_t;
 
 /* Stages, each collective over cli->comm and ending in agreement. */
 kqsvd_status_t calib_stream(calib_t *c);
 kqsvd_status_t calib_finish(calib_t *c);
-
-/* Rows of this rank's segments, in total. */
-int64_t calib_local_rows(const calib_t *c);
 
 #endif

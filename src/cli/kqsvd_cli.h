@@ -52,7 +52,6 @@ typedef struct kqsvd_progress {
   int64_t tokens;    /* what `total` work units amount to */
   int64_t work_base; /* work already done before this run (resumed) */
   double t0;
-  int drawn;
 } kqsvd_progress_t;
 
 kqsvd_status_t kqsvd_progress_parse(const char *s, kqsvd_progress_mode_t *mode);

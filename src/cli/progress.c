@@ -27,7 +27,6 @@ void kqsvd_progress_init(kqsvd_progress_t *p, kqsvd_progress_mode_t mode, const 
   p->tokens = tokens;
   p->work_base = work_base;
   p->t0 = kqsvd_now();
-  p->drawn = 0;
 }
 
 double kqsvd_progress_interval(const kqsvd_progress_t *p) {
@@ -61,5 +60,4 @@ void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final) {
             b, c, final ? "took" : "ETA", e);
   }
   fflush(stderr);
-  p->drawn = 1;
 }

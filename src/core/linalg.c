@@ -67,8 +67,6 @@ void kqsvd_qr_ws_free(kqsvd_qr_ws_t **ws) {
   *ws = NULL;
 }
 
-int kqsvd_qr_ws_block_rows(const kqsvd_qr_ws_t *ws) { return ws->block_rows; }
-
 kqsvd_status_t kqsvd_qr_absorb(kqsvd_qr_ws_t *ws, double *R, const void *X, kqsvd_dtype_t type,
                                int64_t n, int64_t *bad_row) {
   kqsvd_status_t st = KQSVD_OK;
