@@ -203,8 +203,8 @@ kqsvd_status_t calib_stream(calib_t *c) {
   KQSVD_MALLOC(c->state, (size_t)nvals, "R factors");
   for (int64_t k = 0; k < nvals; k++) c->state[k] = 0.0;
   c->pos.segment = c->pos.item = 0;
+  int found = 0;
   if (c->ckpt_dir) {
-    int found = 0;
     local = kqsvd_checkpoint_load(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint, nvals,
                                   c->state, &c->pos, &found);
     if (local == KQSVD_OK && (c->pos.segment < 0 || c->pos.segment > s.nseg ||
@@ -212,7 +212,6 @@ kqsvd_status_t calib_stream(calib_t *c) {
                               (c->pos.segment == s.nseg && c->pos.item != 0)))
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
                               "checkpoint in %s does not fit this run's plan", c->ckpt_dir);
-    c->resumed = found;
     KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   }
   KQSVD_MALLOC(s.shared, (size_t)s.nseg + 1, "shared shard handles");
@@ -232,7 +231,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
   int64_t base = 0;
   int resumed = 0;
   KQSVD_MPI(MPI_Allreduce(&s.work, &base, 1, MPI_INT64_T, MPI_SUM, comm));
-  KQSVD_MPI(MPI_Allreduce(&c->resumed, &resumed, 1, MPI_INT, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(&found, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
   if (c->cli->rank == 0 && resumed && c->progress != KQSVD_PROGRESS_OFF)
     fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s, %.1f%% "

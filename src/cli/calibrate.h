@@ -40,7 +40,6 @@ typedef struct calib {
   double *RW;       /* (own1 - own0) x d x d, R of W^T, column-major */
   char *raw;        /* (group + 2) x io_rows x d elements */
   kqsvd_checkpoint_pos_t pos;
-  int resumed;
   int32_t *rank_k, *rank_v; /* [L], rank 0 */
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
 } calib_t;

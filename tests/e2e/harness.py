@@ -65,6 +65,12 @@ def synth(out, **opts):
     return os.path.join(out, "model.h5"), sorted(glob.glob(os.path.join(out, "shard-*.h5")))
 
 
+def small_set(name, **opts):
+    """A fresh work folder holding a synthetic set: (folder, model, shards)."""
+    wd = workdir(name)
+    return (wd, *synth(os.path.join(wd, "set"), **opts))
+
+
 def calibrate(model, out, shards, np_=1, extra=(), env=None, expect=0):
     return run(["calibrate", "--progress", "off", "--model", model, "--out", out,
                 *extra, *shards], np_=np_, env=env, expect=expect)

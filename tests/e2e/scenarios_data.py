@@ -10,8 +10,8 @@ import time
 import h5py
 import numpy as np
 
-from harness import (calibrate, check, finish, load_proj, run, synth, workdir, MPIEXEC, NPFLAG,
-                     PREFLAGS, KQSVD)
+from harness import (calibrate, check, finish, load_proj, small_set, synth, workdir, MPIEXEC,
+                     NPFLAG, PREFLAGS, KQSVD)
 
 ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 
@@ -279,9 +279,8 @@ def bad_input():
 
 
 def checkpoint():
-    wd = workdir("checkpoint")
-    model, shards = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=16,
-                          seqs=12, seq_len=100, shards=6, uneven=True)
+    wd, model, shards = small_set("checkpoint", layers=2, heads=4, kv_heads=2, head_dim=16,
+                                  seqs=12, seq_len=100, shards=6, uneven=True)
     ref = os.path.join(wd, "ref.h5")
     calibrate(model, ref, shards, np_=2)
     out, ck = os.path.join(wd, "proj.h5"), os.path.join(wd, "ck")
@@ -320,9 +319,8 @@ def checkpoint():
 def examples():
     """The README's PyTorch snippet and the inspection script, on a fresh set."""
     import sys
-    wd = workdir("examples")
-    model, files = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=16,
-                         seqs=6, seq_len=64, shards=2)
+    wd, model, files = small_set("examples", layers=2, heads=4, kv_heads=2, head_dim=16,
+                                 seqs=6, seq_len=64, shards=2)
     out = os.path.join(wd, "proj.h5")
     calibrate(model, out, files, np_=2)
     ex = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
@@ -350,9 +348,8 @@ def examples():
 
 def disk_full():
     """A full disk while writing: one message naming the file, no crash, no output."""
-    wd = workdir("disk_full")
-    model, files = synth(os.path.join(wd, "set"), layers=2, heads=4, kv_heads=2, head_dim=32,
-                         seqs=4, seq_len=64, shards=2)
+    wd, model, files = small_set("disk_full", layers=2, heads=4, kv_heads=2, head_dim=32,
+                                 seqs=4, seq_len=64, shards=2)
     tiny = os.path.join(wd, "tiny")
     os.makedirs(tiny)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", tiny],

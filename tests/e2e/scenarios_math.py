@@ -5,7 +5,7 @@ import os
 import h5py
 import numpy as np
 
-from harness import calibrate, check, finish, load_proj, max_rel_diff, synth, workdir
+from harness import calibrate, check, finish, load_proj, max_rel_diff, small_set, synth, workdir
 from reference import group_mats, load_oproj, load_set, rank_rule, svals
 
 # A GQA model (3 query heads per KV head), bf16, uneven shards of uneven sequences.
@@ -32,8 +32,7 @@ def ref_projections(k, q, v, w, beta):
 
 
 def reference():
-    wd = workdir("reference")
-    model, shards = synth(os.path.join(wd, "set"), shards=4, uneven=True, **GQA)
+    wd, model, shards = small_set("reference", shards=4, uneven=True, **GQA)
     out = os.path.join(wd, "proj.h5")
     calibrate(model, out, shards, np_=3, extra=["--eps", "0.15", "--beta", "2"])
     K, V, Q = load_set(shards)
@@ -76,8 +75,7 @@ def reference():
 
 
 def ranks():
-    wd = workdir("ranks")
-    model, shards = synth(os.path.join(wd, "set"), shards=3, uneven=True, **GQA)
+    wd, model, shards = small_set("ranks", shards=3, uneven=True, **GQA)
     base = None
     for np_ in (1, 2, 3, 4, 7):
         out = os.path.join(wd, f"proj-np{np_}.h5")
