@@ -23,6 +23,7 @@ struct kqsvd_shard {
   int collective;
   kqsvd_dims_t dims;
   int64_t T, S;
+  int64_t *seq_lens;
   tensor_t t[3];
 };
 
@@ -110,6 +111,8 @@ static kqsvd_status_t read_seq_lens(kqsvd_shard_t *sh) {
               "%s: seq_lens sums to %lld but the caches hold T = %lld rows", sh->path, sum,
               (long long)sh->T);
   sh->S = (int64_t)n;
+  KQSVD_MALLOC(sh->seq_lens, n ? n : 1, "seq_lens");
+  for (hsize_t i = 0; i < n; i++) sh->seq_lens[i] = (int64_t)lens[i];
 done:
   free(lens);
   kqsvd_h5_close(&type);
@@ -150,6 +153,7 @@ void kqsvd_shard_close(kqsvd_shard_t **sh) {
   if (!sh || !*sh) return;
   for (int i = 0; i < 3; i++) tensor_close(&(*sh)->t[i]);
   kqsvd_h5_close(&(*sh)->file);
+  free((*sh)->seq_lens);
   free(*sh);
   *sh = NULL;
 }
@@ -158,6 +162,7 @@ const kqsvd_dims_t *kqsvd_shard_dims(const kqsvd_shard_t *sh) { return &sh->dims
 const char *kqsvd_shard_path(const kqsvd_shard_t *sh) { return sh->path; }
 int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh) { return sh->T; }
 int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh) { return sh->S; }
+const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh) { return sh->seq_lens; }
 kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t) {
   return sh->t[t].type;
 }

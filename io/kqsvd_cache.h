@@ -29,6 +29,7 @@ const kqsvd_dims_t *kqsvd_shard_dims(const kqsvd_shard_t *sh);
 const char *kqsvd_shard_path(const kqsvd_shard_t *sh);
 int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh);    /* T */
 int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh); /* S */
+const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh); /* [S] */
 kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t);
 
 /* Not collective (independent I/O).  Reads the raw elements

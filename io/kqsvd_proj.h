@@ -11,9 +11,10 @@
 
 typedef struct kqsvd_proj_meta {
   kqsvd_dims_t dims;
-  double eps, beta;
+  double eps, beta; /* eps is NaN when the ranks came from another policy */
   int64_t tokens, shards;
-  int64_t qr_block; /* extension: rows per Householder update */
+  int64_t qr_block;        /* extension: rows per Householder update */
+  const char *rank_policy; /* extension: the policy that chose the ranks */
 } kqsvd_proj_meta_t;
 
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;
@@ -29,13 +30,43 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
 kqsvd_status_t kqsvd_proj_write_item(kqsvd_proj_writer_t *w, int64_t layer, int64_t kv_head,
                                      const kqsvd_solution_t *sol);
 
-/* Not collective; call on one rank: rank_k and rank_v ([L] each) of every
- * method group. */
+/* Not collective; call on one rank: rank_k and rank_v, [KQSVD_NMETHODS][L]
+ * each, into the method groups. */
 kqsvd_status_t kqsvd_proj_write_ranks(kqsvd_proj_writer_t *w, const int32_t *rank_k,
                                       const int32_t *rank_v);
 
 /* Collective: closes the file (every rank must call it, also after a
  * failure, or the others hang).  Frees *w. */
 kqsvd_status_t kqsvd_proj_close(kqsvd_proj_writer_t **w);
+
+/* Reading a projections file (not collective: each rank opens its own
+ * handle with the default driver; the file is small). */
+typedef struct kqsvd_proj_reader kqsvd_proj_reader_t;
+
+/* Opens `path` and checks the header and that every dataset of the
+ * contract is there with its shape and kind (float or integer).  Errors:
+ * KQSVD_ERR_INPUT naming the file and what is wrong. */
+kqsvd_status_t kqsvd_proj_open(const char *path, kqsvd_proj_reader_t **r);
+void kqsvd_proj_reader_free(kqsvd_proj_reader_t **r);
+
+/* The header (causal is not part of it: set to -1), and attributes: beta
+ * of /eigen, eps, tokens, and the rank_policy extension ("" if absent). */
+const kqsvd_dims_t *kqsvd_proj_dims(const kqsvd_proj_reader_t *r);
+double kqsvd_proj_beta(const kqsvd_proj_reader_t *r);
+double kqsvd_proj_eps(const kqsvd_proj_reader_t *r);
+int64_t kqsvd_proj_tokens(const kqsvd_proj_reader_t *r);
+const char *kqsvd_proj_policy(const kqsvd_proj_reader_t *r);
+
+/* Reads float64 dataset group/name ("kqsvd"/"key_down", "spectra"/"K"):
+ * the whole of it for layer < 0, else layer `layer` ([Hkv][d][d] or
+ * [Hkv][d]).  Errors: KQSVD_ERR_DATA naming the file, dataset and layer
+ * when a value is NaN or Inf; _HDF5. */
+kqsvd_status_t kqsvd_proj_read(kqsvd_proj_reader_t *r, const char *group, const char *name,
+                               int64_t layer, double *buf);
+
+/* Reads a method's rank_k and rank_v ([L] each) and checks 1 <= r <= d.
+ * Errors: KQSVD_ERR_INPUT, _HDF5. */
+kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, int32_t *rank_k,
+                                     int32_t *rank_v);
 
 #endif

@@ -1,5 +1,7 @@
 #include "kqsvd_proj.h"
 
+#include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -16,7 +18,7 @@ struct kqsvd_proj_writer {
   hid_t group[KQSVD_NMETHODS + 1];
   hid_t p[KQSVD_NMETHODS][P_N];
   hid_t s[S_N];
-  int64_t d;
+  int64_t d, layers;
 };
 
 static kqsvd_status_t create_ds(hid_t loc, const char *name, hid_t type, int nd,
@@ -44,6 +46,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   for (int i = 0; i < S_N; i++) w->s[i] = -1;
   const kqsvd_dims_t *dm = &meta->dims;
   w->d = dm->head_dim;
+  w->layers = dm->layers;
   snprintf(w->path, sizeof w->path, "%s", path);
   KQSVD_H5_ID(fapl, H5Pcreate(H5P_FILE_ACCESS));
   KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
@@ -60,6 +63,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   KQSVD_CALL(kqsvd_h5_put_int(w->file, "shards", H5T_STD_I64LE, meta->shards));
   KQSVD_CALL(kqsvd_h5_put_int(w->file, "qr_block_rows", H5T_STD_I64LE, meta->qr_block));
   KQSVD_CALL(kqsvd_h5_put_str(w->file, "kqsvd_version", KQSVD_VERSION));
+  if (meta->rank_policy) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rank_policy", meta->rank_policy));
 
   const hsize_t mat[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
                           (hsize_t)dm->head_dim};
@@ -126,9 +130,12 @@ done:
 kqsvd_status_t kqsvd_proj_write_ranks(kqsvd_proj_writer_t *w, const int32_t *rank_k,
                                       const int32_t *rank_v) {
   kqsvd_status_t st = KQSVD_OK;
+  const int64_t L = w->layers;
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
-    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_K], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, rank_k));
-    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_V], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, rank_v));
+    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_K], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                      rank_k + m * L));
+    KQSVD_H5(H5Dwrite(w->p[m][P_RANK_V], H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT,
+                      rank_v + m * L));
   }
 done:
   if (st != KQSVD_OK) kqsvd_error_context(w->path);
@@ -153,5 +160,155 @@ done:
     kqsvd_error_mark_fatal();
   }
   free(w);
+  return st;
+}
+
+/* ---- reading ----------------------------------------------------------- */
+
+struct kqsvd_proj_reader {
+  char path[PATH_MAX];
+  hid_t file;
+  kqsvd_dims_t dims;
+  double eps, beta;
+  int64_t tokens;
+  char policy[64];
+};
+
+/* Checks that group/name exists with the shape of the contract and
+ * elements of class `cls`. */
+static kqsvd_status_t check_dataset(kqsvd_proj_reader_t *r, const char *group, const char *name,
+                                    int nd, H5T_class_t cls) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t ds = -1, type = -1;
+  hsize_t got[4] = {0, 0, 0, 0};
+  char full[96];
+  const kqsvd_dims_t *dm = &r->dims;
+  const hsize_t want[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads,
+                           (hsize_t)dm->head_dim, (hsize_t)dm->head_dim};
+  snprintf(full, sizeof full, "%s/%s", group, name);
+  KQSVD_CALL(kqsvd_h5_dataset(r->file, r->path, full, nd, got, &ds));
+  for (int k = 0; k < nd; k++)
+    KQSVD_CHECK(got[k] == want[k], KQSVD_ERR_INPUT,
+                "%s: dataset '%s' has extent %llu in dimension %d, expected %llu", r->path, full,
+                (unsigned long long)got[k], k, (unsigned long long)want[k]);
+  KQSVD_H5_ID(type, H5Dget_type(ds));
+  KQSVD_CHECK(H5Tget_class(type) == cls, KQSVD_ERR_INPUT, "%s: dataset '%s' must hold %s",
+              r->path, full, cls == H5T_FLOAT ? "floating-point numbers" : "integers");
+done:
+  kqsvd_h5_close(&type);
+  kqsvd_h5_close(&ds);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_open(const char *path, kqsvd_proj_reader_t **out) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_proj_reader_t *r = calloc(1, sizeof *r);
+  hid_t grp = -1;
+  *out = NULL;
+  KQSVD_CHECK(r, KQSVD_ERR_NOMEM, "cannot allocate a projections reader");
+  r->file = -1;
+  snprintf(r->path, sizeof r->path, "%s", path);
+  KQSVD_CALL(kqsvd_h5_open_read(path, MPI_COMM_NULL, &r->file));
+  KQSVD_CALL(kqsvd_h5_read_dims(r->file, path, "projections", 0, &r->dims));
+  r->dims.causal = -1;
+  KQSVD_CALL(kqsvd_h5_attr_int(r->file, path, "tokens", &r->tokens));
+  r->eps = NAN;
+  if (H5Aexists(r->file, "eps") > 0) {
+    hid_t a = H5Aopen(r->file, "eps", H5P_DEFAULT);
+    if (a < 0 || H5Aread(a, H5T_NATIVE_DOUBLE, &r->eps) < 0) r->eps = NAN;
+    kqsvd_h5_close(&a);
+  }
+  if (H5Aexists(r->file, "rank_policy") > 0)
+    KQSVD_CALL(kqsvd_h5_attr_str(r->file, path, "rank_policy", r->policy, sizeof r->policy));
+  const char *groups[KQSVD_NMETHODS + 1] = {"kqsvd", "ksvd", "eigen", "spectra"};
+  for (int g = 0; g <= KQSVD_NMETHODS; g++)
+    KQSVD_CHECK(H5Lexists(r->file, groups[g], H5P_DEFAULT) > 0, KQSVD_ERR_INPUT,
+                "%s: group '/%s' is missing", path, groups[g]);
+  for (int m = 0; m < KQSVD_NMETHODS; m++)
+    for (int i = 0; i < P_N; i++)
+      KQSVD_CALL(check_dataset(r, groups[m], g_pnames[i],
+                               i <= P_VALUE_UP ? 4 : i <= P_SIGMA_V ? 3 : 1,
+                               i >= P_RANK_K ? H5T_INTEGER : H5T_FLOAT));
+  for (int i = 0; i < S_N; i++) KQSVD_CALL(check_dataset(r, "spectra", g_snames[i], 3, H5T_FLOAT));
+  r->beta = 1.0;
+  KQSVD_H5_ID(grp, H5Gopen2(r->file, "eigen", H5P_DEFAULT));
+  if (H5Aexists(grp, "beta") > 0) {
+    hid_t a = H5Aopen(grp, "beta", H5P_DEFAULT);
+    const herr_t e = a < 0 ? -1 : H5Aread(a, H5T_NATIVE_DOUBLE, &r->beta);
+    kqsvd_h5_close(&a);
+    KQSVD_CHECK(e >= 0 && isfinite(r->beta) && r->beta > 0, KQSVD_ERR_INPUT,
+                "%s: attribute '/eigen/beta' must be a positive number", path);
+  }
+  *out = r;
+  r = NULL;
+done:
+  kqsvd_h5_close(&grp);
+  if (st != KQSVD_OK) kqsvd_error_context(path);
+  kqsvd_proj_reader_free(&r);
+  return st;
+}
+
+void kqsvd_proj_reader_free(kqsvd_proj_reader_t **r) {
+  if (!r || !*r) return;
+  kqsvd_h5_close(&(*r)->file);
+  free(*r);
+  *r = NULL;
+}
+
+const kqsvd_dims_t *kqsvd_proj_dims(const kqsvd_proj_reader_t *r) { return &r->dims; }
+double kqsvd_proj_beta(const kqsvd_proj_reader_t *r) { return r->beta; }
+double kqsvd_proj_eps(const kqsvd_proj_reader_t *r) { return r->eps; }
+int64_t kqsvd_proj_tokens(const kqsvd_proj_reader_t *r) { return r->tokens; }
+const char *kqsvd_proj_policy(const kqsvd_proj_reader_t *r) { return r->policy; }
+
+kqsvd_status_t kqsvd_proj_read(kqsvd_proj_reader_t *r, const char *group, const char *name,
+                               int64_t layer, double *buf) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t ds = -1, fspace = -1, mspace = -1;
+  char full[96];
+  snprintf(full, sizeof full, "%s/%s", group, name);
+  KQSVD_H5_ID(ds, H5Dopen2(r->file, full, H5P_DEFAULT));
+  KQSVD_H5_ID(fspace, H5Dget_space(ds));
+  const int nd = H5Sget_simple_extent_ndims(fspace);
+  hsize_t dims[4] = {0, 0, 0, 0}, start[4] = {0, 0, 0, 0};
+  KQSVD_H5(H5Sget_simple_extent_dims(fspace, dims, NULL));
+  if (layer >= 0) {
+    start[0] = (hsize_t)layer;
+    dims[0] = 1;
+    KQSVD_H5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start, NULL, dims, NULL));
+  }
+  hsize_t n = 1;
+  for (int k = 0; k < nd; k++) n *= dims[k];
+  KQSVD_H5_ID(mspace, H5Screate_simple(1, &n, NULL));
+  KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, mspace, fspace, H5P_DEFAULT, buf));
+  const hsize_t per_layer = n / dims[0];
+  for (hsize_t k = 0; k < n; k++)
+    KQSVD_CHECK(isfinite(buf[k]), KQSVD_ERR_DATA, "%s: dataset '%s': NaN or Inf at layer %lld",
+                r->path, full, (long long)(layer >= 0 ? layer : (int64_t)(k / per_layer)));
+done:
+  kqsvd_h5_close(&mspace);
+  kqsvd_h5_close(&fspace);
+  kqsvd_h5_close(&ds);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, int32_t *rank_k,
+                                     int32_t *rank_v) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t ds = -1;
+  for (int side = 0; side < 2; side++) {
+    char full[96];
+    int32_t *v = side ? rank_v : rank_k;
+    snprintf(full, sizeof full, "%s/%s", kqsvd_method_name(m), side ? "rank_v" : "rank_k");
+    KQSVD_H5_ID(ds, H5Dopen2(r->file, full, H5P_DEFAULT));
+    KQSVD_H5(H5Dread(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, v));
+    kqsvd_h5_close(&ds);
+    for (int64_t l = 0; l < r->dims.layers; l++)
+      KQSVD_CHECK(v[l] >= 1 && v[l] <= r->dims.head_dim, KQSVD_ERR_INPUT,
+                  "%s: dataset '%s': layer %lld has rank %d, outside [1, head_dim = %lld]",
+                  r->path, full, (long long)l, v[l], (long long)r->dims.head_dim);
+  }
+done:
+  kqsvd_h5_close(&ds);
   return st;
 }

@@ -3,6 +3,7 @@
  * parallel write of the projections under a temporary name. */
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,15 +14,19 @@
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 
-/* Solves and writes the owned items; keeps sigma(K) and sigma(V) per item
- * for the rank rule (zero for items owned elsewhere). */
-static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *sig_k,
-                                  double *sig_v) {
+/* Spectra the rank policies need, per item: each method's sigma_k and
+ * sigma_v, then those of K and V. */
+enum { SIG_K = 2 * KQSVD_NMETHODS, SIG_V, SIG_N };
+
+/* Solves and writes the owned items, keeping their spectra in sig
+ * ([SIG_N][nitems][d], zero for items owned elsewhere). */
+static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *sig) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_solution_t sol;
   double *R = NULL;
   const int d = (int)c->d;
   const size_t tri = kqsvd_tri_size(d), dd = (size_t)d * (size_t)d;
+  const size_t plane = (size_t)(c->nitems * c->d), vec = (size_t)d * sizeof(double);
   memset(&sol, 0, sizeof sol);
   KQSVD_CALL(kqsvd_solution_init(d, &sol));
   KQSVD_MALLOC(R, CAL_NR * dd, "R factors of one item");
@@ -31,8 +36,13 @@ static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *si
     KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd,
                            c->RW + (size_t)(i - c->own0) * dd, c->beta, &sol));
     KQSVD_CALL(kqsvd_proj_write_item(w, i / c->dims.kv_heads, i % c->dims.kv_heads, &sol));
-    memcpy(sig_k + (size_t)i * d, sol.spec_K, (size_t)d * sizeof(double));
-    memcpy(sig_v + (size_t)i * d, sol.spec_V, (size_t)d * sizeof(double));
+    double *at = sig + (size_t)i * (size_t)d;
+    for (int m = 0; m < KQSVD_NMETHODS; m++) {
+      memcpy(at + (2 * m) * plane, sol.method[m].sigma_k, vec);
+      memcpy(at + (2 * m + 1) * plane, sol.method[m].sigma_v, vec);
+    }
+    memcpy(at + SIG_K * plane, sol.spec_K, vec);
+    memcpy(at + SIG_V * plane, sol.spec_V, vec);
   }
 done:
   kqsvd_solution_free(&sol);
@@ -40,16 +50,17 @@ done:
   return st;
 }
 
-/* Rank 0: the paper's rule per layer, over the layer's KV heads. */
-static kqsvd_status_t choose_ranks(calib_t *c, const double *sig_k, const double *sig_v) {
+/* Rank 0: the rank policy over all items' spectra. */
+static kqsvd_status_t choose_ranks(calib_t *c, const double *sig) {
   kqsvd_status_t st = KQSVD_OK;
-  const int64_t L = c->dims.layers, H = c->dims.kv_heads;
-  KQSVD_MALLOC(c->rank_k, L, "ranks");
-  KQSVD_MALLOC(c->rank_v, L, "ranks");
-  for (int64_t l = 0; l < L; l++) {
-    c->rank_k[l] = kqsvd_rank_eps((int)H, (int)c->d, sig_k + l * H * c->d, c->eps);
-    c->rank_v[l] = kqsvd_rank_eps((int)H, (int)c->d, sig_v + l * H * c->d, c->eps);
-  }
+  const int64_t L = c->dims.layers;
+  const size_t plane = (size_t)(c->nitems * c->d);
+  const double *sk[KQSVD_NMETHODS], *sv[KQSVD_NMETHODS];
+  for (int m = 0; m < KQSVD_NMETHODS; m++) sk[m] = sig + 2 * m * plane, sv[m] = sk[m] + plane;
+  KQSVD_MALLOC(c->rank_k, (size_t)(KQSVD_NMETHODS * L), "ranks");
+  KQSVD_MALLOC(c->rank_v, (size_t)(KQSVD_NMETHODS * L), "ranks");
+  KQSVD_CALL(kqsvd_rank_choose(&c->ranks, (int)L, (int)c->dims.kv_heads, (int)c->d, sk, sv,
+                               sig + SIG_K * plane, sig + SIG_V * plane, c->rank_k, c->rank_v));
 done:
   return st;
 }
@@ -59,8 +70,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
   MPI_Comm comm = c->cli->comm;
   const int root = c->cli->rank == 0;
   kqsvd_proj_writer_t *w = NULL;
-  double *sig_k = NULL, *sig_v = NULL;
-  char tmp[PATH_MAX + 32] = "";
+  double *sig = NULL;
+  char tmp[PATH_MAX + 32] = "", policy[64];
   int nsig_int = 0;
 
   if (root && c->progress != KQSVD_PROGRESS_OFF)
@@ -71,21 +82,21 @@ kqsvd_status_t calib_finish(calib_t *c) {
   /* One temporary name for all ranks, unique to this run. */
   if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->out_path, (long)getpid());
   KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
-  kqsvd_proj_meta_t meta = {c->dims, c->eps, c->beta, c->tokens, c->nshards, c->qr_block};
+  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
+  const double eps = c->ranks.kind == KQSVD_RANKS_EPS ? c->ranks.value : NAN;
+  kqsvd_proj_meta_t meta = {c->dims, eps, c->beta, c->tokens, c->nshards, c->qr_block, policy};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
 
-  const size_t nsig = (size_t)(c->nitems * c->d);
-  KQSVD_MALLOC(sig_k, nsig, "spectra");
-  KQSVD_MALLOC(sig_v, nsig, "spectra");
-  for (size_t k = 0; k < nsig; k++) sig_k[k] = sig_v[k] = 0.0;
-  KQSVD_CALL(kqsvd_mpi_agree(comm, solve_owned(c, w, sig_k, sig_v)));
+  const size_t nsig = (size_t)(SIG_N * c->nitems * c->d);
+  KQSVD_MALLOC(sig, nsig, "spectra");
+  for (size_t k = 0; k < nsig; k++) sig[k] = 0.0;
+  KQSVD_CALL(kqsvd_mpi_agree(comm, solve_owned(c, w, sig)));
   KQSVD_TO_INT(nsig, &nsig_int, "spectra size");
-  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sig_k, sig_k, nsig_int, MPI_DOUBLE, MPI_SUM, 0, comm));
-  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sig_v, sig_v, nsig_int, MPI_DOUBLE, MPI_SUM, 0, comm));
+  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sig, sig, nsig_int, MPI_DOUBLE, MPI_SUM, 0, comm));
   local = KQSVD_OK;
   if (root) {
-    local = choose_ranks(c, sig_k, sig_v);
+    local = choose_ranks(c, sig);
     if (local == KQSVD_OK) local = kqsvd_proj_write_ranks(w, c->rank_k, c->rank_v);
   }
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
@@ -100,7 +111,6 @@ done:
    * failure (otherwise main() aborts).  The partial file goes. */
   if (w && (st == KQSVD_OK || kqsvd_error_is_collective())) kqsvd_proj_close(&w);
   if (st != KQSVD_OK && root && tmp[0]) remove(tmp);
-  free(sig_k);
-  free(sig_v);
+  free(sig);
   return st;
 }

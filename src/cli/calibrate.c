@@ -25,7 +25,14 @@ static void calibrate_help(void) {
       "  --model FILE           model file with o_proj (required)\n"
       "  --out FILE             projections file to write (required); written under a\n"
       "                         temporary name and renamed when complete\n"
-      "  --eps X                energy tolerance of the rank rule, in (0, 1) [0.1]\n"
+      "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
+      "                           eps:E     the paper's rule: per layer, the smallest rank\n"
+      "                                     keeping 1 - E of the head-averaged energy of K\n"
+      "                                     (V for values); the same for every method\n"
+      "                           fixed:R   rank R everywhere\n"
+      "                           budget:F  a fraction F of the full cache, spread over the\n"
+      "                                     layers to minimise each method's tail energy\n"
+      "  --eps E                same as --ranks eps:E\n"
       "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n"
       "  --checkpoint DIR       save progress in DIR; rerunning the same command resumes\n"
       "  --checkpoint-every S   also checkpoint within a shard every S seconds, 0 = after\n"
@@ -42,12 +49,13 @@ static void calibrate_help(void) {
 
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_OUT, O_EPS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_READ,
+  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_READ,
          O_THREADS, O_PROGRESS };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
       {"eps", required_argument, NULL, O_EPS},
+      {"ranks", required_argument, NULL, O_RANKS},
       {"beta", required_argument, NULL, O_BETA},
       {"checkpoint", required_argument, NULL, O_CKPT},
       {"checkpoint-every", required_argument, NULL, O_CKPT_EVERY},
@@ -59,7 +67,8 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"verbose", no_argument, NULL, 'v'},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
-  c->eps = 0.1;
+  c->ranks = (kqsvd_rank_policy_t){KQSVD_RANKS_EPS, 0.1};
+  int policy_set = 0;
   c->beta = 1.0;
   c->ckpt_every = 60.0;
   c->mem_mib = 1024;
@@ -74,7 +83,17 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     switch (o) {
     case O_MODEL: c->model_path = optarg; break;
     case O_OUT: c->out_path = optarg; break;
-    case O_EPS: KQSVD_CALL(kqsvd_opt_double("--eps", optarg, 0, 1, 1, 1, &c->eps)); break;
+    case O_EPS:
+    case O_RANKS:
+      KQSVD_CHECK(!policy_set, KQSVD_ERR_USAGE, "give --ranks or --eps once");
+      policy_set = 1;
+      if (o == O_EPS) {
+        c->ranks.kind = KQSVD_RANKS_EPS;
+        KQSVD_CALL(kqsvd_opt_double("--eps", optarg, 0, 1, 1, 1, &c->ranks.value));
+      } else {
+        KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &c->ranks));
+      }
+      break;
     case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
     case O_CKPT: c->ckpt_dir = optarg; break;
     case O_CKPT_EVERY:
@@ -177,6 +196,7 @@ done:
 static kqsvd_status_t plan(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
   const int P = c->cli->size;
+  KQSVD_CALL(kqsvd_rank_policy_check(&c->ranks, (int)c->dims.layers, (int)c->d));
   KQSVD_CALL(kqsvd_partition_rows(c->nshards, c->shard_rows, P, 0.1, &c->segs, &c->seg_first));
   kqsvd_partition_items(c->nitems, P, c->cli->rank, &c->own0, &c->own1);
 
@@ -277,11 +297,24 @@ static void print_header(const calib_t *c) {
 }
 
 static void print_summary(const calib_t *c, double seconds) {
-  char rate[32];
+  char rate[32], policy[64];
+  const int64_t L = c->dims.layers;
   kqsvd_fmt_count(c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
-  printf("layer  rank_k  rank_v   of d = %lld at eps = %g\n", (long long)c->d, c->eps);
-  for (int64_t l = 0; l < c->dims.layers; l++)
-    printf("%5lld  %6d  %6d\n", (long long)l, c->rank_k[l], c->rank_v[l]);
+  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
+  if (c->ranks.kind != KQSVD_RANKS_BUDGET) {
+    printf("layer  rank_k  rank_v   of d = %lld, ranks %s\n", (long long)c->d, policy);
+    for (int64_t l = 0; l < L; l++)
+      printf("%5lld  %6d  %6d\n", (long long)l, c->rank_k[l], c->rank_v[l]);
+  } else {
+    printf("layer  rank_k/rank_v:    kqsvd     ksvd    eigen   of d = %lld, ranks %s\n",
+           (long long)c->d, policy);
+    for (int64_t l = 0; l < L; l++) {
+      printf("%5lld                ", (long long)l);
+      for (int m = 0; m < KQSVD_NMETHODS; m++)
+        printf(" %4d/%-4d", c->rank_k[m * L + l], c->rank_v[m * L + l]);
+      printf("\n");
+    }
+  }
   printf("wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
          "streamed)\n",
          c->out_path, c->beta, seconds, rate);

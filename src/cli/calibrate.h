@@ -9,6 +9,7 @@
 #include "kqsvd_checkpoint.h"
 #include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
+#include "kqsvd_rank.h"
 
 /* R factors kept per (layer, KV group), in this order in the state. */
 enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
@@ -17,7 +18,8 @@ typedef struct calib {
   kqsvd_cli_t *cli;
   /* options */
   const char *model_path, *out_path, *ckpt_dir;
-  double eps, beta, ckpt_every;
+  kqsvd_rank_policy_t ranks;
+  double beta, ckpt_every;
   int64_t mem_mib, qr_block, read_rows, threads;
   kqsvd_progress_mode_t progress;
   int nshards, help;
@@ -40,7 +42,7 @@ typedef struct calib {
   double *RW;       /* (own1 - own0) x d x d, R of W^T, column-major */
   char *raw;        /* (group + 2) x io_rows x d elements */
   kqsvd_checkpoint_pos_t pos;
-  int32_t *rank_k, *rank_v; /* [L], rank 0 */
+  int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
 } calib_t;
 
