@@ -117,23 +117,14 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   c->nshards = argc - optind;
   c->shards = argv + optind;
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
-  /* The same file twice would count its rows twice; an output that is an
-   * input would be replaced by the rename. */
-  struct stat o;
-  const int out_exists = stat(c->out_path, &o) == 0;
-  for (int i = -1; i < c->nshards; i++) {
-    const char *in = i < 0 ? c->model_path : c->shards[i];
-    struct stat a;
-    if (stat(in, &a) != 0) continue;
-    KQSVD_CHECK(!out_exists || a.st_dev != o.st_dev || a.st_ino != o.st_ino, KQSVD_ERR_USAGE,
-                "--out %s is one of the inputs", c->out_path);
-    if (i < 0) continue;
-    for (int j = 0; j < i; j++) {
-      struct stat b;
-      KQSVD_CHECK(stat(c->shards[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
-                  KQSVD_ERR_USAGE, "shard %s is given twice (also as %s)", c->shards[i],
-                  c->shards[j]);
-    }
+  {
+    const char **in = malloc((size_t)(c->nshards + 1) * sizeof *in);
+    KQSVD_CHECK(in, KQSVD_ERR_NOMEM, "cannot allocate the file list");
+    in[0] = c->model_path;
+    for (int i = 0; i < c->nshards; i++) in[i + 1] = c->shards[i];
+    st = kqsvd_check_files(c->out_path, in, c->nshards + 1);
+    free(in);
+    KQSVD_CALL(st);
   }
 done:
   return st;

@@ -19,12 +19,19 @@ typedef struct kqsvd_cli {
  * error; those marked collective let main() finalize, others make it abort. */
 kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
+kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);
 
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */
 kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v);
 kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
                                 int open_lo, int open_hi, double *v);
+
+/* Checks file arguments before any work: no input given twice (its rows
+ * would count twice) and no output that is one of the inputs (the final
+ * rename would replace it).  `out` may be NULL; files that do not exist are
+ * left for the readers to report.  Errors: KQSVD_ERR_USAGE. */
+kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin);
 
 /* Turns a usage error found identically on every rank into a collective
  * one that rank 0 prints, with a pointer to --help. */

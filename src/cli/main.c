@@ -21,6 +21,7 @@ static const struct {
   const char *about;
 } g_commands[] = {
     {"calibrate", kqsvd_cmd_calibrate, "compute kqsvd, ksvd and eigen projections from caches"},
+    {"evaluate", kqsvd_cmd_evaluate, "measure attention fidelity of projections on validation caches"},
     {"synth", kqsvd_cmd_synth, "write a synthetic cache set and model file"},
 };
 #define NCOMMANDS (sizeof g_commands / sizeof g_commands[0])

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kqsvd_cli.h"
@@ -60,6 +61,25 @@ kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
     KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '%s'", arg);
   }
   if (*c == ':') KQSVD_FAIL(KQSVD_ERR_USAGE, "option '%s' needs a value", argv[optind - 1]);
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat o;
+  const int out_exists = out && stat(out, &o) == 0;
+  for (int i = 0; i < nin; i++) {
+    struct stat a;
+    if (stat(in[i], &a) != 0) continue;
+    KQSVD_CHECK(!out_exists || a.st_dev != o.st_dev || a.st_ino != o.st_ino, KQSVD_ERR_USAGE,
+                "output %s is one of the inputs", out);
+    for (int j = 0; j < i; j++) {
+      struct stat b;
+      KQSVD_CHECK(stat(in[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
+                  KQSVD_ERR_USAGE, "%s is given twice (also as %s)", in[i], in[j]);
+    }
+  }
 done:
   return st;
 }

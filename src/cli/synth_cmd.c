@@ -16,7 +16,7 @@
 typedef struct {
   const char *out, *name;
   kqsvd_synth_config_t cfg;
-  int64_t seqs, shards, causal;
+  int64_t seqs, shards, causal, skip;
   kqsvd_dtype_t dtype;
   int uneven, help;
   kqsvd_progress_mode_t progress;
@@ -34,13 +34,15 @@ static void synth_help(void) {
          "  --min-seq-len M [T/2+1] (lengths vary uniformly in [M, T]; M = T fixes them)\n"
          "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
          "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
-         "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n");
+         "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n"
+         "  --skip-seqs N [0] (start N sequences into the stream: a validation set\n"
+         "                    disjoint from the calibration set of the same model)\n");
 }
 
 static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_OUT = 256, O_LAYERS, O_HEADS, O_KV, O_HD, O_HIDDEN, O_SEQS, O_SEQLEN, O_SHARDS,
-         O_DTYPE, O_BETA, O_CAUSAL, O_SEED, O_UNEVEN, O_NAME, O_PROGRESS, O_MINLEN };
+         O_DTYPE, O_BETA, O_CAUSAL, O_SEED, O_UNEVEN, O_NAME, O_PROGRESS, O_MINLEN, O_SKIP };
   static const struct option longopts[] = {
       {"out", required_argument, NULL, O_OUT},       {"layers", required_argument, NULL, O_LAYERS},
       {"heads", required_argument, NULL, O_HEADS},   {"kv-heads", required_argument, NULL, O_KV},
@@ -51,6 +53,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
       {"seed", required_argument, NULL, O_SEED},     {"uneven", no_argument, NULL, O_UNEVEN},
       {"model-name", required_argument, NULL, O_NAME},
       {"min-seq-len", required_argument, NULL, O_MINLEN},
+      {"skip-seqs", required_argument, NULL, O_SKIP},
       {"progress", required_argument, NULL, O_PROGRESS},
       {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0}};
   kqsvd_synth_config_t *c = &o->cfg;
@@ -81,6 +84,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     case O_UNEVEN: o->uneven = 1; break;
     case O_NAME: o->name = optarg; break;
     case O_MINLEN: KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len)); break;
+    case O_SKIP: KQSVD_CALL(kqsvd_opt_int("--skip-seqs", optarg, 0, big, &o->skip)); break;
     case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &o->progress)); break;
     case 'h': synth_help(); o->help = 1; return KQSVD_OK;
     default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", ch);
@@ -144,7 +148,8 @@ done:
  * are built once. */
 static kqsvd_status_t write_shards(kqsvd_cli_t *cli, const synth_opts_t *o,
                                    const kqsvd_synth_t *gen, const kqsvd_dims_t *dims,
-                                   const int64_t *lens, const int64_t *first, int64_t *done_rows,
+                                   const int64_t *lens, const int64_t *first, int64_t base,
+                                   int64_t *done_rows,
                                    kqsvd_monitor_t *mon) {
   kqsvd_status_t st = KQSVD_OK;
   const int64_t N = o->shards, d = dims->head_dim;
@@ -182,7 +187,7 @@ static kqsvd_status_t write_shards(kqsvd_cli_t *cli, const synth_opts_t *o,
           if (qpos == lens[q]) q++, qpos = 0;
           pos[t] = qpos++;
         }
-        kqsvd_synth_latent(lay, start[s] + r0, n, Z);
+        kqsvd_synth_latent(lay, base + start[s] + r0, n, Z);
         for (int64_t h = 0; h < dims->heads; h++) {
           kqsvd_synth_project(lay, KQSVD_SYNTH_Q, h, Z, n, pos, out);
           KQSVD_CALL(kqsvd_cache_put(w[s], KQSVD_QUERIES, l, h, r0, n, out));
@@ -237,19 +242,22 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
                             o.out, strerror(errno));
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
-  KQSVD_MALLOC(lens, o.seqs, "sequence lengths");
+  /* Skipped sequences only move the start along the token stream, so the
+   * set is disjoint from one made without skipping, from the same model. */
+  KQSVD_MALLOC(lens, o.skip + o.seqs, "sequence lengths");
   KQSVD_MALLOC(first, o.shards + 1, "shard split");
-  kqsvd_synth_seq_lens(gen, o.seqs, lens);
+  kqsvd_synth_seq_lens(gen, o.skip + o.seqs, lens);
   split_sequences(&o, first);
-  int64_t tokens = 0;
-  for (int64_t q = 0; q < o.seqs; q++) tokens += lens[q];
+  int64_t tokens = 0, base = 0;
+  for (int64_t q = 0; q < o.skip; q++) base += lens[q];
+  for (int64_t q = 0; q < o.seqs; q++) tokens += lens[o.skip + q];
 
   kqsvd_progress_init(&prog, o.progress, "synth", tokens, 0);
   KQSVD_CALL(kqsvd_monitor_init(cli->comm, tokens * o.cfg.layers, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &mon));
   local = cli->rank == 0 ? write_model(&o, gen, &dims) : KQSVD_OK;
   if (local == KQSVD_OK)
-    local = write_shards(cli, &o, gen, &dims, lens, first, &done_rows, mon);
+    local = write_shards(cli, &o, gen, &dims, lens + o.skip, first, base, &done_rows, mon);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(mon));
   KQSVD_CALL(kqsvd_monitor_finish(mon, done_rows, local));
   if (cli->rank == 0) {

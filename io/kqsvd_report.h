@@ -1,0 +1,34 @@
+/* The evaluation report (FORMATS.md section 4) as JSON.  Not collective:
+ * one rank writes it. */
+#ifndef KQSVD_REPORT_H
+#define KQSVD_REPORT_H
+
+#include <stdint.h>
+
+#include "kqsvd_error.h"
+#include "kqsvd_eval.h"
+#include "kqsvd_solve.h"
+
+typedef struct kqsvd_report {
+  const char *model;
+  int64_t tokens, sequences; /* of the validation set */
+  int layers;
+  const int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][layers] */
+  const double *err;              /* [KQSVD_NMETHODS][layers][KQSVD_NMETRICS] */
+  /* Extensions (readers of version 1 ignore them). */
+  const char *proj, *rank_policy;
+  double beta;      /* of the eigen method */
+  int causal;       /* of the validation caches */
+  int64_t calib_tokens;
+} kqsvd_report_t;
+
+/* Mean over layers of one method's metric. */
+double kqsvd_report_mean(const kqsvd_report_t *r, int method, int metric);
+
+/* Writes the report to `path` through a temporary name renamed at the end,
+ * so a failed run leaves nothing behind.  Numbers are printed with 17
+ * significant digits (they read back exactly).  Errors: KQSVD_ERR_IO
+ * naming the path. */
+kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r);
+
+#endif

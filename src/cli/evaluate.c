@@ -1,0 +1,406 @@
+/* kqsvd evaluate: options, input validation, ranks, the work plan, and the
+ * table and report; the work itself lives in eval_run.c. */
+#include "evaluate.h"
+
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kqsvd_linalg.h"
+#include "kqsvd_report.h"
+#include "kqsvd_util.h"
+
+static void evaluate_help(void) {
+  printf(
+      "usage: [mpirun -np N] kqsvd evaluate --model MODEL.h5 --proj PROJ.h5 [OPTIONS] SHARD...\n"
+      "\n"
+      "Measures how well the kqsvd, ksvd and eigen projections of PROJ.h5 reproduce\n"
+      "attention on validation caches: err_k, err_q, err_v, err_kq and err_out, the\n"
+      "relative squared Frobenius errors of K, Q, V, Q K^T and the attention layer's\n"
+      "output, per sequence over all heads of a layer, averaged over sequences.\n"
+      "\n"
+      "  --model FILE        model file with o_proj (required)\n"
+      "  --proj FILE         projections from kqsvd calibrate (required)\n"
+      "  --json FILE         also write the report as JSON (docs/formats.md)\n"
+      "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
+      "                        eps:E     the paper's rule with tolerance E\n"
+      "                        fixed:R   rank R everywhere\n"
+      "                        budget:F  a fraction F of the full cache, spread over layers\n"
+      "                                  by each method's own spectra\n"
+      "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
+      "                      [256, fewer if --mem-limit requires]\n"
+      "  --mem-limit MIB     memory bound per rank [1024]\n"
+      "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
+      "  --progress MODE     auto, bar, lines or off [auto]\n"
+      "  -v, --verbose       print a trace with errors\n"
+      "  -h, --help          this text\n");
+}
+
+static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
+  kqsvd_status_t st = KQSVD_OK;
+  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK, O_MEM, O_THREADS, O_PROGRESS };
+  static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
+                                           {"proj", required_argument, NULL, O_PROJ},
+                                           {"json", required_argument, NULL, O_JSON},
+                                           {"ranks", required_argument, NULL, O_RANKS},
+                                           {"block-rows", required_argument, NULL, O_BLOCK},
+                                           {"mem-limit", required_argument, NULL, O_MEM},
+                                           {"threads", required_argument, NULL, O_THREADS},
+                                           {"progress", required_argument, NULL, O_PROGRESS},
+                                           {"verbose", no_argument, NULL, 'v'},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {NULL, 0, NULL, 0}};
+  const char **in = NULL;
+  e->block_rows = 256;
+  e->mem_mib = 1024;
+  e->threads = 1;
+  e->progress = KQSVD_PROGRESS_AUTO;
+  optind = 1;
+  for (;;) {
+    int o;
+    KQSVD_CALL(kqsvd_getopt(argc, argv, ":hv", longopts, &o));
+    if (o == -1) break;
+    switch (o) {
+    case O_MODEL: e->model_path = optarg; break;
+    case O_PROJ: e->proj_path = optarg; break;
+    case O_JSON: e->json_path = optarg; break;
+    case O_RANKS:
+      KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &e->ranks));
+      e->ranks_set = 1;
+      break;
+    case O_BLOCK:
+      KQSVD_CALL(kqsvd_opt_int("--block-rows", optarg, 1, 1 << 20, &e->block_rows));
+      e->block_set = 1;
+      break;
+    case O_MEM: KQSVD_CALL(kqsvd_opt_int("--mem-limit", optarg, 16, INT64_C(1) << 30, &e->mem_mib)); break;
+    case O_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", optarg, 1, 1024, &e->threads)); break;
+    case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &e->progress)); break;
+    case 'v': e->cli->verbose = 1; break;
+    case 'h':
+      if (e->cli->rank == 0) evaluate_help();
+      e->help = 1;
+      return KQSVD_OK;
+    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
+    }
+  }
+  KQSVD_CHECK(e->model_path, KQSVD_ERR_USAGE, "--model is required");
+  KQSVD_CHECK(e->proj_path, KQSVD_ERR_USAGE, "--proj is required");
+  e->nshards = argc - optind;
+  e->shards = argv + optind;
+  KQSVD_CHECK(e->nshards > 0, KQSVD_ERR_USAGE, "no validation cache shards given");
+  KQSVD_MALLOC(in, (size_t)e->nshards + 2, "the file list");
+  in[0] = e->model_path;
+  in[1] = e->proj_path;
+  for (int i = 0; i < e->nshards; i++) in[i + 2] = e->shards[i];
+  KQSVD_CALL(kqsvd_check_files(e->json_path, in, e->nshards + 2));
+done:
+  free(in);
+  return st;
+}
+
+/* Every rank opens the model and the projections (small); the shard
+ * headers are read once, round robin, and their sequences shared. */
+static kqsvd_status_t validate_inputs(evaluation_t *e) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm comm = e->cli->comm;
+  kqsvd_shard_t *sh = NULL;
+  int64_t *nseq = NULL, *first = NULL;
+  int esz = 0, esz_max = 0;
+  local = kqsvd_model_open(e->model_path, &e->model);
+  if (local == KQSVD_OK) local = kqsvd_proj_open(e->proj_path, &e->proj);
+  if (local == KQSVD_OK) {
+    e->dims = *kqsvd_model_dims(e->model);
+    kqsvd_dims_t pd = *kqsvd_proj_dims(e->proj);
+    pd.causal = e->dims.causal; /* not part of a projections file */
+    local = kqsvd_dims_match(&pd, e->proj_path, &e->dims, e->model_path);
+    if (local == KQSVD_OK && e->cli->rank == 0 && strcmp(pd.model, e->dims.model) != 0)
+      fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
+              e->proj_path, pd.model, e->model_path, e->dims.model);
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  e->d = e->dims.head_dim;
+  e->group = e->dims.heads / e->dims.kv_heads;
+  esz = (int)kqsvd_dtype_size(kqsvd_model_dtype(e->model));
+
+  KQSVD_MALLOC(nseq, e->nshards, "shard sequence counts");
+  KQSVD_MALLOC(first, e->nshards + 1, "shard sequence offsets");
+  for (int s = 0; s < e->nshards; s++) nseq[s] = 0;
+  /* Pass 0 counts sequences, pass 1 fills the shared tables. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (int s = e->cli->rank; s < e->nshards && local == KQSVD_OK; s += e->cli->size) {
+      local = kqsvd_shard_open(e->shards[s], MPI_COMM_NULL, &sh);
+      if (local == KQSVD_OK)
+        local = kqsvd_dims_match(kqsvd_shard_dims(sh), e->shards[s], &e->dims, e->model_path);
+      if (local == KQSVD_OK && pass == 0) {
+        nseq[s] = kqsvd_shard_sequences(sh);
+        for (int t = 0; t < 3; t++) {
+          const int z = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
+          esz = z > esz ? z : esz;
+        }
+        if (strcmp(kqsvd_shard_dims(sh)->model, e->dims.model) != 0)
+          fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
+                  e->shards[s], kqsvd_shard_dims(sh)->model, e->model_path, e->dims.model);
+      }
+      if (local == KQSVD_OK && pass == 1) {
+        const int64_t *lens = kqsvd_shard_seq_lens(sh);
+        int64_t off = 0;
+        for (int64_t q = 0; q < nseq[s]; q++) {
+          e->seq_shard[first[s] + q] = s;
+          e->seq_off[first[s] + q] = off;
+          e->seq_len[first[s] + q] = lens[q];
+          off += lens[q];
+        }
+      }
+      kqsvd_shard_close(&sh);
+    }
+    KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+    if (pass == 0) {
+      KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, nseq, e->nshards, MPI_INT64_T, MPI_SUM, comm));
+      first[0] = 0;
+      for (int s = 0; s < e->nshards; s++) first[s + 1] = first[s] + nseq[s];
+      e->nseq = first[e->nshards];
+      KQSVD_MALLOC(e->seq_shard, e->nseq + 1, "sequence table");
+      KQSVD_MALLOC(e->seq_off, e->nseq + 1, "sequence table");
+      KQSVD_MALLOC(e->seq_len, e->nseq + 1, "sequence table");
+      for (int64_t q = 0; q < e->nseq; q++) e->seq_shard[q] = e->seq_off[q] = e->seq_len[q] = 0;
+    }
+  }
+  int n_int = 0;
+  KQSVD_TO_INT(e->nseq, &n_int, "number of sequences");
+  int64_t *tabs[3] = {e->seq_shard, e->seq_off, e->seq_len};
+  for (int k = 0; k < 3; k++)
+    KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, tabs[k], n_int, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
+  e->elem_max = (size_t)esz_max;
+  e->tokens = e->max_T = 0;
+  for (int64_t q = 0; q < e->nseq; q++) {
+    e->tokens += e->seq_len[q];
+    e->max_T = e->seq_len[q] > e->max_T ? e->seq_len[q] : e->max_T;
+  }
+  local = e->tokens > 0 ? KQSVD_OK
+                        : kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                                          "the validation shards hold no tokens at all");
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+done:
+  kqsvd_shard_close(&sh);
+  free(nseq);
+  free(first);
+  return st;
+}
+
+/* The stored ranks, or those of --ranks from the stored spectra.  Every
+ * rank computes the same (deterministic, from the same file). */
+static kqsvd_status_t choose_ranks(evaluation_t *e) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int L = (int)e->dims.layers, H = (int)e->dims.kv_heads, d = (int)e->d;
+  const size_t n = (size_t)L * (size_t)H * (size_t)d;
+  double *sig = NULL;
+  KQSVD_MALLOC(e->rank_k, (size_t)(KQSVD_NMETHODS * L), "ranks");
+  KQSVD_MALLOC(e->rank_v, (size_t)(KQSVD_NMETHODS * L), "ranks");
+  if (!e->ranks_set) {
+    for (int m = 0; m < KQSVD_NMETHODS; m++)
+      KQSVD_CALL(kqsvd_proj_read_ranks(e->proj, (kqsvd_method_t)m, e->rank_k + m * L,
+                                       e->rank_v + m * L));
+    const char *stored = kqsvd_proj_policy(e->proj);
+    if (*stored)
+      snprintf(e->policy, sizeof e->policy, "%s", stored);
+    else if (isfinite(kqsvd_proj_eps(e->proj)))
+      snprintf(e->policy, sizeof e->policy, "eps:%g", kqsvd_proj_eps(e->proj));
+    else
+      snprintf(e->policy, sizeof e->policy, "stored");
+    goto done;
+  }
+  KQSVD_CALL(kqsvd_rank_policy_check(&e->ranks, L, d));
+  KQSVD_MALLOC(sig, (2 * KQSVD_NMETHODS + 2) * n, "spectra");
+  const double *sk[KQSVD_NMETHODS], *sv[KQSVD_NMETHODS];
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    const char *g = kqsvd_method_name((kqsvd_method_t)m);
+    KQSVD_CALL(kqsvd_proj_read(e->proj, g, "sigma_k", -1, sig + 2 * m * n));
+    KQSVD_CALL(kqsvd_proj_read(e->proj, g, "sigma_v", -1, sig + (2 * m + 1) * n));
+    sk[m] = sig + 2 * m * n, sv[m] = sig + (2 * m + 1) * n;
+  }
+  double *spec_K = sig + 2 * KQSVD_NMETHODS * n, *spec_V = spec_K + n;
+  KQSVD_CALL(kqsvd_proj_read(e->proj, "spectra", "K", -1, spec_K));
+  KQSVD_CALL(kqsvd_proj_read(e->proj, "spectra", "V", -1, spec_V));
+  KQSVD_CALL(kqsvd_rank_choose(&e->ranks, L, H, d, sk, sv, spec_K, spec_V, e->rank_k,
+                               e->rank_v));
+  kqsvd_rank_policy_format(&e->ranks, e->policy, sizeof e->policy);
+done:
+  free(sig);
+  return st;
+}
+
+int64_t eval_blocks(const evaluation_t *e, int64_t len) {
+  return (len + e->block_rows - 1) / e->block_rows;
+}
+
+double eval_unit_cost(const evaluation_t *e, int64_t len, int64_t blk) {
+  const double b = (double)(len - blk * e->block_rows < e->block_rows ? len - blk * e->block_rows
+                                                                      : e->block_rows);
+  const double keys = e->dims.causal ? (double)(blk * e->block_rows) + b : (double)len;
+  const double d = (double)e->d, hq = (double)e->dims.heads, hkv = (double)e->dims.kv_heads;
+  /* Scores and their products with V (exact and three methods), the R
+   * factor and compressions of K and V, and the output projections. */
+  return 16.0 * hq * b * keys * d + 10.0 * hkv * (double)len * d * d +
+         8.0 * b * hq * d * (double)e->dims.hidden;
+}
+
+/* Memory under --mem-limit (shrinking the row blocks when they were not
+ * given), and this rank's contiguous share of the units by cost. */
+static kqsvd_status_t plan(evaluation_t *e) {
+  kqsvd_status_t st = KQSVD_OK;
+  const double mib = 1048576.0, d = (double)e->d, hd = (double)(e->dims.heads * e->d);
+  const double fixed = 8.0 * ((double)e->dims.hidden * hd + 12.0 * (double)e->dims.kv_heads * d * d +
+                              2.0 * (double)e->max_T * d) +
+                       64.0 * mib; /* libraries */
+  for (;;) {
+    const double b = (double)e->block_rows;
+    const double raw = (double)e->elem_max * fmax(fmax((double)e->max_T * d, (double)e->group * b * d), hd);
+    e->mem_need = fixed + raw + 8.0 * (double)e->group * b * d +
+                  kqsvd_eval_ws_bytes((int)e->dims.heads, (int)e->d, (int)e->dims.hidden, e->max_T,
+                                      e->block_rows);
+    if (e->mem_need <= (double)e->mem_mib * mib || e->block_set || e->block_rows <= 16) break;
+    e->block_rows /= 2;
+  }
+  KQSVD_CHECK(e->mem_need <= (double)e->mem_mib * mib, KQSVD_ERR_USAGE,
+              "--mem-limit %lld MiB is too small: sequences of %lld tokens with --block-rows %lld "
+              "need %.0f MiB per rank (%s)",
+              (long long)e->mem_mib, (long long)e->max_T, (long long)e->block_rows,
+              e->mem_need / mib + 1,
+              e->block_set ? "lower --block-rows or raise --mem-limit" : "raise --mem-limit");
+  if (e->block_rows > e->max_T) e->block_rows = e->max_T;
+
+  double total = 0.0;
+  e->nunits = 0;
+  for (int64_t q = 0; q < e->nseq; q++)
+    for (int64_t k = 0; k < eval_blocks(e, e->seq_len[q]); k++) {
+      total += eval_unit_cost(e, e->seq_len[q], k);
+      e->nunits++;
+    }
+  total *= (double)e->dims.layers;
+  e->nunits *= e->dims.layers;
+  /* A unit goes to the rank whose share of the total cost holds its middle. */
+  const int P = e->cli->size, me = e->cli->rank;
+  double cum = 0.0;
+  int64_t u = 0;
+  e->u0 = e->u1 = 0;
+  int found = 0;
+  for (int64_t l = 0; l < e->dims.layers; l++)
+    for (int64_t q = 0; q < e->nseq; q++)
+      for (int64_t k = 0; k < eval_blocks(e, e->seq_len[q]); k++, u++) {
+        const double c = eval_unit_cost(e, e->seq_len[q], k);
+        int p = (int)((cum + 0.5 * c) / total * P);
+        p = p >= P ? P - 1 : p;
+        cum += c;
+        if (p == me && !found) e->u0 = u, found = 1;
+        if (p == me) e->u1 = u + 1;
+      }
+done:
+  return st;
+}
+
+static void print_table(const evaluation_t *e, const kqsvd_report_t *r) {
+  const int L = (int)e->dims.layers;
+  int same = 1;
+  for (int m = 1; m < KQSVD_NMETHODS; m++)
+    for (int l = 0; l < L; l++)
+      same &= e->rank_k[m * L + l] == e->rank_k[l] && e->rank_v[m * L + l] == e->rank_v[l];
+  char tok[32];
+  kqsvd_fmt_count((double)e->tokens, tok, sizeof tok);
+  printf("%s: %s tokens in %lld sequences, %d layers, ranks %s of d = %lld%s\n", e->dims.model,
+         tok, (long long)e->nseq, L, e->policy, (long long)e->d,
+         e->dims.causal ? ", causal" : "");
+  const char *rk = same ? "rank_k rank_v" : "rank_k/rank_v: kqsvd ksvd eigen";
+  const int w = (int)strlen(rk);
+  printf("%*s %*s err_kq                     err_out\n", 5, "", w, "");
+  printf("layer %s      kqsvd     ksvd    eigen      kqsvd     ksvd    eigen\n", rk);
+  for (int l = 0; l <= L; l++) {
+    char ranks[96] = "";
+    if (l == L) {
+      printf(" mean %*s", w, "");
+    } else if (same) {
+      snprintf(ranks, sizeof ranks, "%6d %6d", e->rank_k[l], e->rank_v[l]);
+      printf("%5d %*s", l, w, ranks);
+    } else {
+      snprintf(ranks, sizeof ranks, "%d/%d %d/%d %d/%d", e->rank_k[l], e->rank_v[l],
+               e->rank_k[L + l], e->rank_v[L + l], e->rank_k[2 * L + l], e->rank_v[2 * L + l]);
+      printf("%5d %*s", l, w, ranks);
+    }
+    for (int k = KQSVD_ERR_KQ; k <= KQSVD_ERR_OUT; k++) {
+      printf("  ");
+      for (int m = 0; m < KQSVD_NMETHODS; m++) {
+        const double v = l == L ? kqsvd_report_mean(r, m, k)
+                                : e->err[((size_t)m * L + l) * KQSVD_NMETRICS + k];
+        printf(" %8.2e", v);
+      }
+    }
+    printf("\n");
+  }
+  printf("\nmean over layers    err_k     err_q     err_v    err_kq   err_out\n");
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    printf("%-16s", kqsvd_method_name((kqsvd_method_t)m));
+    for (int k = 0; k < KQSVD_NMETRICS; k++) printf(" %9.3e", kqsvd_report_mean(r, m, k));
+    printf("\n");
+  }
+}
+
+kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  evaluation_t e;
+  const double t0 = kqsvd_now();
+  memset(&e, 0, sizeof e);
+  e.cli = cli;
+  st = parse(&e, argc, argv);
+  if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "evaluate", st);
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
+  if (e.help) return KQSVD_OK;
+  kqsvd_blas_set_threads((int)e.threads);
+
+  KQSVD_CALL(validate_inputs(&e));
+  /* Decided alike on every rank, from the same files. */
+  st = choose_ranks(&e);
+  if (st == KQSVD_OK) st = plan(&e);
+  if (st == KQSVD_ERR_USAGE) {
+    kqsvd_usage_error(cli, "evaluate", st);
+    goto done;
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
+  if (cli->rank == 0 && e.progress != KQSVD_PROGRESS_OFF) {
+    char tok[32];
+    kqsvd_fmt_count((double)e.tokens, tok, sizeof tok);
+    fprintf(stderr,
+            "kqsvd evaluate: %d shard%s, %s tokens in %lld sequences (longest %lld); %lld "
+            "layers x %lld heads; %lld units of %lld query rows on %d rank%s, %.0f MiB each\n",
+            e.nshards, e.nshards == 1 ? "" : "s", tok, (long long)e.nseq, (long long)e.max_T,
+            (long long)e.dims.layers, (long long)e.dims.heads, (long long)e.nunits,
+            (long long)e.block_rows, cli->size, cli->size == 1 ? "" : "s",
+            e.mem_need / 1048576.0);
+  }
+  KQSVD_CALL(eval_run(&e));
+
+  local = KQSVD_OK;
+  if (cli->rank == 0) {
+    const kqsvd_report_t r = {e.dims.model, e.tokens, e.nseq, (int)e.dims.layers, e.rank_k,
+                              e.rank_v, e.err, e.proj_path, e.policy, kqsvd_proj_beta(e.proj),
+                              (int)e.dims.causal, kqsvd_proj_tokens(e.proj)};
+    if (e.json_path) local = kqsvd_report_write(e.json_path, &r);
+    if (local == KQSVD_OK) {
+      print_table(&e, &r);
+      if (e.json_path) printf("wrote %s", e.json_path);
+      printf("%sevaluated in %.2f s\n", e.json_path ? "; " : "", kqsvd_now() - t0);
+    }
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
+done:
+  kqsvd_model_close(&e.model);
+  kqsvd_proj_reader_free(&e.proj);
+  free(e.seq_shard);
+  free(e.seq_off);
+  free(e.seq_len);
+  free(e.rank_k);
+  free(e.rank_v);
+  free(e.err);
+  return st;
+}
