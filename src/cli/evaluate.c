@@ -255,6 +255,7 @@ static kqsvd_status_t plan(evaluation_t *e) {
   const double fixed = 8.0 * ((double)e->dims.hidden * hd + 12.0 * (double)e->dims.kv_heads * d * d +
                               2.0 * (double)e->max_T * d) +
                        64.0 * mib; /* libraries */
+  if (e->block_rows > e->max_T) e->block_rows = e->max_T;
   for (;;) {
     const double b = (double)e->block_rows;
     const double raw = (double)e->elem_max * fmax(fmax((double)e->max_T * d, (double)e->group * b * d), hd);
@@ -270,7 +271,6 @@ static kqsvd_status_t plan(evaluation_t *e) {
               (long long)e->mem_mib, (long long)e->max_T, (long long)e->block_rows,
               e->mem_need / mib + 1,
               e->block_set ? "lower --block-rows or raise --mem-limit" : "raise --mem-limit");
-  if (e->block_rows > e->max_T) e->block_rows = e->max_T;
 
   double total = 0.0;
   e->nunits = 0;

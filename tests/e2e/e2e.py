@@ -10,6 +10,11 @@ bad_input   one clear message, non-zero exit, no output, no hang
 checkpoint  a killed run resumes and ends with identical output
 examples    the README's PyTorch snippet and examples/inspect_proj.py
 disk_full   a full disk while writing the output (needs root for a tmpfs)
+eval_reference  evaluate vs a brute-force reference (causal GQA, MHA, degenerate heads)
+eval_ranks      ... independent of rank count and row blocks
+eval_policies   rank policies (eps, fixed, budget) in calibrate and evaluate
+eval_bad_input  evaluate's errors
+eval_memory     4096-token sequences in bounded memory, flat in the number of sequences
 """
 import os
 import sys
@@ -17,11 +22,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, examples,  # noqa: E402
                             types)
+from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ranks,  # noqa: E402
+                            eval_reference)
 from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
-              examples, disk_full)}
+              examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
+              eval_memory)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

@@ -1,0 +1,286 @@
+"""Evaluation scenarios: `kqsvd evaluate` against the brute-force reference,
+its independence of rank count and blocking, the rank policies, bad input,
+memory, and the figures."""
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+
+from eval_reference import METHODS, METRICS, compare, evaluate as ref_evaluate, report_ranks
+from harness import calibrate, check, finish, run, synth, workdir
+from reference import rank_rule
+
+SIZES = dict(layers=2, head_dim=8, seq_len=40, min_seq_len=9)
+
+
+def split_sets(wd, name, cal_seqs=8, val_seqs=5, shards=(2, 3), **opts):
+    """Calibration and validation sets of one synthetic model, disjoint
+    (the validation set starts after the calibration sequences)."""
+    o = dict(SIZES, **opts)
+    model, cal = synth(os.path.join(wd, name + "-cal"), seqs=cal_seqs, shards=shards[0], **o)
+    _, val = synth(os.path.join(wd, name + "-val"), seqs=val_seqs, shards=shards[1],
+                   skip_seqs=cal_seqs, **o)
+    return model, cal, val
+
+
+def evaluate(model, proj, shards, np_=1, extra=(), expect=0, json_path=None):
+    """Runs kqsvd evaluate; returns (process, report dict or None)."""
+    args = ["evaluate", "--progress", "off", "--model", model, "--proj", proj]
+    if json_path:
+        args += ["--json", json_path]
+    p = run(args + list(extra) + list(shards), np_=np_, expect=expect)
+    rep = None
+    if json_path and expect == 0:
+        with open(json_path) as f:
+            rep = json.load(f)
+    return p, rep
+
+
+def matches_reference(name, model, proj, val, rep, tol=1e-9):
+    ref = ref_evaluate(model, proj, val, report_ranks(rep))
+    worst, where = compare(rep, ref)
+    check(worst <= tol, f"{name}: deviates from the brute-force reference by {worst:.2e} at {where}")
+    print(f"{name}: largest deviation from the reference {worst:.2e}", flush=True)
+    return ref
+
+
+def check_report_shape(name, rep, L, tokens, nseq):
+    check(rep["tokens"] == tokens and rep["sequences"] == nseq, f"{name}: tokens/sequences")
+    for m in METHODS:
+        layers = rep["methods"][m]["layers"]
+        check([x["layer"] for x in layers] == list(range(L)), f"{name}: {m} layer list")
+        for k in METRICS:
+            mean = sum(x[k] for x in layers) / L
+            check(abs(rep["methods"][m]["mean"][k] - mean) <= 1e-15 * max(mean, 1e-300) + 1e-300,
+                  f"{name}: {m} mean {k}")
+
+
+def set_tokens(shards):
+    t = s = 0
+    for path in shards:
+        with h5py.File(path, "r") as f:
+            t += int(f["seq_lens"][...].sum())
+            s += len(f["seq_lens"])
+    return t, s
+
+
+def eval_reference():
+    """Every metric, causal GQA bf16 and non-causal MHA f32, against brute force."""
+    wd = workdir("eval_reference")
+    cases = [("causal-gqa-bf16", dict(heads=6, kv_heads=2, dtype="bf16", causal=1, seed=3), 6),
+             ("noncausal-mha-f32", dict(heads=3, kv_heads=3, dtype="f32", causal=0, seed=4), 40)]
+    for name, opts, block in cases:
+        model, cal, val = split_sets(wd, name, **opts)
+        proj = os.path.join(wd, name + ".h5")
+        calibrate(model, proj, cal, np_=2, extra=["--beta", "3"])
+        rj = os.path.join(wd, name + ".json")
+        p, rep = evaluate(model, proj, val, np_=3, extra=["--block-rows", str(block)], json_path=rj)
+        tokens, nseq = set_tokens(val)
+        check_report_shape(name, rep, SIZES["layers"], tokens, nseq)
+        check(rep["beta"] == 3.0 and rep["causal"] == opts["causal"], f"{name}: report extensions")
+        with h5py.File(proj, "r") as f:
+            for m in METHODS:
+                check([tuple(x) for x in report_ranks(rep)[m]] ==
+                      list(zip(f[m]["rank_k"][...], f[m]["rank_v"][...])),
+                      f"{name}: default ranks are those stored in the projections")
+        matches_reference(name, model, proj, val, rep)
+        for line in ("err_kq", "err_out", "mean"):
+            check(line in p.stdout, f"{name}: table lacks {line}:\n{p.stdout}")
+        # Every method at rank d reproduces attention exactly.
+        d = SIZES["head_dim"]
+        _, rep = evaluate(model, proj, val, np_=2, extra=["--ranks", f"fixed:{d}"],
+                          json_path=os.path.join(wd, name + "-full.json"))
+        worst = max(x[k] for m in METHODS for x in rep["methods"][m]["layers"] for k in METRICS)
+        check(worst < 1e-20, f"{name}: at rank d the largest error is {worst:.2e}, not 0")
+        # Other policies, still against the reference at the ranks they chose.
+        for pol in ("fixed:3", "budget:0.3", "eps:0.02"):
+            _, rep = evaluate(model, proj, val, np_=3, extra=["--ranks", pol],
+                              json_path=os.path.join(wd, f"{name}-{pol}.json"))
+            check(rep["rank_policy"] == pol, f"{name}: rank_policy {rep['rank_policy']} vs {pol}")
+            matches_reference(f"{name} {pol}", model, proj, val, rep)
+
+    # Degenerate heads: a KV group with nothing at all and a rank-deficient one.
+    model, cal, val = split_sets(wd, "degen", heads=4, kv_heads=2, dtype="f64", seed=6)
+    for path in cal + val:
+        with h5py.File(path, "r+") as f:
+            K, V, Q = f["keys"], f["values"], f["queries"]
+            K[0, 0], V[0, 0], Q[0, 0:2] = 0.0, 0.0, 0.0
+            v = V[1, 1]
+            V[1, 1] = np.outer(v[:, 0], np.arange(1.0, v.shape[1] + 1))  # rank 1
+    proj = os.path.join(wd, "degen.h5")
+    calibrate(model, proj, cal, np_=2)
+    _, rep = evaluate(model, proj, val, np_=2, extra=["--block-rows", "7"],
+                      json_path=os.path.join(wd, "degen.json"))
+    check(all(np.isfinite(x[k]) for m in METHODS for x in rep["methods"][m]["layers"]
+              for k in METRICS), "degenerate heads: non-finite errors")
+    matches_reference("degenerate heads", model, proj, val, rep)
+    finish("eval_reference")
+
+
+def eval_ranks():
+    """The report does not depend on rank count or row blocking."""
+    wd = workdir("eval_ranks")
+    model, cal, val = split_sets(wd, "set", heads=4, kv_heads=2, dtype="bf16", seed=8,
+                                 val_seqs=7, shards=(2, 3))
+    proj = os.path.join(wd, "proj.h5")
+    calibrate(model, proj, cal, np_=2)
+    _, base = evaluate(model, proj, val, np_=1, json_path=os.path.join(wd, "np1.json"))
+    for np_, block in ((2, 256), (3, 5), (4, 11), (7, 3), (1, 1)):
+        _, rep = evaluate(model, proj, val, np_=np_, extra=["--block-rows", str(block)],
+                          json_path=os.path.join(wd, f"np{np_}-b{block}.json"))
+        worst, where = compare(rep, {m: base["methods"][m] for m in METHODS})
+        check(worst <= 1e-12, f"np {np_}, --block-rows {block}: differs from np 1 by {worst:.2e} at {where}")
+        print(f"np {np_} block {block}: {worst:.2e}", flush=True)
+    finish("eval_ranks")
+
+
+def eval_policies():
+    """calibrate --ranks stores what the policy defines; evaluate re-chooses."""
+    wd = workdir("eval_policies")
+    model, cal, val = split_sets(wd, "set", heads=4, kv_heads=2, dtype="f32", seed=9, layers=3)
+    L, d = 3, SIZES["head_dim"]
+    for pol in ("budget:0.35", "fixed:5", "eps:0.2"):
+        proj = os.path.join(wd, pol.replace(":", "-") + ".h5")
+        p = calibrate(model, proj, cal, extra=["--ranks", pol])
+        with h5py.File(proj, "r") as f:
+            ap = f.attrs["rank_policy"]
+            check((ap.decode() if isinstance(ap, bytes) else ap) == pol, f"{pol}: rank_policy attribute")
+            eps = float(f.attrs["eps"])
+            rk = {m: f[m]["rank_k"][...] for m in METHODS}
+            rv = {m: f[m]["rank_v"][...] for m in METHODS}
+            sk = {m: f[m]["sigma_k"][...] for m in METHODS}
+            sv = {m: f[m]["sigma_v"][...] for m in METHODS}
+            sK, sV = f["spectra/K"][...], f["spectra/V"][...]
+        kind, val_ = pol.split(":")
+        if kind == "budget":
+            check(np.isnan(eps), f"{pol}: eps attribute should be NaN")
+            for m in METHODS:
+                used = int(rk[m].sum() + rv[m].sum())
+                check(used <= float(val_) * 2 * d * L, f"{pol} {m}: {used} columns")
+                # Optimal: no single column moved between layers lowers the tail energy.
+                tail = lambda s, r: float(np.mean([(x[r:] ** 2).sum() / max((x ** 2).sum(), 1e-300) for x in s]))
+                sides = [(sk[m][l], rk[m][l]) for l in range(L)] + [(sv[m][l], rv[m][l]) for l in range(L)]
+                best = sum(tail(s, r) for s, r in sides)
+                for i, (si, ri) in enumerate(sides):
+                    for j, (sj, rj) in enumerate(sides):
+                        if i != j and ri > 1 and rj < d:
+                            alt = best - tail(si, ri) - tail(sj, rj) + tail(si, ri - 1) + tail(sj, rj + 1)
+                            check(alt >= best - 1e-12, f"{pol} {m}: moving a column {i}->{j} helps")
+            check(len({tuple(rk[m]) + tuple(rv[m]) for m in METHODS}) > 1,
+                  f"{pol}: every method got the same ranks, not its own")
+        elif kind == "fixed":
+            for m in METHODS:
+                check((rk[m] == int(val_)).all() and (rv[m] == int(val_)).all(), f"{pol} {m}")
+        else:
+            check(abs(eps - 0.2) < 1e-15, f"{pol}: eps attribute")
+            for l in range(L):
+                for m in METHODS:
+                    check(rk[m][l] == rank_rule(sK[l], 0.2) and rv[m][l] == rank_rule(sV[l], 0.2),
+                          f"{pol} layer {l} {m}")
+        check(pol in p.stdout, f"{pol}: calibrate's summary does not name the policy")
+        # evaluate without --ranks uses the stored ones ...
+        _, rep = evaluate(model, proj, val, json_path=proj + ".json")
+        for m in METHODS:
+            check(report_ranks(rep)[m] == list(zip(rk[m].tolist(), rv[m].tolist())), f"{pol}: stored ranks")
+        check(rep["rank_policy"] == pol, f"{pol}: report rank_policy")
+    # ... and --ranks on any projections gives the same as calibrating with it.
+    _, a = evaluate(model, os.path.join(wd, "fixed-5.h5"), val, extra=["--ranks", "budget:0.35"],
+                    json_path=os.path.join(wd, "re.json"))
+    with h5py.File(os.path.join(wd, "budget-0.35.h5"), "r") as f:
+        for m in METHODS:
+            check(report_ranks(a)[m] == list(zip(f[m]["rank_k"][...].tolist(), f[m]["rank_v"][...].tolist())),
+                  f"evaluate --ranks budget:0.35 vs calibrate's, {m}")
+    finish("eval_policies")
+
+
+def eval_bad_input():
+    """One clear message, a non-zero exit and no report, for each mistake."""
+    wd = workdir("eval_bad_input")
+    model, cal, val = split_sets(wd, "set", heads=4, kv_heads=2, dtype="bf16", seed=1)
+    proj = os.path.join(wd, "proj.h5")
+    calibrate(model, proj, cal)
+    # Projections of a model with another head_dim.
+    other = os.path.join(wd, "other-proj.h5")
+    om, oc = synth(os.path.join(wd, "other"), layers=2, heads=4, kv_heads=2, head_dim=4, seqs=2,
+                   seq_len=10, shards=1)
+    calibrate(om, other, oc)
+    nan = os.path.join(wd, "nan.h5")
+    shutil.copy(val[0], nan)
+    with h5py.File(nan, "r+") as f:
+        q = f["queries"][...]
+        q[1, 3, 5, 2] = 0x7fc0  # a bfloat16 NaN
+        f["queries"][...] = q
+    broken = os.path.join(wd, "broken.h5")
+    shutil.copy(proj, broken)
+    with h5py.File(broken, "r+") as f:
+        del f["ksvd/value_up"]
+    nanproj = os.path.join(wd, "nanproj.h5")
+    shutil.copy(proj, nanproj)
+    with h5py.File(nanproj, "r+") as f:
+        f["eigen/key_down"][1, 0, 2, 3] = np.nan
+    rep = os.path.join(wd, "report.json")
+    cases = [
+        ("projections of another shape", [], other, ["other-proj.h5", "head_dim"]),
+        ("missing dataset", [], broken, ["broken.h5", "ksvd/value_up"]),
+        ("NaN in the projections", [], nanproj, ["nanproj.h5", "eigen/key_down", "layer 1"]),
+        ("NaN in a validation shard", [], None, ["nan.h5", "queries", "layer 1, head 3"]),
+        ("fixed rank above d", ["--ranks", "fixed:9"], None, ["fixed:9", "head_dim"]),
+        ("budget too small", ["--ranks", "budget:0.01"], None, ["budget:0.01"]),
+        ("bad policy", ["--ranks", "best:3"], None, ["--ranks", "best:3"]),
+        ("report over an input", ["--json", val[0]], None, ["is one of the inputs"]),
+        ("no shards", [], None, ["no validation cache shards"]),
+        ("memory limit", ["--mem-limit", "16", "--block-rows", "4096"], None, ["--mem-limit"]),
+    ]
+    for name, extra, proj_over, needles in cases:
+        files = val if name != "NaN in a validation shard" else [nan]
+        if name == "no shards":
+            files = []
+        args = ["evaluate", "--progress", "off", "--model", model, "--proj", proj_over or proj,
+                "--json", rep] + extra + files
+        p = run(args, np_=2, expect=1, timeout=60)
+        err = p.stderr
+        for n in needles:
+            check(n in err, f"{name}: message lacks '{n}':\n{err}")
+        check("kqsvd evaluate: error" in err, f"{name}: no error line:\n{err}")
+        left = [f for f in os.listdir(wd) if f.startswith("report.json")]
+        check(not left, f"{name}: left {left} behind")
+        print(f"{name}: {err.strip().splitlines()[0][:140]}", flush=True)
+    finish("eval_bad_input")
+
+
+def peak_rss_mib(args, np_=1):
+    """Peak resident memory of one kqsvd run (its largest process)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    run(args, np_=np_)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(after, before) / 1024.0, after > before
+
+
+def eval_memory():
+    """4096-token sequences within a small --mem-limit; memory independent of
+    the number of sequences."""
+    wd = workdir("eval_memory")
+    o = dict(layers=1, heads=2, kv_heads=1, head_dim=16, seq_len=4096, min_seq_len=4096, seed=2)
+    model, cal = synth(os.path.join(wd, "cal"), seqs=1, shards=1, **o)
+    proj = os.path.join(wd, "proj.h5")
+    calibrate(model, proj, cal)
+    rss = {}
+    for n in (1, 3):
+        _, val = synth(os.path.join(wd, f"val{n}"), seqs=n, shards=1, skip_seqs=1, **o)
+        # Each run in a fresh child so ru_maxrss is its own.
+        code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        cmd = [sys.executable, "-c", code, os.environ["KQSVD"], "evaluate",
+               "--progress", "off", "--mem-limit", "256", "--model", model, "--proj", proj] + val
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, f"{n} sequences of 4096 tokens under --mem-limit 256: {p.stderr}")
+        rss[n] = int(p.stdout.strip().splitlines()[-1]) / 1024.0
+        print(f"{n} x 4096 tokens: peak RSS {rss[n]:.1f} MiB", flush=True)
+    check(rss[3] <= rss[1] * 1.1 + 4, f"memory grows with the sequences: {rss}")
+    check(rss[1] <= 256, f"peak RSS {rss[1]:.0f} MiB exceeds --mem-limit 256")
+    finish("eval_memory")
