@@ -113,13 +113,26 @@ kqsvd_status_t kqsvd_synth_layer_init(const kqsvd_synth_t *g, int64_t layer,
       P[(int64_t)j * D + c] = s * kqsvd_normal(kp, (uint64_t)(j * D + c)) / sqrt((double)r);
     }
   }
+  const int64_t m = g->c.heads / g->c.kv_heads;
   for (int64_t h = 0; h < nproj; h++) {
-    const uint64_t kw = stream(g, layer, STREAM_W, h), ks = stream(g, layer, STREAM_WSCALE, h);
+    const int qk = h < g->c.heads + g->c.kv_heads;
     /* Unequal output dimensions, as trained projections have; query and key
-     * projections more so, which makes keys lower-rank than values. */
-    const double spread = h < g->c.heads + g->c.kv_heads ? log(0.08) : log(0.5);
+     * projections more so, which makes keys lower-rank than values.  A KV
+     * group's queries and keys share the weights of their dimensions, as
+     * trained heads do where q.k matters. */
+    const int64_t scale_id = !qk ? h : h < g->c.heads ? h / m : h - g->c.heads;
+    const uint64_t kw = stream(g, layer, STREAM_W, h);
+    const uint64_t ks = stream(g, layer, STREAM_WSCALE, scale_id);
+    const double spread = qk ? log(0.08) : log(0.5);
+    /* Queries and keys large enough that scores q.k / sqrt(d) spread over a
+     * few units, as in trained models, so softmax is far from uniform and
+     * errors in the scores show in the output.  Keys get m^(1/4) more and
+     * queries m^(1/4) less, so that a group's m stacked queries carry about
+     * the energy of its keys: balanced at beta = 1, Eigen's premise. */
+    const double m4 = pow((double)m, 0.25);
+    const double gain = !qk ? 1.0 : h < g->c.heads ? 12.0 / m4 : 12.0 * m4;
     for (int64_t j = 0; j < d; j++) {
-      const double scale = exp(spread * kqsvd_uniform(ks, (uint64_t)j)) / sqrt((double)D);
+      const double scale = gain * exp(spread * kqsvd_uniform(ks, (uint64_t)j)) / sqrt((double)D);
       for (int64_t c = 0; c < D; c++) W[c * d + j] = scale * kqsvd_normal(kw, (uint64_t)(c * d + j));
     }
     /* Row-major products via column-major BLAS on the transposes. */

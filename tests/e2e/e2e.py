@@ -15,6 +15,7 @@ eval_ranks      ... independent of rank count and row blocks
 eval_policies   rank policies (eps, fixed, budget) in calibrate and evaluate
 eval_bad_input  evaluate's errors
 eval_memory     4096-token sequences in bounded memory, flat in the number of sequences
+figures         examples/sweep_beta.sh and plot_reports.py (needs matplotlib)
 """
 import os
 import sys
@@ -23,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, examples,  # noqa: E402
                             types)
 from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ranks,  # noqa: E402
-                            eval_reference)
+                            eval_reference, figures)
 from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
-              eval_memory)}
+              eval_memory, figures)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

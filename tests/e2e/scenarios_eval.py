@@ -284,3 +284,53 @@ def eval_memory():
     check(rss[3] <= rss[1] * 1.1 + 4, f"memory grows with the sequences: {rss}")
     check(rss[1] <= 256, f"peak RSS {rss[1]:.0f} MiB exceeds --mem-limit 256")
     finish("eval_memory")
+
+
+def png_size(path):
+    """(width, height) of a PNG file, or None when it is not one."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def figures():
+    """examples/sweep_beta.sh and examples/plot_reports.py: one report per
+    beta, invariance of kqsvd and ksvd to beta, and the PNG figures."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("figures: SKIPPED, no matplotlib (Debian: python3-matplotlib)")
+        raise SystemExit(77)
+    wd = workdir("figures")
+    model, cal, val = split_sets(wd, "set", heads=4, kv_heads=2, dtype="bf16", seed=12)
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "..", "..", "examples", "sweep_beta.sh")
+    out = os.path.join(wd, "out")
+    env = dict(os.environ, MPIEXEC=os.environ.get("KQSVD_MPIEXEC", "mpiexec"),
+               MPIEXEC_FLAGS=os.environ.get("KQSVD_MPIEXEC_PREFLAGS", ""))
+    p = subprocess.run(["sh", script, "--betas", "1,4", "--np", "2", "--model", model,
+                        "--calib", " ".join(cal), "--valid", " ".join(val), "--out", out],
+                       capture_output=True, text=True, env=env, timeout=300)
+    check(p.returncode == 0, f"sweep_beta.sh failed:\n{p.stdout}\n{p.stderr}")
+    reps = {}
+    for b in (1, 4):
+        with open(os.path.join(out, f"report-beta{b}.json")) as f:
+            reps[b] = json.load(f)
+        check(reps[b]["beta"] == b, f"report-beta{b}.json has beta {reps[b]['beta']}")
+    for m in ("kqsvd", "ksvd"):
+        check(reps[1]["methods"][m] == reps[4]["methods"][m], f"{m} changed with beta")
+    check(reps[1]["methods"]["eigen"] != reps[4]["methods"]["eigen"], "eigen did not change with beta")
+    for name in ("figure1.png", "figure2.png"):
+        size = png_size(os.path.join(out, name))
+        check(size is not None and size[0] >= 600 and size[1] >= 400, f"{name}: {size}")
+    # A file that is not a report gets one clear message.
+    bad = os.path.join(wd, "bad.json")
+    with open(bad, "w") as f:
+        f.write('{"model": "x"}')
+    plot = os.path.join(here, "..", "..", "examples", "plot_reports.py")
+    p = subprocess.run([sys.executable, plot, bad, "--out", out], capture_output=True, text=True)
+    check(p.returncode != 0 and "bad.json" in p.stderr and "not a kqsvd evaluation report" in p.stderr,
+          f"plot_reports.py on a bad report: {p.returncode} {p.stderr}")
+    finish("figures")

@@ -1,0 +1,114 @@
+#!/usr/bin/python3
+"""Renders the paper's figures from `kqsvd evaluate --json` reports.
+
+    examples/plot_reports.py REPORT.json [REPORT-beta*.json ...] --out DIR
+
+DIR/figure1.png   the first report: err_out per layer for the three methods
+                  (top) and the mean err_k, err_q, err_v, err_kq and err_out
+                  of each method (bottom), as in the paper's Figure 1.
+DIR/figure2.png   with reports at two or more values of beta (calibrate
+                  --beta, see examples/sweep_beta.sh): mean err_out against
+                  beta, as in the paper's Figure 2.
+
+Needs matplotlib (Debian: python3-matplotlib).
+"""
+import argparse
+import json
+import os
+import sys
+
+METHODS = ("kqsvd", "ksvd", "eigen")
+LABELS = {"kqsvd": "KQ-SVD", "ksvd": "K-SVD", "eigen": "Eigen"}
+COLORS = {"kqsvd": "#d62728", "ksvd": "#1f77b4", "eigen": "#2ca02c"}
+METRICS = ("err_k", "err_q", "err_v", "err_kq", "err_out")
+METRIC_LABELS = ("K", "Q", "V", "$QK^T$", "output")
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            r = json.load(f)
+        for m in METHODS:
+            for k in METRICS:
+                float(r["methods"][m]["mean"][k])
+        return r
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"plot_reports: {path}: not a kqsvd evaluation report ({e})")
+
+
+def figure1(plt, rep, path):
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 7.5))
+    layers = [x["layer"] for x in rep["methods"]["kqsvd"]["layers"]]
+    for m in METHODS:
+        top.plot(layers, [x["err_out"] for x in rep["methods"][m]["layers"]], marker="o",
+                 markersize=3, color=COLORS[m], label=LABELS[m])
+    top.set_yscale("log")
+    top.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    top.set_xlabel("layer")
+    top.set_ylabel("relative output error")
+    top.grid(True, which="both", alpha=0.3)
+    top.legend()
+    policy = rep.get("rank_policy", "")
+    top.set_title(f"{rep['model']}: {rep['sequences']} validation sequences"
+                  + (f", ranks {policy}" if policy else ""), fontsize=10)
+    width = 0.26
+    for i, m in enumerate(METHODS):
+        vals = [rep["methods"][m]["mean"][k] for k in METRICS]
+        bottom.bar([j + (i - 1) * width for j in range(len(METRICS))], vals, width,
+                   color=COLORS[m], label=LABELS[m])
+    bottom.set_xticks(range(len(METRICS)))
+    bottom.set_xticklabels(METRIC_LABELS)
+    bottom.set_yscale("log")
+    bottom.set_ylabel("mean relative error over layers")
+    bottom.grid(True, axis="y", which="both", alpha=0.3)
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure2(plt, reps, path):
+    reps = sorted(reps, key=lambda r: r.get("beta", 1.0))
+    betas = [r.get("beta", 1.0) for r in reps]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for m in METHODS:
+        ax.plot(betas, [r["methods"][m]["mean"]["err_out"] for r in reps], marker="o",
+                color=COLORS[m], label=LABELS[m])
+    ax.set_xscale("log")
+    ax.set_xticks(betas)
+    ax.set_xticklabels([f"{b:g}" for b in betas])
+    ax.set_xlabel(r"unbalance $\beta$ (keys $\times\beta$, queries $/\beta$)")
+    ax.set_ylabel("mean relative output error")
+    ax.set_title(f"{reps[0]['model']}: output error against unbalance", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("reports", nargs="+", help="JSON reports of kqsvd evaluate")
+    ap.add_argument("--out", required=True, help="folder for the PNG files")
+    a = ap.parse_args()
+    reps = [load(p) for p in a.reports]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot_reports: needs matplotlib (Debian: apt-get install python3-matplotlib)")
+    os.makedirs(a.out, exist_ok=True)
+    written = [os.path.join(a.out, "figure1.png")]
+    figure1(plt, reps[0], written[0])
+    if len({r.get("beta", 1.0) for r in reps}) >= 2:
+        written.append(os.path.join(a.out, "figure2.png"))
+        figure2(plt, reps, written[1])
+    elif len(reps) > 1:
+        print("plot_reports: the reports share one beta; figure2.png needs several", file=sys.stderr)
+    print("wrote " + ", ".join(written))
+
+
+if __name__ == "__main__":
+    main()

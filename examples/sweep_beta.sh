@@ -1,0 +1,58 @@
+#!/bin/sh
+# The paper's unbalance study (Figure 2): calibrate and evaluate at several
+# beta (keys x beta, queries / beta before Eigen's SVD; KQ-SVD and K-SVD do
+# not change), writing one report per beta, then the figures.
+#
+#   examples/sweep_beta.sh [--betas 1,2,5,10] [--np N] --model MODEL.h5 \
+#       --calib 'CALIB/*.h5' --valid 'VALID/*.h5' --out DIR
+#
+# DIR gets proj-betaB.h5, report-betaB.json for each B, and figure1.png /
+# figure2.png when matplotlib is there.  KQSVD (default: build/kqsvd next to
+# this script's folder), MPIEXEC (default: mpirun) and MPIEXEC_FLAGS (say,
+# --oversubscribe) may be set.
+set -eu
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+kqsvd=${KQSVD:-$here/build/kqsvd}
+mpiexec=${MPIEXEC:-mpirun}
+mpiflags=${MPIEXEC_FLAGS:-}
+betas=1,2,5,10 np=2 model= calib= valid= out=
+
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case $1 in
+    --betas) betas=$2; shift 2 ;;
+    --np) np=$2; shift 2 ;;
+    --model) model=$2; shift 2 ;;
+    --calib) calib=$2; shift 2 ;;
+    --valid) valid=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    -h|--help) usage ;;
+    *) echo "sweep_beta.sh: unknown argument '$1'" >&2; usage ;;
+  esac
+done
+[ -n "$model" ] && [ -n "$calib" ] && [ -n "$valid" ] && [ -n "$out" ] || usage
+[ -x "$kqsvd" ] || { echo "sweep_beta.sh: $kqsvd not found; build first (./demo.sh or cmake)" >&2; exit 1; }
+mkdir -p "$out"
+
+reports=
+for b in $(echo "$betas" | tr ',' ' '); do
+  echo "== beta = $b"
+  # The globs are expanded here, on purpose.
+  # shellcheck disable=SC2086
+  "$mpiexec" -np "$np" $mpiflags "$kqsvd" calibrate --progress off --beta "$b" --model "$model" \
+    --out "$out/proj-beta$b.h5" $calib > "$out/calibrate-beta$b.log"
+  # shellcheck disable=SC2086
+  "$mpiexec" -np "$np" $mpiflags "$kqsvd" evaluate --progress off --model "$model" \
+    --proj "$out/proj-beta$b.h5" --json "$out/report-beta$b.json" $valid | tail -n 4
+  reports="$reports $out/report-beta$b.json"
+done
+
+py=python3
+[ -x /usr/bin/python3 ] && py=/usr/bin/python3
+# shellcheck disable=SC2086
+if "$py" -c "import matplotlib" 2>/dev/null; then
+  "$py" "$here/examples/plot_reports.py" $reports --out "$out"
+else
+  echo "sweep_beta.sh: no matplotlib; reports are in $out" >&2
+fi
