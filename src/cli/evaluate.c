@@ -314,7 +314,9 @@ static void print_table(const evaluation_t *e, const kqsvd_report_t *r) {
          e->dims.causal ? ", causal" : "");
   const char *rk = same ? "rank_k rank_v" : "rank_k/rank_v: kqsvd ksvd eigen";
   const int w = (int)strlen(rk);
-  printf("%*s %*s err_kq                     err_out\n", 5, "", w, "");
+  /* Each block of three columns is 27 wide after a 2-space gap. */
+  printf("%5s %*s  %-27s  %-27s\n", "", w, "", "----- err_kq (scores) -----",
+         "----- err_out (output) ----");
   printf("layer %s      kqsvd     ksvd    eigen      kqsvd     ksvd    eigen\n", rk);
   for (int l = 0; l <= L; l++) {
     char ranks[96] = "";
