@@ -74,7 +74,7 @@ kqsvd_status_t calib_finish(calib_t *c) {
   char tmp[PATH_MAX + 32] = "", policy[64];
   int nsig_int = 0;
 
-  if (root && c->progress != KQSVD_PROGRESS_OFF)
+  if (root && c->run.progress != KQSVD_PROGRESS_OFF)
     fprintf(stderr, "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
             "items on %d rank%s\n", (long long)c->nitems, c->cli->size, c->cli->size == 1 ? "" : "s");
   KQSVD_CALL(kqsvd_tsqr_reduce(comm, (int)c->d, CAL_NR, c->nitems, c->state));

@@ -233,10 +233,10 @@ kqsvd_status_t calib_stream(calib_t *c) {
   KQSVD_MPI(MPI_Allreduce(&s.work, &base, 1, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(&found, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
-  if (c->cli->rank == 0 && resumed && c->progress != KQSVD_PROGRESS_OFF)
+  if (c->cli->rank == 0 && resumed && c->run.progress != KQSVD_PROGRESS_OFF)
     fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s, %.1f%% "
             "already done\n", resumed, c->cli->size, c->ckpt_dir, 100.0 * (double)base / (double)total);
-  kqsvd_progress_init(&prog, c->progress, "calibrate", c->tokens, base);
+  kqsvd_progress_init(&prog, c->run.progress, "calibrate", c->tokens, base);
   KQSVD_CALL(kqsvd_monitor_init(comm, total, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &s.mon));
   s.last_save = kqsvd_now();

@@ -49,8 +49,7 @@ static void calibrate_help(void) {
 
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_MEM, O_QRB, O_READ,
-         O_THREADS, O_PROGRESS };
+  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -59,22 +58,18 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"beta", required_argument, NULL, O_BETA},
       {"checkpoint", required_argument, NULL, O_CKPT},
       {"checkpoint-every", required_argument, NULL, O_CKPT_EVERY},
-      {"mem-limit", required_argument, NULL, O_MEM},
       {"qr-block", required_argument, NULL, O_QRB},
       {"read-rows", required_argument, NULL, O_READ},
-      {"threads", required_argument, NULL, O_THREADS},
-      {"progress", required_argument, NULL, O_PROGRESS},
-      {"verbose", no_argument, NULL, 'v'},
+      KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
   c->ranks = (kqsvd_rank_policy_t){KQSVD_RANKS_EPS, 0.1};
   int policy_set = 0;
   c->beta = 1.0;
   c->ckpt_every = 60.0;
-  c->mem_mib = 1024;
+  int handled = 0;
+  kqsvd_run_opts_default(&c->run);
   c->qr_block = KQSVD_QR_BLOCK_DEFAULT;
-  c->threads = 1;
-  c->progress = KQSVD_PROGRESS_AUTO;
   optind = 1;
   for (;;) {
     int o;
@@ -99,17 +94,15 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
       break;
-    case O_MEM: KQSVD_CALL(kqsvd_opt_int("--mem-limit", optarg, 16, INT64_C(1) << 30, &c->mem_mib)); break;
     case O_QRB: KQSVD_CALL(kqsvd_opt_int("--qr-block", optarg, 1, 1 << 20, &c->qr_block)); break;
     case O_READ: KQSVD_CALL(kqsvd_opt_int("--read-rows", optarg, 1, 1 << 24, &c->read_rows)); break;
-    case O_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", optarg, 1, 1024, &c->threads)); break;
-    case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &c->progress)); break;
-    case 'v': c->cli->verbose = 1; break;
     case 'h':
       if (c->cli->rank == 0) calibrate_help();
       c->help = 1;
       return KQSVD_OK;
-    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
+    default:
+      KQSVD_CALL(kqsvd_run_option(c->cli, o, optarg, &c->run, &handled));
+      KQSVD_CHECK(handled, KQSVD_ERR_BUG, "unhandled option %d", o);
     }
   }
   KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required");
@@ -132,53 +125,24 @@ done:
 
 /* Every rank opens the model (small) and ranks share the shard headers. */
 static kqsvd_status_t validate_inputs(calib_t *c) {
-  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = c->cli->comm;
-  int64_t *seqs = NULL;
-  int esz = 0, esz_max = 0;
-  kqsvd_shard_t *sh = NULL;
-  local = kqsvd_model_open(c->model_path, &c->model);
-  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_shard_set_t set;
+  memset(&set, 0, sizeof set);
+  KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, kqsvd_model_open(c->model_path, &c->model)));
   c->dims = *kqsvd_model_dims(c->model);
   c->d = c->dims.head_dim;
   c->group = c->dims.heads / c->dims.kv_heads;
   c->nitems = c->dims.layers * c->dims.kv_heads;
-  esz = (int)kqsvd_dtype_size(kqsvd_model_dtype(c->model));
-
-  KQSVD_MALLOC(c->shard_rows, c->nshards, "shard sizes");
-  KQSVD_MALLOC(seqs, c->nshards, "shard sequence counts");
-  for (int s = 0; s < c->nshards; s++) c->shard_rows[s] = seqs[s] = 0;
-  for (int s = c->cli->rank; s < c->nshards && local == KQSVD_OK; s += c->cli->size) {
-    local = kqsvd_shard_open(c->shards[s], MPI_COMM_NULL, &sh);
-    if (local == KQSVD_OK)
-      local = kqsvd_dims_match(kqsvd_shard_dims(sh), c->shards[s], &c->dims, c->model_path);
-    if (local == KQSVD_OK) {
-      c->shard_rows[s] = kqsvd_shard_tokens(sh);
-      seqs[s] = kqsvd_shard_sequences(sh);
-      for (int t = 0; t < 3; t++) {
-        const int e = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
-        esz = e > esz ? e : esz;
-      }
-      if (strcmp(kqsvd_shard_dims(sh)->model, c->dims.model) != 0)
-        fprintf(stderr, "kqsvd calibrate: warning: %s is from model \"%s\", %s says \"%s\"\n",
-                c->shards[s], kqsvd_shard_dims(sh)->model, c->model_path, c->dims.model);
-    }
-    kqsvd_shard_close(&sh);
-  }
-  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
-  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, c->shard_rows, c->nshards, MPI_INT64_T, MPI_SUM, comm));
-  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, seqs, c->nshards, MPI_INT64_T, MPI_SUM, comm));
-  KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
-  c->elem_max = (size_t)esz_max;
-  c->tokens = c->sequences = 0;
-  for (int s = 0; s < c->nshards; s++) c->tokens += c->shard_rows[s], c->sequences += seqs[s];
-  local = c->tokens > 0 ? KQSVD_OK
-                        : kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
-                                          "the shards hold no tokens at all");
-  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  KQSVD_CALL(kqsvd_scan_shards(c->cli, "calibrate", c->shards, c->nshards, &c->dims,
+                               c->model_path, kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0,
+                               &set));
+  c->shard_rows = set.rows;
+  set.rows = NULL;
+  c->elem_max = set.elem_max;
+  c->tokens = set.tokens;
+  c->sequences = set.sequences;
 done:
-  free(seqs);
-  kqsvd_shard_close(&sh);
+  kqsvd_shard_set_free(&set);
   return st;
 }
 
@@ -198,7 +162,7 @@ static kqsvd_status_t plan(calib_t *c) {
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
   const double per_row = (double)(c->group + 2) * d * (double)c->elem_max;
-  const double avail = (double)c->mem_mib * mib - state - rw - reserve;
+  const double avail = (double)c->run.mem_mib * mib - state - rw - reserve;
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   rows = rows > 65536 ? 65536 : rows;
   if (c->read_rows > 0 && c->read_rows < rows) rows = c->read_rows < c->qr_block ? c->qr_block : c->read_rows;
@@ -206,7 +170,7 @@ static kqsvd_status_t plan(calib_t *c) {
   KQSVD_CHECK(rows >= c->qr_block, KQSVD_ERR_USAGE,
               "--mem-limit %lld MiB is too small here: the R factors need %.2f MiB, reading "
               "needs %.2f MiB more and %.0f MiB are reserved; raise it to at least %.0f",
-              (long long)c->mem_mib, (state + rw) / mib, per_row * (double)c->qr_block / mib,
+              (long long)c->run.mem_mib, (state + rw) / mib, per_row * (double)c->qr_block / mib,
               reserve / mib, (state + rw + reserve + per_row * (double)c->qr_block) / mib + 1);
   c->io_rows = rows;
 
@@ -323,7 +287,7 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "calibrate", st);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   if (c.help) return KQSVD_OK;
-  kqsvd_blas_set_threads((int)c.threads);
+  kqsvd_blas_set_threads((int)c.run.threads);
 
   KQSVD_CALL(validate_inputs(&c));
   st = plan(&c);
@@ -332,7 +296,7 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
     goto done;
   }
   KQSVD_CALL(st);
-  if (cli->rank == 0 && c.progress != KQSVD_PROGRESS_OFF) print_header(&c);
+  if (cli->rank == 0 && c.run.progress != KQSVD_PROGRESS_OFF) print_header(&c);
   KQSVD_MALLOC(c.raw, (size_t)(c.group + 2) * (size_t)c.io_rows * (size_t)c.d * c.elem_max,
                "read buffer");
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(&c)));

@@ -20,8 +20,8 @@ typedef struct calib {
   const char *model_path, *out_path, *ckpt_dir;
   kqsvd_rank_policy_t ranks;
   double beta, ckpt_every;
-  int64_t mem_mib, qr_block, read_rows, threads;
-  kqsvd_progress_mode_t progress;
+  int64_t qr_block, read_rows;
+  kqsvd_run_opts_t run;
   int nshards, help;
   char **shards;
   /* inputs */

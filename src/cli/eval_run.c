@@ -242,7 +242,7 @@ kqsvd_status_t eval_run(evaluation_t *e) {
   r.layer.causal = (int)e->dims.causal;
   r.layer.o_proj = r.W;
 
-  kqsvd_progress_init(&prog, e->progress, "evaluate", e->tokens, 0);
+  kqsvd_progress_init(&prog, e->run.progress, "evaluate", e->tokens, 0);
   KQSVD_CALL(kqsvd_monitor_init(e->cli->comm, total_work, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &r.mon));
   int stop = 0;

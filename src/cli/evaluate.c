@@ -40,23 +40,19 @@ static void evaluate_help(void) {
 
 static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK, O_MEM, O_THREADS, O_PROGRESS };
+  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK };
   static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
                                            {"proj", required_argument, NULL, O_PROJ},
                                            {"json", required_argument, NULL, O_JSON},
                                            {"ranks", required_argument, NULL, O_RANKS},
                                            {"block-rows", required_argument, NULL, O_BLOCK},
-                                           {"mem-limit", required_argument, NULL, O_MEM},
-                                           {"threads", required_argument, NULL, O_THREADS},
-                                           {"progress", required_argument, NULL, O_PROGRESS},
-                                           {"verbose", no_argument, NULL, 'v'},
+                                           KQSVD_RUN_LONGOPTS,
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   const char **in = NULL;
+  int handled = 0;
   e->block_rows = 256;
-  e->mem_mib = 1024;
-  e->threads = 1;
-  e->progress = KQSVD_PROGRESS_AUTO;
+  kqsvd_run_opts_default(&e->run);
   optind = 1;
   for (;;) {
     int o;
@@ -74,15 +70,13 @@ static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
       KQSVD_CALL(kqsvd_opt_int("--block-rows", optarg, 1, 1 << 20, &e->block_rows));
       e->block_set = 1;
       break;
-    case O_MEM: KQSVD_CALL(kqsvd_opt_int("--mem-limit", optarg, 16, INT64_C(1) << 30, &e->mem_mib)); break;
-    case O_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", optarg, 1, 1024, &e->threads)); break;
-    case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &e->progress)); break;
-    case 'v': e->cli->verbose = 1; break;
     case 'h':
       if (e->cli->rank == 0) evaluate_help();
       e->help = 1;
       return KQSVD_OK;
-    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
+    default:
+      KQSVD_CALL(kqsvd_run_option(e->cli, o, optarg, &e->run, &handled));
+      KQSVD_CHECK(handled, KQSVD_ERR_BUG, "unhandled option %d", o);
     }
   }
   KQSVD_CHECK(e->model_path, KQSVD_ERR_USAGE, "--model is required");
@@ -104,10 +98,8 @@ done:
  * headers are read once, round robin, and their sequences shared. */
 static kqsvd_status_t validate_inputs(evaluation_t *e) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = e->cli->comm;
-  kqsvd_shard_t *sh = NULL;
-  int64_t *nseq = NULL, *first = NULL;
-  int esz = 0, esz_max = 0;
+  kqsvd_shard_set_t set;
+  memset(&set, 0, sizeof set);
   local = kqsvd_model_open(e->model_path, &e->model);
   if (local == KQSVD_OK) local = kqsvd_proj_open(e->proj_path, &e->proj);
   if (local == KQSVD_OK) {
@@ -119,74 +111,29 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
       fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
               e->proj_path, pd.model, e->model_path, e->dims.model);
   }
-  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  KQSVD_CALL(kqsvd_mpi_agree(e->cli->comm, local));
   e->d = e->dims.head_dim;
   e->group = e->dims.heads / e->dims.kv_heads;
-  esz = (int)kqsvd_dtype_size(kqsvd_model_dtype(e->model));
-
-  KQSVD_MALLOC(nseq, e->nshards, "shard sequence counts");
-  KQSVD_MALLOC(first, e->nshards + 1, "shard sequence offsets");
-  for (int s = 0; s < e->nshards; s++) nseq[s] = 0;
-  /* Pass 0 counts sequences, pass 1 fills the shared tables. */
-  for (int pass = 0; pass < 2; pass++) {
-    for (int s = e->cli->rank; s < e->nshards && local == KQSVD_OK; s += e->cli->size) {
-      local = kqsvd_shard_open(e->shards[s], MPI_COMM_NULL, &sh);
-      if (local == KQSVD_OK)
-        local = kqsvd_dims_match(kqsvd_shard_dims(sh), e->shards[s], &e->dims, e->model_path);
-      if (local == KQSVD_OK && pass == 0) {
-        nseq[s] = kqsvd_shard_sequences(sh);
-        for (int t = 0; t < 3; t++) {
-          const int z = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
-          esz = z > esz ? z : esz;
-        }
-        if (strcmp(kqsvd_shard_dims(sh)->model, e->dims.model) != 0)
-          fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
-                  e->shards[s], kqsvd_shard_dims(sh)->model, e->model_path, e->dims.model);
-      }
-      if (local == KQSVD_OK && pass == 1) {
-        const int64_t *lens = kqsvd_shard_seq_lens(sh);
-        int64_t off = 0;
-        for (int64_t q = 0; q < nseq[s]; q++) {
-          e->seq_shard[first[s] + q] = s;
-          e->seq_off[first[s] + q] = off;
-          e->seq_len[first[s] + q] = lens[q];
-          off += lens[q];
-        }
-      }
-      kqsvd_shard_close(&sh);
+  KQSVD_CALL(kqsvd_scan_shards(e->cli, "evaluate", e->shards, e->nshards, &e->dims,
+                               e->model_path, kqsvd_dtype_size(kqsvd_model_dtype(e->model)), 1,
+                               &set));
+  e->nseq = set.sequences;
+  e->tokens = set.tokens;
+  e->elem_max = set.elem_max;
+  KQSVD_MALLOC(e->seq_shard, e->nseq, "sequence table");
+  KQSVD_MALLOC(e->seq_off, e->nseq, "sequence table");
+  e->seq_len = set.seq_lens;
+  set.seq_lens = NULL;
+  e->max_T = 0;
+  for (int64_t s = 0, q = 0; s < e->nshards; s++)
+    for (int64_t k = 0, off = 0; k < set.seqs[s]; k++, q++) {
+      e->seq_shard[q] = s;
+      e->seq_off[q] = off;
+      off += e->seq_len[q];
+      e->max_T = e->seq_len[q] > e->max_T ? e->seq_len[q] : e->max_T;
     }
-    KQSVD_CALL(kqsvd_mpi_agree(comm, local));
-    if (pass == 0) {
-      KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, nseq, e->nshards, MPI_INT64_T, MPI_SUM, comm));
-      first[0] = 0;
-      for (int s = 0; s < e->nshards; s++) first[s + 1] = first[s] + nseq[s];
-      e->nseq = first[e->nshards];
-      KQSVD_MALLOC(e->seq_shard, e->nseq + 1, "sequence table");
-      KQSVD_MALLOC(e->seq_off, e->nseq + 1, "sequence table");
-      KQSVD_MALLOC(e->seq_len, e->nseq + 1, "sequence table");
-      for (int64_t q = 0; q < e->nseq; q++) e->seq_shard[q] = e->seq_off[q] = e->seq_len[q] = 0;
-    }
-  }
-  int n_int = 0;
-  KQSVD_TO_INT(e->nseq, &n_int, "number of sequences");
-  int64_t *tabs[3] = {e->seq_shard, e->seq_off, e->seq_len};
-  for (int k = 0; k < 3; k++)
-    KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, tabs[k], n_int, MPI_INT64_T, MPI_SUM, comm));
-  KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
-  e->elem_max = (size_t)esz_max;
-  e->tokens = e->max_T = 0;
-  for (int64_t q = 0; q < e->nseq; q++) {
-    e->tokens += e->seq_len[q];
-    e->max_T = e->seq_len[q] > e->max_T ? e->seq_len[q] : e->max_T;
-  }
-  local = e->tokens > 0 ? KQSVD_OK
-                        : kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
-                                          "the validation shards hold no tokens at all");
-  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
 done:
-  kqsvd_shard_close(&sh);
-  free(nseq);
-  free(first);
+  kqsvd_shard_set_free(&set);
   return st;
 }
 
@@ -262,13 +209,13 @@ static kqsvd_status_t plan(evaluation_t *e) {
     e->mem_need = fixed + raw + 8.0 * (double)e->group * b * d +
                   kqsvd_eval_ws_bytes((int)e->dims.heads, (int)e->d, (int)e->dims.hidden, e->max_T,
                                       e->block_rows);
-    if (e->mem_need <= (double)e->mem_mib * mib || e->block_set || e->block_rows <= 16) break;
+    if (e->mem_need <= (double)e->run.mem_mib * mib || e->block_set || e->block_rows <= 16) break;
     e->block_rows /= 2;
   }
-  KQSVD_CHECK(e->mem_need <= (double)e->mem_mib * mib, KQSVD_ERR_USAGE,
+  KQSVD_CHECK(e->mem_need <= (double)e->run.mem_mib * mib, KQSVD_ERR_USAGE,
               "--mem-limit %lld MiB is too small: sequences of %lld tokens with --block-rows %lld "
               "need %.0f MiB per rank (%s)",
-              (long long)e->mem_mib, (long long)e->max_T, (long long)e->block_rows,
+              (long long)e->run.mem_mib, (long long)e->max_T, (long long)e->block_rows,
               e->mem_need / mib + 1,
               e->block_set ? "lower --block-rows or raise --mem-limit" : "raise --mem-limit");
 
@@ -358,7 +305,7 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
   if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "evaluate", st);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   if (e.help) return KQSVD_OK;
-  kqsvd_blas_set_threads((int)e.threads);
+  kqsvd_blas_set_threads((int)e.run.threads);
 
   KQSVD_CALL(validate_inputs(&e));
   /* Decided alike on every rank, from the same files. */
@@ -369,7 +316,7 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
     goto done;
   }
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
-  if (cli->rank == 0 && e.progress != KQSVD_PROGRESS_OFF) {
+  if (cli->rank == 0 && e.run.progress != KQSVD_PROGRESS_OFF) {
     char tok[32];
     kqsvd_fmt_count((double)e.tokens, tok, sizeof tok);
     fprintf(stderr,

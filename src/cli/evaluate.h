@@ -17,8 +17,8 @@ typedef struct evaluation {
   const char *model_path, *proj_path, *json_path;
   kqsvd_rank_policy_t ranks;
   int ranks_set, block_set, nshards, help;
-  int64_t block_rows, mem_mib, threads;
-  kqsvd_progress_mode_t progress;
+  int64_t block_rows;
+  kqsvd_run_opts_t run;
   char **shards;
   /* inputs */
   kqsvd_model_t *model;

@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "kqsvd_error.h"
+#include "kqsvd_h5.h"
 
 /* What every subcommand gets from main(). */
 typedef struct kqsvd_cli {
@@ -32,6 +33,24 @@ kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, doubl
  * rename would replace it).  `out` may be NULL; files that do not exist are
  * left for the readers to report.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin);
+
+/* What kqsvd_scan_shards learns of a set of cache shards. */
+typedef struct kqsvd_shard_set {
+  int64_t *rows, *seqs;     /* [n]: T and S of each shard */
+  int64_t *seq_lens;        /* every sequence's length, shard after shard */
+  int64_t tokens, sequences;
+  size_t elem_max;          /* widest element size of the shards and elem_min */
+} kqsvd_shard_set_t;
+
+/* Collective.  Reads each shard's header once, round robin over the ranks:
+ * checks it against `dims` (read from `model_path`), warns on stderr when
+ * its model name differs, and shares the sizes with every rank (and every
+ * sequence length when want_lens).  Errors, agreed by all ranks:
+ * KQSVD_ERR_INPUT naming the file and field, or a set without tokens. */
+kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
+                                 const kqsvd_dims_t *dims, const char *model_path,
+                                 size_t elem_min, int want_lens, kqsvd_shard_set_t *set);
+void kqsvd_shard_set_free(kqsvd_shard_set_t *set);
 
 /* Turns a usage error found identically on every rank into a collective
  * one that rank 0 prints, with a pointer to --help. */
@@ -69,5 +88,26 @@ void kqsvd_progress_init(kqsvd_progress_t *p, kqsvd_progress_mode_t mode, const 
 double kqsvd_progress_interval(const kqsvd_progress_t *p);
 /* A kqsvd_progress_fn: ctx is a kqsvd_progress_t. */
 void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final);
+
+/* Options shared by the long-running subcommands (codes above any
+ * subcommand's own), for their getopt_long tables. */
+enum { KQSVD_OPT_MEM = 1000, KQSVD_OPT_THREADS, KQSVD_OPT_PROGRESS };
+#define KQSVD_RUN_LONGOPTS                                     \
+  {"mem-limit", required_argument, NULL, KQSVD_OPT_MEM},       \
+      {"threads", required_argument, NULL, KQSVD_OPT_THREADS}, \
+      {"progress", required_argument, NULL, KQSVD_OPT_PROGRESS}, {"verbose", no_argument, NULL, 'v'}
+
+typedef struct kqsvd_run_opts {
+  int64_t mem_mib, threads;
+  kqsvd_progress_mode_t progress;
+} kqsvd_run_opts_t;
+
+/* --mem-limit 1024, --threads 1, --progress auto. */
+void kqsvd_run_opts_default(kqsvd_run_opts_t *r);
+
+/* Takes option `o` when it is one of KQSVD_RUN_LONGOPTS (*handled = 1).
+ * Errors: KQSVD_ERR_USAGE naming the option. */
+kqsvd_status_t kqsvd_run_option(kqsvd_cli_t *cli, int o, const char *arg, kqsvd_run_opts_t *r,
+                                int *handled);
 
 #endif

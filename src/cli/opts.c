@@ -83,3 +83,26 @@ kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin
 done:
   return st;
 }
+
+void kqsvd_run_opts_default(kqsvd_run_opts_t *r) {
+  r->mem_mib = 1024;
+  r->threads = 1;
+  r->progress = KQSVD_PROGRESS_AUTO;
+}
+
+kqsvd_status_t kqsvd_run_option(kqsvd_cli_t *cli, int o, const char *arg, kqsvd_run_opts_t *r,
+                                int *handled) {
+  kqsvd_status_t st = KQSVD_OK;
+  *handled = 1;
+  switch (o) {
+  case KQSVD_OPT_MEM:
+    KQSVD_CALL(kqsvd_opt_int("--mem-limit", arg, 16, INT64_C(1) << 30, &r->mem_mib));
+    break;
+  case KQSVD_OPT_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", arg, 1, 1024, &r->threads)); break;
+  case KQSVD_OPT_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(arg, &r->progress)); break;
+  case 'v': cli->verbose = 1; break;
+  default: *handled = 0;
+  }
+done:
+  return st;
+}

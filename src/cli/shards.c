@@ -1,0 +1,88 @@
+/* The header scan that calibrate and evaluate share: every shard is opened
+ * once, by one rank, and what the plan needs is shared with all. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kqsvd_cache.h"
+#include "kqsvd_cli.h"
+#include "kqsvd_mpi.h"
+
+void kqsvd_shard_set_free(kqsvd_shard_set_t *set) {
+  free(set->rows);
+  free(set->seqs);
+  free(set->seq_lens);
+  memset(set, 0, sizeof *set);
+}
+
+/* This rank's shards: validate, count, keep their sequence lengths. */
+static kqsvd_status_t scan_own(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
+                               const kqsvd_dims_t *dims, const char *model_path,
+                               kqsvd_shard_set_t *set, int64_t **lens, int *esz) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_shard_t *sh = NULL;
+  for (int s = cli->rank; s < n; s += cli->size) {
+    KQSVD_CALL(kqsvd_shard_open(paths[s], MPI_COMM_NULL, &sh));
+    KQSVD_CALL(kqsvd_dims_match(kqsvd_shard_dims(sh), paths[s], dims, model_path));
+    set->rows[s] = kqsvd_shard_tokens(sh);
+    set->seqs[s] = kqsvd_shard_sequences(sh);
+    for (int t = 0; t < 3; t++) {
+      const int e = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
+      *esz = e > *esz ? e : *esz;
+    }
+    if (strcmp(kqsvd_shard_dims(sh)->model, dims->model) != 0)
+      fprintf(stderr, "kqsvd %s: warning: %s is from model \"%s\", %s says \"%s\"\n", cmd,
+              paths[s], kqsvd_shard_dims(sh)->model, model_path, dims->model);
+    if (lens) {
+      KQSVD_MALLOC(lens[s], set->seqs[s] + 1, "sequence lengths");
+      memcpy(lens[s], kqsvd_shard_seq_lens(sh), (size_t)set->seqs[s] * sizeof(int64_t));
+    }
+    kqsvd_shard_close(&sh);
+  }
+done:
+  kqsvd_shard_close(&sh);
+  return st;
+}
+
+kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
+                                 const kqsvd_dims_t *dims, const char *model_path,
+                                 size_t elem_min, int want_lens, kqsvd_shard_set_t *set) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm comm = cli->comm;
+  int64_t **lens = NULL;
+  int esz = (int)elem_min, esz_max = 0, n_int = 0;
+  memset(set, 0, sizeof *set);
+  KQSVD_MALLOC(set->rows, n, "shard sizes");
+  KQSVD_MALLOC(set->seqs, n, "shard sequence counts");
+  for (int s = 0; s < n; s++) set->rows[s] = set->seqs[s] = 0;
+  if (want_lens) {
+    lens = calloc((size_t)n, sizeof *lens);
+    KQSVD_CHECK(lens, KQSVD_ERR_NOMEM, "cannot allocate the sequence tables");
+  }
+  local = scan_own(cli, cmd, paths, n, dims, model_path, set, lens, &esz);
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->rows, n, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seqs, n, MPI_INT64_T, MPI_SUM, comm));
+  KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
+  set->elem_max = (size_t)esz_max;
+  for (int s = 0; s < n; s++) set->tokens += set->rows[s], set->sequences += set->seqs[s];
+  local = set->tokens > 0 ? KQSVD_OK
+                          : kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                                            "the shards hold no tokens at all");
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  if (want_lens) {
+    /* Each shard's lengths land at its offset; the sum fills the table. */
+    KQSVD_MALLOC(set->seq_lens, set->sequences, "sequence lengths");
+    int64_t off = 0;
+    for (int s = 0; s < n; s++) {
+      for (int64_t q = 0; q < set->seqs[s]; q++) set->seq_lens[off + q] = lens[s] ? lens[s][q] : 0;
+      off += set->seqs[s];
+    }
+    KQSVD_TO_INT(set->sequences, &n_int, "number of sequences");
+    KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seq_lens, n_int, MPI_INT64_T, MPI_SUM, comm));
+  }
+done:
+  for (int s = 0; lens && s < n; s++) free(lens[s]);
+  free(lens);
+  return st;
+}
