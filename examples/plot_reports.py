@@ -75,6 +75,7 @@ def figure2(plt, reps, path):
         ax.plot(betas, [r["methods"][m]["mean"]["err_out"] for r in reps], marker="o",
                 color=COLORS[m], label=LABELS[m])
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xticks(betas)
     ax.set_xticklabels([f"{b:g}" for b in betas])
     ax.set_xlabel(r"unbalance $\beta$ (keys $\times\beta$, queries $/\beta$)")

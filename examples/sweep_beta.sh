@@ -42,9 +42,12 @@ for b in $(echo "$betas" | tr ',' ' '); do
   # shellcheck disable=SC2086
   "$mpiexec" -np "$np" $mpiflags "$kqsvd" calibrate --progress off --beta "$b" --model "$model" \
     --out "$out/proj-beta$b.h5" $calib > "$out/calibrate-beta$b.log"
+  rm -f "$out/report-beta$b.json"
   # shellcheck disable=SC2086
   "$mpiexec" -np "$np" $mpiflags "$kqsvd" evaluate --progress off --model "$model" \
-    --proj "$out/proj-beta$b.h5" --json "$out/report-beta$b.json" $valid | tail -n 4
+    --proj "$out/proj-beta$b.h5" --json "$out/report-beta$b.json" $valid \
+    > "$out/evaluate-beta$b.log"
+  tail -n 5 "$out/evaluate-beta$b.log"
   reports="$reports $out/report-beta$b.json"
 done
 

@@ -110,6 +110,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   c->nshards = argc - optind;
   c->shards = argv + optind;
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
+  KQSVD_CALL(kqsvd_check_writable(c->out_path));
   {
     const char **in = malloc((size_t)(c->nshards + 1) * sizeof *in);
     KQSVD_CHECK(in, KQSVD_ERR_NOMEM, "cannot allocate the file list");

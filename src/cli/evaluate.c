@@ -89,6 +89,7 @@ static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
   in[1] = e->proj_path;
   for (int i = 0; i < e->nshards; i++) in[i + 2] = e->shards[i];
   KQSVD_CALL(kqsvd_check_files(e->json_path, in, e->nshards + 2));
+  if (e->json_path) KQSVD_CALL(kqsvd_check_writable(e->json_path));
 done:
   free(in);
   return st;
@@ -120,8 +121,14 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
   e->nseq = set.sequences;
   e->tokens = set.tokens;
   e->elem_max = set.elem_max;
-  KQSVD_MALLOC(e->seq_shard, e->nseq, "sequence table");
-  KQSVD_MALLOC(e->seq_off, e->nseq, "sequence table");
+  /* Failures before the next collective must be agreed, or others wait. */
+  e->seq_shard = malloc((size_t)e->nseq * sizeof *e->seq_shard);
+  e->seq_off = malloc((size_t)e->nseq * sizeof *e->seq_off);
+  local = e->seq_shard && e->seq_off
+              ? KQSVD_OK
+              : kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
+                                "cannot allocate the table of %lld sequences", (long long)e->nseq);
+  KQSVD_CALL(kqsvd_mpi_agree(e->cli->comm, local));
   e->seq_len = set.seq_lens;
   set.seq_lens = NULL;
   e->max_T = 0;
@@ -256,8 +263,8 @@ static void print_table(const evaluation_t *e, const kqsvd_report_t *r) {
       same &= e->rank_k[m * L + l] == e->rank_k[l] && e->rank_v[m * L + l] == e->rank_v[l];
   char tok[32];
   kqsvd_fmt_count((double)e->tokens, tok, sizeof tok);
-  printf("%s: %s tokens in %lld sequences, %d layers, ranks %s of d = %lld%s\n", e->dims.model,
-         tok, (long long)e->nseq, L, e->policy, (long long)e->d,
+  printf("%s: %s tokens in %lld sequence%s, %d layers, ranks %s of d = %lld%s\n", e->dims.model,
+         tok, (long long)e->nseq, e->nseq == 1 ? "" : "s", L, e->policy, (long long)e->d,
          e->dims.causal ? ", causal" : "");
   const char *rk = same ? "rank_k rank_v" : "rank_k/rank_v: kqsvd ksvd eigen";
   const int w = (int)strlen(rk);
@@ -320,9 +327,10 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
     char tok[32];
     kqsvd_fmt_count((double)e.tokens, tok, sizeof tok);
     fprintf(stderr,
-            "kqsvd evaluate: %d shard%s, %s tokens in %lld sequences (longest %lld); %lld "
+            "kqsvd evaluate: %d shard%s, %s tokens in %lld sequence%s (longest %lld); %lld "
             "layers x %lld heads; %lld units of %lld query rows on %d rank%s, %.0f MiB each\n",
-            e.nshards, e.nshards == 1 ? "" : "s", tok, (long long)e.nseq, (long long)e.max_T,
+            e.nshards, e.nshards == 1 ? "" : "s", tok, (long long)e.nseq, e.nseq == 1 ? "" : "s",
+            (long long)e.max_T,
             (long long)e.dims.layers, (long long)e.dims.heads, (long long)e.nunits,
             (long long)e.block_rows, cli->size, cli->size == 1 ? "" : "s",
             e.mem_need / 1048576.0);
@@ -334,12 +342,12 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
     const kqsvd_report_t r = {e.dims.model, e.tokens, e.nseq, (int)e.dims.layers, e.rank_k,
                               e.rank_v, e.err, e.proj_path, e.policy, kqsvd_proj_beta(e.proj),
                               (int)e.dims.causal, kqsvd_proj_tokens(e.proj)};
+    /* The table first: a report that cannot be written loses nothing else. */
+    print_table(&e, &r);
+    fflush(stdout);
     if (e.json_path) local = kqsvd_report_write(e.json_path, &r);
-    if (local == KQSVD_OK) {
-      print_table(&e, &r);
-      if (e.json_path) printf("wrote %s", e.json_path);
-      printf("%sevaluated in %.2f s\n", e.json_path ? "; " : "", kqsvd_now() - t0);
-    }
+    if (local == KQSVD_OK && e.json_path) printf("wrote %s; ", e.json_path);
+    if (local == KQSVD_OK) printf("evaluated in %.2f s\n", kqsvd_now() - t0);
   }
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
 done:

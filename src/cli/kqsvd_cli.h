@@ -34,6 +34,10 @@ kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, doubl
  * left for the readers to report.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin);
 
+/* Checks before any work that `path` can be created: its folder exists
+ * and is writable, and it is not a folder.  Errors: KQSVD_ERR_USAGE. */
+kqsvd_status_t kqsvd_check_writable(const char *path);
+
 /* What kqsvd_scan_shards learns of a set of cache shards. */
 typedef struct kqsvd_shard_set {
   int64_t *rows, *seqs;     /* [n]: T and S of each shard */

@@ -1,6 +1,8 @@
 #include <errno.h>
 #include <getopt.h>
+#include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -61,6 +63,25 @@ kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
     KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '%s'", arg);
   }
   if (*c == ':') KQSVD_FAIL(KQSVD_ERR_USAGE, "option '%s' needs a value", argv[optind - 1]);
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_check_writable(const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat sb;
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash) snprintf(dir, sizeof dir, ".");
+  else if (slash == dir) dir[1] = '\0';
+  else *slash = '\0';
+  KQSVD_CHECK(stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
+              "output %s is a folder", path);
+  KQSVD_CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
+              "output %s: folder %s does not exist", path, dir);
+  KQSVD_CHECK(access(dir, W_OK) == 0, KQSVD_ERR_USAGE, "output %s: folder %s is not writable",
+              path, dir);
 done:
   return st;
 }

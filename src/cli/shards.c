@@ -52,14 +52,14 @@ kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths
   int64_t **lens = NULL;
   int esz = (int)elem_min, esz_max = 0, n_int = 0;
   memset(set, 0, sizeof *set);
-  KQSVD_MALLOC(set->rows, n, "shard sizes");
-  KQSVD_MALLOC(set->seqs, n, "shard sequence counts");
-  for (int s = 0; s < n; s++) set->rows[s] = set->seqs[s] = 0;
-  if (want_lens) {
-    lens = calloc((size_t)n, sizeof *lens);
-    KQSVD_CHECK(lens, KQSVD_ERR_NOMEM, "cannot allocate the sequence tables");
-  }
-  local = scan_own(cli, cmd, paths, n, dims, model_path, set, lens, &esz);
+  /* Every failure before a collective is agreed on, or the others wait. */
+  set->rows = calloc((size_t)n, sizeof *set->rows);
+  set->seqs = calloc((size_t)n, sizeof *set->seqs);
+  if (want_lens) lens = calloc((size_t)n, sizeof *lens);
+  if (!set->rows || !set->seqs || (want_lens && !lens))
+    local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
+                            "cannot allocate the tables of %d shards", n);
+  if (local == KQSVD_OK) local = scan_own(cli, cmd, paths, n, dims, model_path, set, lens, &esz);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->rows, n, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seqs, n, MPI_INT64_T, MPI_SUM, comm));
@@ -72,7 +72,12 @@ kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   if (want_lens) {
     /* Each shard's lengths land at its offset; the sum fills the table. */
-    KQSVD_MALLOC(set->seq_lens, set->sequences, "sequence lengths");
+    set->seq_lens = malloc((size_t)set->sequences * sizeof *set->seq_lens);
+    local = set->seq_lens ? KQSVD_OK
+                          : kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
+                                            "cannot allocate %lld sequence lengths",
+                                            (long long)set->sequences);
+    KQSVD_CALL(kqsvd_mpi_agree(comm, local));
     int64_t off = 0;
     for (int s = 0; s < n; s++) {
       for (int64_t q = 0; q < set->seqs[s]; q++) set->seq_lens[off + q] = lens[s] ? lens[s][q] : 0;

@@ -35,8 +35,10 @@ static void synth_help(void) {
          "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
          "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
          "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n"
-         "  --skip-seqs N [0] (start N sequences into the stream: a validation set\n"
-         "                    disjoint from the calibration set of the same model)\n");
+         "  --skip-seqs N [0] (start N sequences into the stream: with the same\n"
+         "                    options otherwise, a validation set disjoint from the\n"
+         "                    calibration set made with --seqs N; the offset follows\n"
+         "                    from --seq-len and --min-seq-len, so keep them equal)\n");
 }
 
 static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
