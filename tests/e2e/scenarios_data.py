@@ -274,7 +274,7 @@ def bad_input():
          files=wide, mdl=wide_model, code=2)
     nodir = os.path.join(wd, "no", "such", "folder", "proj.h5")
     p = calibrate(model, nodir, shards, np_=2, expect=1)
-    check(nodir in p.stderr and "cannot create" in p.stderr, f"missing output folder: {p.stderr}")
+    check(nodir in p.stderr and "does not exist" in p.stderr, f"missing output folder: {p.stderr}")
     finish("bad_input")
 
 
