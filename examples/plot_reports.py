@@ -36,7 +36,7 @@ def load(path):
         raise SystemExit(f"plot_reports: {path}: not a kqsvd evaluation report ({e})")
 
 
-def figure1(plt, rep, path):
+def figure1(plt, ticker, rep, path):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 7.5))
     layers = [x["layer"] for x in rep["methods"]["kqsvd"]["layers"]]
     for m in METHODS:
@@ -59,6 +59,10 @@ def figure1(plt, rep, path):
     bottom.set_xticks(range(len(METRICS)))
     bottom.set_xticklabels(METRIC_LABELS)
     bottom.set_yscale("log")
+    # Labels at 2, 3 and 5 within each decade too: bars span about one.
+    bottom.yaxis.set_minor_locator(ticker.LogLocator(subs=(2.0, 3.0, 5.0)))
+    bottom.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+    bottom.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
     bottom.set_ylabel("mean relative error over layers")
     bottom.grid(True, axis="y", which="both", alpha=0.3)
     bottom.legend()
@@ -98,11 +102,12 @@ def main():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker as ticker
     except ImportError:
         raise SystemExit("plot_reports: needs matplotlib (Debian: apt-get install python3-matplotlib)")
     os.makedirs(a.out, exist_ok=True)
     written = [os.path.join(a.out, "figure1.png")]
-    figure1(plt, reps[0], written[0])
+    figure1(plt, ticker, reps[0], written[0])
     if len({r.get("beta", 1.0) for r in reps}) >= 2:
         written.append(os.path.join(a.out, "figure2.png"))
         figure2(plt, reps, written[1])
