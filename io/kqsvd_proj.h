@@ -15,6 +15,7 @@ typedef struct kqsvd_proj_meta {
   int64_t tokens, shards;
   int64_t qr_block;        /* extension: rows per Householder update */
   const char *rank_policy; /* extension: the policy that chose the ranks */
+  const char *inputs_hash; /* extension: what calibrate --manifest compares */
 } kqsvd_proj_meta_t;
 
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;

@@ -84,7 +84,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
   KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   const double eps = c->ranks.kind == KQSVD_RANKS_EPS ? c->ranks.value : NAN;
-  kqsvd_proj_meta_t meta = {c->dims, eps, c->beta, c->tokens, c->nshards, c->qr_block, policy};
+  kqsvd_proj_meta_t meta = {c->dims, eps, c->beta, c->tokens, c->nshards, c->qr_block, policy,
+                            c->inputs_hash};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
 

@@ -17,12 +17,18 @@
 static void calibrate_help(void) {
   printf(
       "usage: [mpirun -np N] kqsvd calibrate --model MODEL.h5 --out PROJ.h5 [OPTIONS] SHARD...\n"
+      "       [mpirun -np N] kqsvd calibrate --manifest MANIFEST [OPTIONS]\n"
       "\n"
       "Streams the cache shards once, folds every (layer, KV head)'s K, stacked Q and V\n"
       "into float64 R factors (Householder QR per block, TSQR across ranks), and writes\n"
       "the kqsvd, ksvd and eigen projections with all d columns, spectra and ranks.\n"
       "\n"
       "  --model FILE           model file with o_proj (required)\n"
+      "  --manifest FILE        calibrate every model of FILE in turn, on all ranks, instead\n"
+      "                         of --model/--out/SHARD: lines 'NAME MODEL_H5 OUTPUT_H5\n"
+      "                         SHARD_GLOB [EPS]', '#' comments, paths relative to FILE;\n"
+      "                         outputs already made from the same inputs are skipped, and\n"
+      "                         --checkpoint DIR keeps each model's in DIR/NAME\n"
       "  --out FILE             projections file to write (required); written under a\n"
       "                         temporary name and renamed when complete\n"
       "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
@@ -49,7 +55,8 @@ static void calibrate_help(void) {
 
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ };
+  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
+         O_MANIFEST };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -60,6 +67,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"checkpoint-every", required_argument, NULL, O_CKPT_EVERY},
       {"qr-block", required_argument, NULL, O_QRB},
       {"read-rows", required_argument, NULL, O_READ},
+      {"manifest", required_argument, NULL, O_MANIFEST},
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
@@ -91,6 +99,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       break;
     case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
     case O_CKPT: c->ckpt_dir = optarg; break;
+    case O_MANIFEST: c->manifest_path = optarg; break;
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
       break;
@@ -105,10 +114,16 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       KQSVD_CHECK(handled, KQSVD_ERR_BUG, "unhandled option %d", o);
     }
   }
-  KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required");
-  KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
   c->nshards = argc - optind;
   c->shards = argv + optind;
+  if (c->manifest_path) {
+    KQSVD_CHECK(!c->model_path && !c->out_path && c->nshards == 0, KQSVD_ERR_USAGE,
+                "--manifest names the models, outputs and shards: give no --model, --out or "
+                "shards with it");
+    goto done;
+  }
+  KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required (or --manifest)");
+  KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
   KQSVD_CALL(kqsvd_check_writable(c->out_path));
   {
@@ -276,12 +291,42 @@ static void print_summary(const calib_t *c, double seconds) {
          c->out_path, c->beta, seconds, rate);
 }
 
+kqsvd_status_t calib_model(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_cli_t *cli = c->cli;
+  c->t_start = kqsvd_now();
+  KQSVD_CALL(validate_inputs(c));
+  st = plan(c);
+  if (st == KQSVD_ERR_USAGE) { /* decided alike on every rank */
+    kqsvd_usage_error(cli, "calibrate", st);
+    goto done;
+  }
+  KQSVD_CALL(st);
+  calib_inputs_hash(c);
+  if (cli->rank == 0 && c->run.progress != KQSVD_PROGRESS_OFF) print_header(c);
+  KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
+               "read buffer");
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
+  kqsvd_model_close(&c->model);
+  KQSVD_CALL(calib_stream(c));
+  KQSVD_CALL(calib_finish(c));
+  if (c->ckpt_dir) kqsvd_checkpoint_remove(c->ckpt_dir, cli->rank, cli->size);
+  if (cli->rank == 0) print_summary(c, kqsvd_now() - c->t_start);
+done:
+  kqsvd_model_close(&c->model);
+  void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->state, c->RW, c->raw, c->rank_k,
+                   c->rank_v};
+  for (size_t k = 0; k < sizeof owned / sizeof owned[0]; k++) free(owned[k]);
+  c->shard_rows = NULL, c->segs = NULL, c->seg_first = NULL, c->state = NULL, c->RW = NULL;
+  c->raw = NULL, c->rank_k = c->rank_v = NULL;
+  return st;
+}
+
 kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t c;
   memset(&c, 0, sizeof c);
   c.cli = cli;
-  c.t_start = kqsvd_now();
   /* Options are checked against the file system too, which may look
    * different from another node: agree rather than assume. */
   st = parse(&c, argc, argv);
@@ -289,32 +334,7 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   if (c.help) return KQSVD_OK;
   kqsvd_blas_set_threads((int)c.run.threads);
-
-  KQSVD_CALL(validate_inputs(&c));
-  st = plan(&c);
-  if (st == KQSVD_ERR_USAGE) { /* decided alike on every rank */
-    kqsvd_usage_error(cli, "calibrate", st);
-    goto done;
-  }
-  KQSVD_CALL(st);
-  if (cli->rank == 0 && c.run.progress != KQSVD_PROGRESS_OFF) print_header(&c);
-  KQSVD_MALLOC(c.raw, (size_t)(c.group + 2) * (size_t)c.io_rows * (size_t)c.d * c.elem_max,
-               "read buffer");
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(&c)));
-  kqsvd_model_close(&c.model);
-  KQSVD_CALL(calib_stream(&c));
-  KQSVD_CALL(calib_finish(&c));
-  if (c.ckpt_dir) kqsvd_checkpoint_remove(c.ckpt_dir, cli->rank, cli->size);
-  if (cli->rank == 0) print_summary(&c, kqsvd_now() - c.t_start);
+  KQSVD_CALL(c.manifest_path ? calib_manifest(&c) : calib_model(&c));
 done:
-  kqsvd_model_close(&c.model);
-  free(c.shard_rows);
-  free(c.segs);
-  free(c.seg_first);
-  free(c.state);
-  free(c.RW);
-  free(c.raw);
-  free(c.rank_k);
-  free(c.rank_v);
   return st;
 }

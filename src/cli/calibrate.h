@@ -17,7 +17,7 @@ enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
 typedef struct calib {
   kqsvd_cli_t *cli;
   /* options */
-  const char *model_path, *out_path, *ckpt_dir;
+  const char *model_path, *out_path, *ckpt_dir, *manifest_path;
   kqsvd_rank_policy_t ranks;
   double beta, ckpt_every;
   int64_t qr_block, read_rows;
@@ -36,6 +36,7 @@ typedef struct calib {
   int64_t io_rows;    /* rows per read, a multiple of qr_block */
   int64_t own0, own1; /* items this rank solves */
   uint64_t fingerprint;
+  char inputs_hash[32]; /* written to the output: what a manifest run may skip */
   char about[256];
   /* working state */
   double *state;    /* nitems x CAL_NR packed triangles */
@@ -45,6 +46,16 @@ typedef struct calib {
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
 } calib_t;
+
+/* One model from validated options to its written output, and every model
+ * of a manifest in turn; collective, ending in agreement.  calib_model
+ * frees what it allocated, so `c` may serve the next model. */
+kqsvd_status_t calib_model(calib_t *c);
+kqsvd_status_t calib_manifest(calib_t *c);
+
+/* Not collective: a hash of the model and shard files (path, size, time),
+ * the rank policy and beta, as hex in c->inputs_hash. */
+void calib_inputs_hash(calib_t *c);
 
 /* Stages, each collective over cli->comm and ending in agreement. */
 kqsvd_status_t calib_stream(calib_t *c);

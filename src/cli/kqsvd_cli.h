@@ -21,6 +21,7 @@ typedef struct kqsvd_cli {
 kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);
+kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv);
 
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */

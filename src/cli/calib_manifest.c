@@ -1,0 +1,102 @@
+/* kqsvd calibrate --manifest: every model of a manifest in turn, each on all
+ * ranks (so the ranks stay balanced whatever the models' sizes), each output
+ * written as soon as its model is done.  A rerun skips the outputs that were
+ * made from the same inputs and resumes the model that was cut short. */
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "calibrate.h"
+#include "kqsvd_h5.h"
+#include "kqsvd_manifest.h"
+#include "kqsvd_util.h"
+
+static uint64_t hash_file(uint64_t h, const char *path) {
+  struct stat sb;
+  char real[PATH_MAX];
+  const char *name = realpath(path, real) ? real : path;
+  h = kqsvd_fnv1a(h, name, strlen(name) + 1);
+  if (stat(path, &sb) == 0) {
+    const int64_t meta[] = {(int64_t)sb.st_size, (int64_t)sb.st_mtime};
+    h = kqsvd_fnv1a(h, meta, sizeof meta);
+  }
+  return h;
+}
+
+void calib_inputs_hash(calib_t *c) {
+  char policy[64];
+  uint64_t h = hash_file(KQSVD_FNV_INIT, c->model_path);
+  for (int s = 0; s < c->nshards; s++) h = hash_file(h, c->shards[s]);
+  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
+  h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
+  h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);
+  snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
+}
+
+/* Rank 0: whether `out` exists and was made from exactly these inputs. */
+static int up_to_date(const calib_t *c) {
+  char stored[64] = "";
+  hid_t f = -1;
+  struct stat sb;
+  if (stat(c->out_path, &sb) != 0) return 0;
+  if (kqsvd_h5_open_read(c->out_path, MPI_COMM_NULL, &f) != KQSVD_OK) {
+    kqsvd_error_clear();
+    return 0;
+  }
+  const int have = H5Aexists(f, "inputs_hash") > 0 &&
+                   kqsvd_h5_attr_str(f, c->out_path, "inputs_hash", stored, sizeof stored) ==
+                       KQSVD_OK;
+  kqsvd_error_clear();
+  kqsvd_h5_close(&f);
+  return have && strcmp(stored, c->inputs_hash) == 0;
+}
+
+kqsvd_status_t calib_manifest(calib_t *base) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_cli_t *cli = base->cli;
+  kqsvd_manifest_t m;
+  char ckpt[PATH_MAX];
+  int done_models = 0, skipped = 0;
+  memset(&m, 0, sizeof m);
+  /* Every rank reads it: the same file, and agreement on the outcome. */
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_manifest_read(base->manifest_path, &m)));
+  for (int i = 0; i < m.n; i++) {
+    const kqsvd_manifest_entry_t *e = &m.e[i];
+    calib_t c = *base;
+    c.model_path = e->model;
+    c.out_path = e->output;
+    c.shards = e->shards;
+    c.nshards = e->nshards;
+    if (e->has_policy) c.ranks = e->policy;
+    if (base->ckpt_dir) {
+      snprintf(ckpt, sizeof ckpt, "%s/%s", base->ckpt_dir, e->name);
+      c.ckpt_dir = ckpt;
+    }
+    calib_inputs_hash(&c);
+    int skip = cli->rank == 0 && up_to_date(&c);
+    KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
+    if (cli->rank == 0)
+      fprintf(stderr, "kqsvd calibrate: model %d of %d, %s (%s line %d): %s\n", i + 1, m.n,
+              e->name, m.path, e->line, skip ? "already done from these inputs, skipped"
+                                              : "calibrating");
+    if (skip) {
+      skipped++;
+      continue;
+    }
+    st = calib_model(&c);
+    if (st != KQSVD_OK) {
+      kqsvd_error_context(e->name);
+      goto done;
+    }
+    done_models++;
+    fflush(stdout);
+  }
+  if (cli->rank == 0)
+    printf("manifest %s: %d model%s calibrated, %d already done\n", m.path, done_models,
+           done_models == 1 ? "" : "s", skipped);
+done:
+  kqsvd_manifest_free(&m);
+  return st;
+}
