@@ -31,9 +31,10 @@ typedef struct kqsvd_manifest {
 } kqsvd_manifest_t;
 
 /* Reads and checks a manifest: field counts, names (letters, digits, '.',
- * '_', '-'; unique), EPS, that each SHARD_GLOB matches at least one file
- * and the model file exists, and that no output is given twice or is one
- * of the inputs.  Errors: KQSVD_ERR_INPUT as "MANIFEST:LINE: reason";
+ * '_', '-'; unique), EPS, that each SHARD_GLOB (and VALID_GLOB) matches at
+ * least one file, that the model file and each output's folder exist, and
+ * that no output is given twice (however spelled) or is one of the inputs
+ * or the manifest.  Outputs come back as real folder + file name.  Errors: KQSVD_ERR_INPUT as "MANIFEST:LINE: reason";
  * KQSVD_ERR_NOMEM. */
 kqsvd_status_t kqsvd_manifest_read(const char *path, kqsvd_manifest_t *m);
 void kqsvd_manifest_free(kqsvd_manifest_t *m);

@@ -11,7 +11,7 @@
 /* "MANIFEST:LINE: reason" */
 #define BAD(m, line, ...)                                                           \
   do {                                                                              \
-    char why_[1024];                                                                \
+    char why_[3 * PATH_MAX];                                                                \
     snprintf(why_, sizeof why_, __VA_ARGS__);                                       \
     KQSVD_FAIL(KQSVD_ERR_INPUT, "%s:%d: %s", (m)->path, (line), why_);              \
   } while (0)
@@ -71,7 +71,7 @@ static kqsvd_status_t parse_line(kqsvd_manifest_t *m, const char *dir, int line,
   if (hash) *hash = '\0';
   for (char *save = NULL, *t = strtok_r(text, " \t\r\n", &save); t;
        t = strtok_r(NULL, " \t\r\n", &save)) {
-    if (n == 7) BAD(m, line, "too many fields: expected NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB "
+    if (n == 6) BAD(m, line, "too many fields: expected NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB "
                              "[EPS [VALID_GLOB]]");
     tok[n++] = t;
   }
@@ -94,6 +94,23 @@ static kqsvd_status_t parse_line(kqsvd_manifest_t *m, const char *dir, int line,
   e->valid_glob = n > 5 ? resolve(dir, tok[5]) : NULL;
   KQSVD_CHECK(e->name && e->model && e->output && e->shard_glob && (n < 6 || e->valid_glob),
               KQSVD_ERR_NOMEM, "cannot allocate the manifest");
+  /* One spelling per output file: its folder's real path and its name. */
+  {
+    char folder[PATH_MAX], real[PATH_MAX];
+    snprintf(folder, sizeof folder, "%s", e->output);
+    char *slash = strrchr(folder, '/');
+    const char *base = slash + 1;
+    if (slash == folder) folder[1] = '\0';
+    else *slash = '\0';
+    if (!realpath(folder, real)) BAD(m, line, "OUTPUT_H5 %s: folder %s: %s", tok[2], folder, strerror(errno));
+    if (!*base) BAD(m, line, "OUTPUT_H5 %s names a folder, not a file", tok[2]);
+    char *canon = malloc(strlen(real) + strlen(base) + 2);
+    KQSVD_CHECK(canon, KQSVD_ERR_NOMEM, "cannot allocate the manifest");
+    sprintf(canon, "%s/%s", strcmp(real, "/") ? real : "", base);
+    free(e->output);
+    e->output = canon;
+  }
+  if (same_file(e->output, m->path)) BAD(m, line, "OUTPUT_H5 %s is the manifest itself", tok[2]);
   if (n > 4) KQSVD_CALL(parse_policy(m, e, tok[4]));
   for (int k = 0; k < m->n - 1; k++) {
     if (strcmp(m->e[k].name, e->name) == 0)
@@ -112,6 +129,12 @@ static kqsvd_status_t parse_line(kqsvd_manifest_t *m, const char *dir, int line,
   e->shards = calloc(g.gl_pathc, sizeof *e->shards);
   for (size_t k = 0; e->shards && k < g.gl_pathc; k++) e->shards[e->nshards++] = dup_str(g.gl_pathv[k]);
   globfree(&g);
+  if (e->valid_glob) {
+    glob_t v;
+    const int vrc = glob(e->valid_glob, 0, NULL, &v);
+    globfree(&v);
+    if (vrc != 0) BAD(m, line, "VALID_GLOB %s matches no file", e->valid_glob);
+  }
   KQSVD_CHECK(e->shards && e->shards[e->nshards - 1], KQSVD_ERR_NOMEM, "cannot allocate the manifest");
   if (same_file(e->output, e->model)) BAD(m, line, "OUTPUT_H5 %s is the model file", tok[2]);
   for (int k = 0; k < e->nshards; k++)

@@ -49,6 +49,7 @@ if [ ! -f "$dir/munge.key" ]; then
   dd if=/dev/urandom of="$dir/munge.key" bs=1024 count=1 status=none
   chmod 0400 "$dir/munge.key"
 fi
+trap 'echo "local-cluster.sh: start failed; stopping what started" >&2; stop' ERR
 munged --force --key-file="$dir/munge.key" --socket="$dir/munge.socket" \
   --pid-file="$dir/munged.pid" --log-file="$dir/log/munged.log" --seed-file="$dir/munge.seed"
 
@@ -98,4 +99,5 @@ for _ in $(seq 100); do
 done
 echo "local-cluster.sh: the node did not come up; see $dir/log" >&2
 sinfo >&2 || true
+stop
 exit 1

@@ -32,11 +32,12 @@ void calib_inputs_hash(calib_t *c) {
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
   h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);
+  h = kqsvd_fnv1a(h, &c->qr_block, sizeof c->qr_block);
+  h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
   snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
 }
 
-/* Rank 0: whether `out` exists and was made from exactly these inputs. */
-static int up_to_date(const calib_t *c) {
+int calib_up_to_date(const calib_t *c) {
   char stored[64] = "";
   hid_t f = -1;
   struct stat sb;
@@ -62,6 +63,18 @@ kqsvd_status_t calib_manifest(calib_t *base) {
   memset(&m, 0, sizeof m);
   /* Every rank reads it: the same file, and agreement on the outcome. */
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_manifest_read(base->manifest_path, &m)));
+  /* Every output's folder before any work, so a typo in the last line does
+   * not surface hours later. */
+  for (int i = 0; i < m.n; i++) {
+    st = kqsvd_check_writable(m.e[i].output);
+    if (st != KQSVD_OK) {
+      char where[PATH_MAX + 32];
+      snprintf(where, sizeof where, "%s:%d", m.path, m.e[i].line);
+      kqsvd_error_context(where);
+      break;
+    }
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   for (int i = 0; i < m.n; i++) {
     const kqsvd_manifest_entry_t *e = &m.e[i];
     calib_t c = *base;
@@ -75,7 +88,7 @@ kqsvd_status_t calib_manifest(calib_t *base) {
       c.ckpt_dir = ckpt;
     }
     calib_inputs_hash(&c);
-    int skip = cli->rank == 0 && up_to_date(&c);
+    int skip = cli->rank == 0 && calib_up_to_date(&c);
     KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
     if (cli->rank == 0)
       fprintf(stderr, "kqsvd calibrate: model %d of %d, %s (%s line %d): %s\n", i + 1, m.n,
@@ -87,7 +100,9 @@ kqsvd_status_t calib_manifest(calib_t *base) {
     }
     st = calib_model(&c);
     if (st != KQSVD_OK) {
-      kqsvd_error_context(e->name);
+      char where[PATH_MAX + 64];
+      snprintf(where, sizeof where, "%s line %d (model %s)", m.path, e->line, e->name);
+      kqsvd_error_context(where);
       goto done;
     }
     done_models++;

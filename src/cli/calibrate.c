@@ -26,9 +26,12 @@ static void calibrate_help(void) {
       "  --model FILE           model file with o_proj (required)\n"
       "  --manifest FILE        calibrate every model of FILE in turn, on all ranks, instead\n"
       "                         of --model/--out/SHARD: lines 'NAME MODEL_H5 OUTPUT_H5\n"
-      "                         SHARD_GLOB [EPS]', '#' comments, paths relative to FILE;\n"
+      "                         SHARD_GLOB [EPS [VALID_GLOB]]', '#' comments, paths\n"
+      "                         relative to FILE (docs/formats.md);\n"
       "                         outputs already made from the same inputs are skipped, and\n"
       "                         --checkpoint DIR keeps each model's in DIR/NAME\n"
+      "  --skip-done            do nothing when OUT exists and was made from the same\n"
+      "                         files and options (as --manifest does for every model)\n"
       "  --out FILE             projections file to write (required); written under a\n"
       "                         temporary name and renamed when complete\n"
       "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
@@ -56,7 +59,7 @@ static void calibrate_help(void) {
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST };
+         O_MANIFEST, O_SKIP_DONE };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -68,6 +71,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"qr-block", required_argument, NULL, O_QRB},
       {"read-rows", required_argument, NULL, O_READ},
       {"manifest", required_argument, NULL, O_MANIFEST},
+      {"skip-done", no_argument, NULL, O_SKIP_DONE},
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
@@ -100,6 +104,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
     case O_CKPT: c->ckpt_dir = optarg; break;
     case O_MANIFEST: c->manifest_path = optarg; break;
+    case O_SKIP_DONE: c->skip_done = 1; break;
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
       break;
@@ -303,6 +308,14 @@ kqsvd_status_t calib_model(calib_t *c) {
   }
   KQSVD_CALL(st);
   calib_inputs_hash(c);
+  if (c->skip_done && !c->manifest_path) {
+    int skip = cli->rank == 0 && calib_up_to_date(c);
+    KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
+    if (skip) {
+      if (cli->rank == 0) printf("%s is already made from these inputs: nothing to do\n", c->out_path);
+      goto done;
+    }
+  }
   if (cli->rank == 0 && c->run.progress != KQSVD_PROGRESS_OFF) print_header(c);
   KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
                "read buffer");

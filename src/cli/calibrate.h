@@ -22,7 +22,7 @@ typedef struct calib {
   double beta, ckpt_every;
   int64_t qr_block, read_rows;
   kqsvd_run_opts_t run;
-  int nshards, help;
+  int nshards, help, skip_done;
   char **shards;
   /* inputs */
   kqsvd_model_t *model;
@@ -56,6 +56,10 @@ kqsvd_status_t calib_manifest(calib_t *c);
 /* Not collective: a hash of the model and shard files (path, size, time),
  * the rank policy and beta, as hex in c->inputs_hash. */
 void calib_inputs_hash(calib_t *c);
+
+/* Not collective (call on one rank): whether c->out_path exists and holds
+ * the inputs_hash of these inputs, so that it need not be made again. */
+int calib_up_to_date(const calib_t *c);
 
 /* Stages, each collective over cli->comm and ending in agreement. */
 kqsvd_status_t calib_stream(calib_t *c);

@@ -1,6 +1,9 @@
 /* kqsvd manifest: checks a manifest and prints it resolved, one model per
  * line, for scripts (slurm/kqsvd-submit) that must refuse a bad manifest
  * before submitting anything. */
+#include <errno.h>
+#include <glob.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -8,25 +11,47 @@
 #include "kqsvd_manifest.h"
 #include "kqsvd_mpi.h"
 
+/* One path per line into DIR/NAME.KIND, for job scripts (paths may hold
+ * blanks; the order is the one calibrate --manifest uses). */
+static kqsvd_status_t write_list(const char *dir, const char *name, const char *kind,
+                                 char **paths, size_t n) {
+  kqsvd_status_t st = KQSVD_OK;
+  char file[PATH_MAX];
+  snprintf(file, sizeof file, "%s/%s.%s", dir, name, kind);
+  FILE *f = fopen(file, "w");
+  KQSVD_CHECK(f, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
+  for (size_t k = 0; k < n; k++) fprintf(f, "%s\n", paths[k]);
+  KQSVD_CHECK(fclose(f) == 0, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
+done:
+  return st;
+}
+
 kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_manifest_t m;
   memset(&m, 0, sizeof m);
+  const char *lists = NULL;
+  if (argc == 4 && strcmp(argv[2], "--lists") == 0) {
+    lists = argv[3];
+    argc = 2;
+  }
   if (argc == 2 && (strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0)) {
     if (cli->rank == 0)
-      printf("usage: kqsvd manifest MANIFEST\n\n"
+      printf("usage: kqsvd manifest MANIFEST [--lists DIR]\n\n"
              "Checks MANIFEST (lines 'NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB [EPS [VALID_GLOB]]',\n"
              "'#' comments, paths relative to its folder) and prints one line per model,\n"
              "fields separated by tabs: NAME, MODEL_H5, OUTPUT_H5, the rank policy ('-' for\n"
              "the default), the number of shards, SHARD_GLOB and VALID_GLOB ('-' if none),\n"
-             "with absolute paths.  A bad line is reported as MANIFEST:LINE: reason.\n");
+             "with absolute paths.  A bad line is reported as MANIFEST:LINE: reason.\n"
+             "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid, the matching\n"
+             "files one per line, in the order calibrate uses.\n");
     return KQSVD_OK;
   }
   if (argc != 2) {
     KQSVD_CALL(kqsvd_usage_error(
         cli, "manifest",
         kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
-                        "expected one argument, the manifest")));
+                        "expected MANIFEST [--lists DIR]")));
   }
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_manifest_read(argv[1], &m)));
   for (int i = 0; cli->rank == 0 && i < m.n; i++) {
@@ -35,6 +60,15 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
     if (e->has_policy) kqsvd_rank_policy_format(&e->policy, policy, sizeof policy);
     printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\n", e->name, e->model, e->output, policy, e->nshards,
            e->shard_glob, e->valid_glob ? e->valid_glob : "-");
+    if (!lists) continue;
+    KQSVD_CALL(write_list(lists, e->name, "shards", e->shards, (size_t)e->nshards));
+    if (e->valid_glob) {
+      glob_t g;
+      if (glob(e->valid_glob, 0, NULL, &g) == 0)
+        st = write_list(lists, e->name, "valid", g.gl_pathv, g.gl_pathc);
+      globfree(&g);
+      KQSVD_CALL(st);
+    }
   }
 done:
   kqsvd_manifest_free(&m);

@@ -82,7 +82,14 @@ def manifest():
             ":2: OUTPUT_H5"),
            ("output is an input", "x a/model.h5 a/shard-0000.h5 a/shard-*.h5\n", ":1: OUTPUT_H5"),
            ("missing model", "x nope.h5 out/x.h5 a/shard-*.h5\n", ":1: MODEL_H5"),
-           ("empty", "# nothing\n", "names no model")]
+           ("empty", "# nothing\n", "names no model"),
+           ("seven fields", "x a/model.h5 out/x.h5 a/shard-*.h5 0.1 a/shard-*.h5 extra\n",
+            ":1: too many fields"),
+           ("one output spelled twice", "x a/model.h5 out/x.h5 a/shard-*.h5\n"
+            "y b/model.h5 ./out//x.h5 b/shard-*.h5\n", ":2: OUTPUT_H5"),
+           ("output folder missing", "x a/model.h5 nodir/x.h5 a/shard-*.h5\n", ":1: OUTPUT_H5"),
+           ("validation glob", "x a/model.h5 out/x.h5 a/shard-*.h5 0.1 nope/*.h5\n", ":1: VALID_GLOB"),
+           ("output is the manifest", "x a/model.h5 bad.txt a/shard-*.h5\n", ":1: OUTPUT_H5")]
     for k, (name, text, needle) in enumerate(bad):
         mpath = os.path.join(wd, "bad.txt")
         with open(mpath, "w") as f:
@@ -139,6 +146,9 @@ def kill_and_resume(env, wd, how, model, shards, ref):
     p = submit(e, mpath)
     check(p.returncode == 0, f"{how}: submit: {p.stderr}")
     job = p.stdout.split("job array ")[1].split(",")[0]
+    if how == "scancel":  # a second job on the same model is refused
+        p = submit(e, mpath)
+        check(p.returncode != 0 and "still has job" in p.stderr, f"double submission: {p.stderr}")
     ckdir = os.path.join(sub, "kqsvd-checkpoints", "big")
     t0 = time.time()
     while time.time() - t0 < 120 and not glob.glob(os.path.join(ckdir, "rank-*.h5")):
@@ -155,6 +165,8 @@ def kill_and_resume(env, wd, how, model, shards, ref):
     check(wait_gone(env, job), f"{how}: job {job} did not end")
     out = os.path.join(sub, "out", "big.h5")
     check(not os.path.exists(out), f"{how}: an output appeared although the job was killed")
+    status = open(os.path.join(sub, "kqsvd-logs", "big.calibrate.status")).read().strip()
+    check(status != "0", f"{how}: the killed job's status reads as success")
     p = submit(e, mpath, "--wait")
     check(p.returncode == 0, f"{how}: resubmission failed:\n{p.stdout}\n{p.stderr}")
     log = open(os.path.join(sub, "kqsvd-logs", "big.calibrate.log")).read()
@@ -177,14 +189,15 @@ def slurm():
                   "(needs root and Debian's slurm-wlm and munge)")
             raise SystemExit(77)
         own = os.path.join(wd, "cluster")
-        p = subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "start", own],
-                           capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"cannot start a local SLURM: {p.stderr}")
         env["SLURM_CONF"] = os.path.join(own, "slurm.conf")
     env["PATH"] = env["PATH"] + ":/usr/sbin"
     env["KQSVD"] = os.environ["KQSVD"]
     try:
+        if own:
+            p = subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "start", own],
+                               capture_output=True, text=True)
+            if p.returncode != 0:
+                raise SystemExit(f"cannot start a local SLURM: {p.stderr}")
         path, (ma, sa), (mb, sb) = two_models(wd)
         p = submit(env, path, "--evaluate", "--wait")
         check(p.returncode == 0, f"submit --wait:\n{p.stdout}\n{p.stderr}")
@@ -196,6 +209,14 @@ def slurm():
                 check_against_reference(name, out, model, shards, eps)
             check(os.path.exists(os.path.join(wd, "out", name + ".report.json")), f"{name}: no report")
             check(os.path.exists(os.path.join(wd, "kqsvd-logs", name + ".calibrate.log")), f"{name}: no log")
+        # Submitted again: both are done already and are not recomputed.
+        mtimes = [os.path.getmtime(os.path.join(wd, "out", n + ".h5")) for n in ("alpha", "beta")]
+        p = submit(env, path, "--wait")
+        check(p.returncode == 0, f"resubmission: {p.stdout} {p.stderr}")
+        check(mtimes == [os.path.getmtime(os.path.join(wd, "out", n + ".h5")) for n in ("alpha", "beta")],
+              "a resubmitted, finished model was computed again")
+        check("already made" in open(os.path.join(wd, "kqsvd-logs", "alpha.calibrate.log")).read(),
+              "the log does not say the model was already made")
         # A bad manifest: refused, nothing submitted.
         bad = os.path.join(wd, "bad.txt")
         with open(bad, "w") as f:
