@@ -233,6 +233,7 @@ static kqsvd_status_t plan(evaluation_t *e) {
       total += eval_unit_cost(e, e->seq_len[q], k);
       e->nunits++;
     }
+  e->layer_cost = total;
   total *= (double)e->dims.layers;
   e->nunits *= e->dims.layers;
   /* A unit goes to the rank whose share of the total cost holds its middle. */

@@ -32,7 +32,7 @@ typedef struct evaluation {
   /* plan: work units are (layer, sequence, block of query rows) in that
    * order; this rank takes the contiguous range [u0, u1) */
   int64_t nunits, u0, u1;
-  double mem_need;
+  double mem_need, layer_cost; /* the cost of one layer's units */
   /* results on rank 0: [KQSVD_NMETHODS][L][KQSVD_NMETRICS] */
   double *err;
 } evaluation_t;
