@@ -4,12 +4,12 @@
 # backend still compiles and links when the CUDA toolkit is present.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-# PyTorch (Debian's python3-torch) runs the README's snippet in the tests;
 # slurm-wlm and munge let the cluster test start a private single-node SLURM
 # when none is running (as root).
-KQSVD_EXTRA_PACKAGES="python3-torch slurm-wlm munge ${KQSVD_EXTRA_PACKAGES:-}" \
+KQSVD_EXTRA_PACKAGES="slurm-wlm munge ${KQSVD_EXTRA_PACKAGES:-}" \
   KQSVD_CMAKE_ARGS="-DKQSVD_WERROR=ON ${KQSVD_CMAKE_ARGS:-}" scripts/bootstrap.sh
 . scripts/env.sh
+scripts/hf-env.sh  # the exporter's environment (.venv), for the real-model tests
 
 nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
 if [ -n "$nvcc" ]; then

