@@ -71,17 +71,21 @@ def figure1(plt, ticker, rep, path):
     plt.close(fig)
 
 
-def figure2(plt, reps, path):
-    reps = sorted(reps, key=lambda r: r.get("beta", 1.0))
-    betas = [r.get("beta", 1.0) for r in reps]
+def figure2(plt, ticker, reps, path):
+    # One report per beta (the first given), in order of beta.
+    by_beta = {}
+    for r in reps:
+        by_beta.setdefault(r.get("beta", 1.0), r)
+    betas = sorted(by_beta)
+    reps = [by_beta[b] for b in betas]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for m in METHODS:
         ax.plot(betas, [r["methods"][m]["mean"]["err_out"] for r in reps], marker="o",
                 color=COLORS[m], label=LABELS[m])
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.set_xticks(betas)
-    ax.set_xticklabels([f"{b:g}" for b in betas])
+    ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
     ax.set_xlabel(r"unbalance $\beta$ (keys $\times\beta$, queries $/\beta$)")
     ax.set_ylabel("mean relative output error")
     ax.set_title(f"{reps[0]['model']}: output error against unbalance", fontsize=10)
@@ -110,7 +114,7 @@ def main():
     figure1(plt, ticker, reps[0], written[0])
     if len({r.get("beta", 1.0) for r in reps}) >= 2:
         written.append(os.path.join(a.out, "figure2.png"))
-        figure2(plt, reps, written[1])
+        figure2(plt, ticker, reps, written[1])
     elif len(reps) > 1:
         print("plot_reports: the reports share one beta; figure2.png needs several", file=sys.stderr)
     print("wrote " + ", ".join(written))
