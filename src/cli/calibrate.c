@@ -265,10 +265,11 @@ static void print_header(const calib_t *c) {
             "calibrate ...' uses them all\n", cores, cores);
   kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
   fprintf(stderr,
-          "kqsvd calibrate: %d shard%s, %s tokens in %lld sequences; %lld layers x %lld KV "
-          "heads x %lld queries each, d = %lld; %d rank%s, %lld rows per read\n",
+          "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
+          "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
           c->nshards, c->nshards == 1 ? "" : "s", tok, (long long)c->sequences,
-          (long long)c->dims.layers, (long long)c->dims.kv_heads, (long long)c->group,
+          c->sequences == 1 ? "" : "s", (long long)c->dims.layers, (long long)c->dims.kv_heads,
+          (long long)c->group, c->group == 1 ? "y" : "ies",
           (long long)c->d, c->cli->size, c->cli->size == 1 ? "" : "s", (long long)c->io_rows);
 }
 
