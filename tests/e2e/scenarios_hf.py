@@ -27,7 +27,7 @@ def hf_export():
     need_venv("hf_export")
     wd = workdir("hf_export")
     p = subprocess.run([VENV_PY, os.path.join(HERE, "hf_consistency.py"), wd],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=550)
     print(p.stdout)
     check(p.returncode == 0, f"hf_consistency.py failed:\n{p.stdout}\n{p.stderr[-3000:]}")
     finish("hf_export")
