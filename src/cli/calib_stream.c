@@ -78,6 +78,7 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
   kqsvd_checkpoint_pos_t pos = {seg, item};
+  if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
   if (item == c->nitems) pos.segment = seg + 1, pos.item = 0;
   KQSVD_CALL(kqsvd_checkpoint_save(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint,
                                    c->about, pos,
@@ -132,7 +133,7 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
   const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
   const int64_t layer = item / c->dims.kv_heads;
   const size_t tri = kqsvd_tri_size((int)d);
-  for (int k = 0; k < CAL_NR; k++)
+  for (int k = 0; !c->gpu && k < CAL_NR; k++)
     kqsvd_tri_unpack((int)d, c->state + ((size_t)item * CAL_NR + k) * tri, s->R[k]);
   for (int64_t r0 = seg->row0; r0 < seg->row1 && !*stop; r0 += c->io_rows) {
     const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
@@ -143,13 +144,16 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
     p += (size_t)(m * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, 1, r0, n, p));
     /* Sub-blocks in row order, K then each query head then V: the order
-     * of updates of each factor does not depend on io_rows. */
-    for (int64_t j0 = 0; j0 < n; j0 += c->qr_block)
+     * of updates of each factor does not depend on io_rows.  The GPU takes
+     * the whole block at once. */
+    if (c->gpu)
+      KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
+    for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->qr_block)
       KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->qr_block ? n - j0 : c->qr_block));
     s->work += n * (m + 2);
     KQSVD_CALL(kqsvd_monitor_update(s->mon, s->work, stop));
   }
-  for (int k = 0; k < CAL_NR; k++)
+  for (int k = 0; !c->gpu && k < CAL_NR; k++)
     kqsvd_tri_pack((int)d, s->R[k], c->state + ((size_t)item * CAL_NR + k) * tri);
 done:
   return st;
@@ -174,9 +178,12 @@ static kqsvd_status_t stream_segments(stream_t *s) {
       if (!stop && c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
         KQSVD_CALL(save_checkpoint(s, k, i + 1));
     }
+    /* A NaN met on the GPU is named while its shard is still open. */
+    if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 0));
     kqsvd_shard_close(&own);
   }
   if (stop) st = KQSVD_ERR_REMOTE; /* the failing rank reports */
+  else if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
 done:
   kqsvd_shard_close(&own);
   return st;
@@ -227,6 +234,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
     goto done;
   }
 
+  if (c->device >= 0) KQSVD_CALL(kqsvd_mpi_agree(comm, calib_gpu_start(c, c->device)));
   s.work = work_before(c, c->segs + c->seg_first[c->cli->rank]);
   int64_t base = 0;
   int resumed = 0;
@@ -251,6 +259,7 @@ done:
    * when every rank knows the outcome (otherwise main() aborts). */
   if (st == KQSVD_OK || kqsvd_error_is_collective()) close_shared(&s);
   kqsvd_monitor_free(&s.mon);
+  calib_gpu_stop(c);
   kqsvd_qr_ws_free(&s.ws);
   for (int k = 0; k < CAL_NR; k++) free(s.R[k]);
   free(s.shared);

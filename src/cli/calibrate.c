@@ -51,6 +51,9 @@ static void calibrate_help(void) {
       "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
       "                         [as many as --mem-limit allows, at most 65536]\n"
       "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
+      "  --device D             where the QR stage runs: cpu, cuda (one GPU per rank: the\n"
+      "                         node-local rank modulo the GPUs) or auto (cuda when this\n"
+      "                         kqsvd has CUDA and sees a GPU) [auto]\n"
       "  --progress MODE        auto, bar, lines or off [auto]\n"
       "  -v, --verbose          print a trace with errors\n"
       "  -h, --help             this text\n");
@@ -59,7 +62,7 @@ static void calibrate_help(void) {
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST, O_SKIP_DONE };
+         O_MANIFEST, O_SKIP_DONE, O_DEVICE };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -72,10 +75,12 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"read-rows", required_argument, NULL, O_READ},
       {"manifest", required_argument, NULL, O_MANIFEST},
       {"skip-done", no_argument, NULL, O_SKIP_DONE},
+      {"device", required_argument, NULL, O_DEVICE},
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
   c->ranks = (kqsvd_rank_policy_t){KQSVD_RANKS_EPS, 0.1};
+  c->device_opt = "auto";
   int policy_set = 0;
   c->beta = 1.0;
   c->ckpt_every = 60.0;
@@ -105,6 +110,11 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_CKPT: c->ckpt_dir = optarg; break;
     case O_MANIFEST: c->manifest_path = optarg; break;
     case O_SKIP_DONE: c->skip_done = 1; break;
+    case O_DEVICE:
+      KQSVD_CHECK(!strcmp(optarg, "cpu") || !strcmp(optarg, "cuda") || !strcmp(optarg, "auto"),
+                  KQSVD_ERR_USAGE, "--device must be cpu, cuda or auto, got '%s'", optarg);
+      c->device_opt = optarg;
+      break;
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
       break;
@@ -271,6 +281,8 @@ static void print_header(const calib_t *c) {
           c->sequences == 1 ? "" : "s", (long long)c->dims.layers, (long long)c->dims.kv_heads,
           (long long)c->group, c->group == 1 ? "y" : "ies",
           (long long)c->d, c->cli->size, c->cli->size == 1 ? "" : "s", (long long)c->io_rows);
+  if (c->device >= 0)
+    fprintf(stderr, "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
 }
 
 static void print_summary(const calib_t *c, double seconds) {
@@ -297,6 +309,31 @@ static void print_summary(const calib_t *c, double seconds) {
          c->out_path, c->beta, seconds, rate);
 }
 
+#ifdef KQSVD_HAVE_CUDA
+#define KQSVD_NO_DEVICE "no CUDA device is visible to this rank"
+#else
+#define KQSVD_NO_DEVICE "this kqsvd was built without CUDA (configure with -DKQSVD_CUDA=ON)"
+#endif
+
+/* --device: one GPU per rank, the node-local rank modulo the devices. */
+static kqsvd_status_t choose_device(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  MPI_Comm node = MPI_COMM_NULL;
+  int lrank = 0;
+  const int ndev = calib_gpu_devices();
+  KQSVD_MPI(MPI_Comm_split_type(c->cli->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  KQSVD_MPI(MPI_Comm_rank(node, &lrank));
+  c->device = -1;
+  if (strcmp(c->device_opt, "cpu") != 0 && ndev > 0) c->device = lrank % ndev;
+  if (!strcmp(c->device_opt, "cuda") && ndev == 0)
+    local = kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
+                            "--device cuda: " KQSVD_NO_DEVICE);
+  KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, local));
+done:
+  if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+  return st;
+}
+
 kqsvd_status_t calib_model(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_cli_t *cli = c->cli;
@@ -309,6 +346,7 @@ kqsvd_status_t calib_model(calib_t *c) {
   }
   KQSVD_CALL(st);
   calib_inputs_hash(c);
+  KQSVD_CALL(choose_device(c));
   if (c->skip_done && !c->manifest_path) {
     int skip = cli->rank == 0 && calib_up_to_date(c);
     KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));

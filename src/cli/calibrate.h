@@ -44,6 +44,9 @@ typedef struct calib {
   char *raw;        /* (group + 2) x io_rows x d elements */
   kqsvd_checkpoint_pos_t pos;
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
+  int device;               /* -1: CPU; else the GPU that folds this rank's rows */
+  const char *device_opt;   /* --device: cpu, cuda or auto */
+  struct calib_gpu *gpu;
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
 } calib_t;
 
@@ -60,6 +63,18 @@ void calib_inputs_hash(calib_t *c);
 /* Not collective (call on one rank): whether c->out_path exists and holds
  * the inputs_hash of these inputs, so that it need not be made again. */
 int calib_up_to_date(const calib_t *c);
+
+/* The GPU lane of the streaming stage (calib_gpu.c); not collective.
+ * calib_gpu_devices() is 0 without CUDA.  start() moves c->state to the
+ * device; fold_read() queues the block just read into c->raw; sync() waits,
+ * reports a NaN or Inf like the CPU path (KQSVD_ERR_DATA) and, with
+ * to_state, brings the factors back into c->state; stop() frees. */
+int calib_gpu_devices(void);
+kqsvd_status_t calib_gpu_start(calib_t *c, int device);
+kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item,
+                                   int64_t r0, int64_t n);
+kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state);
+void calib_gpu_stop(calib_t *c);
 
 /* Stages, each collective over cli->comm and ending in agreement. */
 kqsvd_status_t calib_stream(calib_t *c);

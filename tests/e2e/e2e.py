@@ -20,6 +20,7 @@ manifest        calibrate --manifest under mpirun -np 3; manifest errors; skippi
 slurm           slurm/kqsvd-submit on a real SLURM, with kill-and-resume (needs slurm-wlm)
 hf_export       examples/export_hf.py reproduces the attention of real and tiny models (.venv)
 hf_minilm       all-MiniLM-L6-v2 exported, calibrated, evaluated vs the reference (.venv)
+gpu             calibrate --device cuda against --device cpu (needs a GPU and -DKQSVD_CUDA=ON)
 """
 import os
 import sys
@@ -29,14 +30,14 @@ from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, exampl
                             types)
 from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ranks,  # noqa: E402
                             eval_reference, figures)
-from scenarios_math import ranks, reference, shards, theorems  # noqa: E402
+from scenarios_math import gpu, ranks, reference, shards, theorems  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_slurm import manifest, slurm  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
-              eval_memory, figures, manifest, slurm, hf_export, hf_minilm)}
+              eval_memory, figures, manifest, slurm, hf_export, hf_minilm, gpu)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

@@ -5,7 +5,7 @@ import os
 import h5py
 import numpy as np
 
-from harness import calibrate, check, finish, load_proj, max_rel_diff, small_set, synth, workdir
+from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set, synth, workdir
 from reference import group_mats, load_oproj, load_set, rank_rule, svals
 
 # A GQA model (3 query heads per KV head), bf16, uneven shards of uneven sequences.
@@ -199,3 +199,36 @@ def theorems():
                 check(np.abs(P - P3).max() <= 1e-9 * np.abs(P).max(), f"{meth} A B^T changed under scaling")
     check(np.array_equal(p["kqsvd/rank_k"], p3["kqsvd/rank_k"]), "ranks changed under scaling")
     finish("theorems")
+
+
+def gpu():
+    """calibrate --device cuda against --device cpu on the same data, and a
+    NaN found on the device named like on the CPU (skips without a GPU)."""
+    v = run(["--version"]).stdout
+    if "CUDA backend: built" not in v or " 0 devices" in v:
+        print("gpu: SKIPPED, this kqsvd has no CUDA backend or sees no device:\n" + v)
+        raise SystemExit(77)
+    wd, model, shards = small_set("gpu", shards=3, uneven=True, **GQA)
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        outs[dev] = os.path.join(wd, f"proj-{dev}.h5")
+        calibrate(model, outs[dev], shards, np_=2, extra=["--device", dev])
+    worst, where = max_rel_diff(load_proj(outs["cpu"]), load_proj(outs["cuda"]))
+    check(worst <= 1e-9, f"GPU projections differ from the CPU's by {worst:.2e} at {where}")
+    print(f"gpu: largest relative difference from the CPU path {worst:.2e}")
+    bad = os.path.join(wd, "nan.h5")
+    with h5py.File(shards[1], "r") as src, h5py.File(bad, "w") as dst:
+        for k, val in src.attrs.items():
+            dst.attrs[k] = val
+        for name in src:
+            dst.create_dataset(name, data=src[name][...])
+            for k, val in src[name].attrs.items():
+                dst[name].attrs[k] = val
+        q = dst["queries"][...]
+        q[1, 4, 9, 0] = 0x7fc0
+        dst["queries"][...] = q
+    p = calibrate(model, os.path.join(wd, "x.h5"), [shards[0], bad], np_=2,
+                  extra=["--device", "cuda"], expect=1)
+    check("nan.h5" in p.stderr and "queries" in p.stderr and "layer 1, head 4, row 9" in p.stderr,
+          f"NaN on the GPU: {p.stderr}")
+    finish("gpu")
