@@ -208,7 +208,9 @@ static kqsvd_status_t plan(calib_t *c) {
   /* Anything that changes which rows meet which R factor, or the order of
    * the Householder updates, changes the checkpointed state. */
   uint64_t h = KQSVD_FNV_INIT;
-  const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d};
+  /* The GPU folds whole reads, so there the read size counts too. */
+  const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
+                         c->device >= 0 ? c->io_rows : -1};
   h = kqsvd_fnv1a(h, key, sizeof key);
   for (int s = 0; s < c->nshards; s++) {
     struct stat sb;
@@ -221,8 +223,9 @@ static kqsvd_status_t plan(calib_t *c) {
     }
   }
   c->fingerprint = h;
-  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr-block %lld",
-           c->nshards, (long long)c->tokens, P, (long long)c->qr_block);
+  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr-block %lld%s",
+           c->nshards, (long long)c->tokens, P, (long long)c->qr_block,
+           c->device >= 0 ? ", on GPUs" : "");
 done:
   return st;
 }
@@ -339,6 +342,7 @@ kqsvd_status_t calib_model(calib_t *c) {
   kqsvd_cli_t *cli = c->cli;
   c->t_start = kqsvd_now();
   KQSVD_CALL(validate_inputs(c));
+  KQSVD_CALL(choose_device(c));
   st = plan(c);
   if (st == KQSVD_ERR_USAGE) { /* decided alike on every rank */
     kqsvd_usage_error(cli, "calibrate", st);
@@ -346,7 +350,6 @@ kqsvd_status_t calib_model(calib_t *c) {
   }
   KQSVD_CALL(st);
   calib_inputs_hash(c);
-  KQSVD_CALL(choose_device(c));
   if (c->skip_done && !c->manifest_path) {
     int skip = cli->rank == 0 && calib_up_to_date(c);
     KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
