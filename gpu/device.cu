@@ -3,28 +3,8 @@
 #include <cusolverDn.h>
 #include <stdio.h>
 
+#include "gpu_check.h"
 #include "kqsvd_gpu.h"
-
-/* Checkers: CUDA runtime errors carry their own strings; cuSOLVER and
- * cuBLAS statuses are numbers, reported with the call that returned them. */
-static kqsvd_status_t cuda_fail(cudaError_t e, const char *call, const char *file, int line) {
-  return kqsvd_error_set(KQSVD_ERR_CUDA, file, line, "cuda", "CUDA: %s: %s", call,
-                         cudaGetErrorString(e));
-}
-#define KQSVD_CUDA_CALL(call)                                                  \
-  do {                                                                         \
-    cudaError_t e_ = (call);                                                   \
-    if (e_ != cudaSuccess) {                                                   \
-      st = cuda_fail(e_, #call, __FILE__, __LINE__);                           \
-      goto done;                                                               \
-    }                                                                          \
-  } while (0)
-#define KQSVD_CUSOLVER_CALL(call)                                              \
-  do {                                                                         \
-    cusolverStatus_t s_ = (call);                                              \
-    if (s_ != CUSOLVER_STATUS_SUCCESS)                                         \
-      KQSVD_FAIL(KQSVD_ERR_CUDA, "cuSOLVER: %s returned status %d", #call, (int)s_); \
-  } while (0)
 
 int kqsvd_gpu_device_count(void) {
   int n = 0;

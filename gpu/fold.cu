@@ -13,23 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu_check.h"
 #include "kqsvd_gpu.h"
 extern "C" {
 #include "kqsvd_linalg.h"
 }
-
-#define CUDA_CALL(call)                                                              \
-  do {                                                                               \
-    cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess)                                                           \
-      KQSVD_FAIL(KQSVD_ERR_CUDA, "CUDA: %s: %s", #call, cudaGetErrorString(e_));     \
-  } while (0)
-#define CUSOLVER_CALL(call)                                                          \
-  do {                                                                               \
-    cusolverStatus_t s_ = (call);                                                    \
-    if (s_ != CUSOLVER_STATUS_SUCCESS)                                               \
-      KQSVD_FAIL(KQSVD_ERR_CUDA, "cuSOLVER: %s returned status %d", #call, (int)s_); \
-  } while (0)
 
 typedef struct {
   cudaStream_t stream;
@@ -98,35 +86,35 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
               "GPU folder: %lld rows per call are too many", (long long)max_rows);
   f->device = device, f->d = d, f->nfactors = nfactors, f->max_rows = max_rows;
   f->nlanes = nlanes;
-  CUDA_CALL(cudaSetDevice(device));
-  CUDA_CALL(cudaMalloc((void **)&f->R, (size_t)nfactors * d * d * sizeof(double)));
-  CUDA_CALL(cudaMemset(f->R, 0, (size_t)nfactors * d * d * sizeof(double)));
+  KQSVD_CUDA_CALL(cudaSetDevice(device));
+  KQSVD_CUDA_CALL(cudaMalloc((void **)&f->R, (size_t)nfactors * d * d * sizeof(double)));
+  KQSVD_CUDA_CALL(cudaMemset(f->R, 0, (size_t)nfactors * d * d * sizeof(double)));
   KQSVD_MALLOC(f->host, (size_t)d * d, "GPU folder scratch");
-  CUSOLVER_CALL(cusolverDnCreateParams(&f->params));
+  KQSVD_CUSOLVER_CALL(cusolverDnCreateParams(&f->params));
   f->lane = (lane_t *)calloc((size_t)nlanes, sizeof(lane_t));
   KQSVD_CHECK(f->lane, KQSVD_ERR_NOMEM, "cannot allocate the GPU lanes");
   {
     const int64_t lda = d + max_rows;
     for (int l = 0; l < nlanes; l++) {
       lane_t *ln = &f->lane[l];
-      CUDA_CALL(cudaStreamCreateWithFlags(&ln->stream, cudaStreamNonBlocking));
-      CUDA_CALL(cudaEventCreateWithFlags(&ln->done, cudaEventDisableTiming));
-      CUSOLVER_CALL(cusolverDnCreate(&ln->solver));
-      CUSOLVER_CALL(cusolverDnSetStream(ln->solver, ln->stream));
-      CUDA_CALL(cudaMallocHost(&ln->pinned, (size_t)max_rows * d * sizeof(double)));
-      CUDA_CALL(cudaMalloc(&ln->raw, (size_t)max_rows * d * sizeof(double)));
-      CUDA_CALL(cudaMalloc((void **)&ln->A, (size_t)lda * d * sizeof(double)));
-      CUDA_CALL(cudaMalloc((void **)&ln->tau, (size_t)d * sizeof(double)));
-      CUDA_CALL(cudaMalloc((void **)&ln->info, sizeof(int)));
-      CUDA_CALL(cudaMalloc((void **)&ln->bad, sizeof(unsigned long long)));
-      CUDA_CALL(cudaMemset(ln->bad, 0xff, sizeof(unsigned long long)));
-      CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A,
+      KQSVD_CUDA_CALL(cudaStreamCreateWithFlags(&ln->stream, cudaStreamNonBlocking));
+      KQSVD_CUDA_CALL(cudaEventCreateWithFlags(&ln->done, cudaEventDisableTiming));
+      KQSVD_CUSOLVER_CALL(cusolverDnCreate(&ln->solver));
+      KQSVD_CUSOLVER_CALL(cusolverDnSetStream(ln->solver, ln->stream));
+      KQSVD_CUDA_CALL(cudaMallocHost(&ln->pinned, (size_t)max_rows * d * sizeof(double)));
+      KQSVD_CUDA_CALL(cudaMalloc(&ln->raw, (size_t)max_rows * d * sizeof(double)));
+      KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->A, (size_t)lda * d * sizeof(double)));
+      KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->tau, (size_t)d * sizeof(double)));
+      KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->info, sizeof(int)));
+      KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->bad, sizeof(unsigned long long)));
+      KQSVD_CUDA_CALL(cudaMemset(ln->bad, 0xff, sizeof(unsigned long long)));
+      KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A,
                                                 lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
                                                 &ln->work_dev_bytes, &ln->work_host_bytes));
-      CUDA_CALL(cudaMalloc(&ln->work_dev, ln->work_dev_bytes + 1));
+      KQSVD_CUDA_CALL(cudaMalloc(&ln->work_dev, ln->work_dev_bytes + 1));
       ln->work_host = malloc(ln->work_host_bytes + 1);
       KQSVD_CHECK(ln->work_host, KQSVD_ERR_NOMEM, "cannot allocate cuSOLVER host workspace");
-      CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
+      KQSVD_CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
     }
   }
   *out = f;
@@ -167,11 +155,11 @@ extern "C" void kqsvd_gpu_fold_free(kqsvd_gpu_fold_t **fp) {
 extern "C" kqsvd_status_t kqsvd_gpu_fold_load(kqsvd_gpu_fold_t *f, const double *packed) {
   kqsvd_status_t st = KQSVD_OK;
   const size_t tri = kqsvd_tri_size(f->d), dd = (size_t)f->d * f->d;
-  CUDA_CALL(cudaSetDevice(f->device));
-  CUDA_CALL(cudaDeviceSynchronize());
+  KQSVD_CUDA_CALL(cudaSetDevice(f->device));
+  KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   for (int64_t k = 0; k < f->nfactors; k++) {
     kqsvd_tri_unpack(f->d, packed + (size_t)k * tri, f->host);
-    CUDA_CALL(cudaMemcpy(f->R + (size_t)k * dd, f->host, dd * sizeof(double),
+    KQSVD_CUDA_CALL(cudaMemcpy(f->R + (size_t)k * dd, f->host, dd * sizeof(double),
                          cudaMemcpyHostToDevice));
   }
 done:
@@ -191,10 +179,10 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
               KQSVD_ERR_BUG, "GPU fold: factor %lld, %lld rows, tag %lld out of range",
               (long long)k, (long long)n, (long long)tag);
   /* The staging buffer is reused: wait until the lane's last copy left it. */
-  CUDA_CALL(cudaEventSynchronize(ln->done));
+  KQSVD_CUDA_CALL(cudaEventSynchronize(ln->done));
   memcpy(ln->pinned, X, bytes);
-  CUDA_CALL(cudaMemcpyAsync(ln->raw, ln->pinned, bytes, cudaMemcpyHostToDevice, ln->stream));
-  CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
+  KQSVD_CUDA_CALL(cudaMemcpyAsync(ln->raw, ln->pinned, bytes, cudaMemcpyHostToDevice, ln->stream));
+  KQSVD_CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
   {
     const int threads = 256;
     const size_t total = (size_t)n * d;
@@ -202,15 +190,15 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
         ln->raw, (int)t, (int)n, d, ln->A, (int)lda, (unsigned long long)tag, ln->bad);
     move_triangle<<<dim3((unsigned)((d + 127) / 128), (unsigned)d), 128, 0, ln->stream>>>(
         R, ln->A, d, (int)lda, 0);
-    CUDA_CALL(cudaGetLastError());
+    KQSVD_CUDA_CALL(cudaGetLastError());
   }
-  CUSOLVER_CALL(cusolverDnXgeqrf(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A, lda,
+  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A, lda,
                                  CUDA_R_64F, ln->tau, CUDA_R_64F, ln->work_dev,
                                  ln->work_dev_bytes, ln->work_host, ln->work_host_bytes,
                                  ln->info));
   move_triangle<<<dim3((unsigned)((d + 127) / 128), (unsigned)d), 128, 0, ln->stream>>>(
       R, ln->A, d, (int)lda, 1);
-  CUDA_CALL(cudaGetLastError());
+  KQSVD_CUDA_CALL(cudaGetLastError());
 done:
   return st;
 }
@@ -221,14 +209,14 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packe
   unsigned long long first = ~0ULL;
   const size_t tri = kqsvd_tri_size(f->d), dd = (size_t)f->d * f->d;
   *bad_tag = *bad_row = -1;
-  CUDA_CALL(cudaSetDevice(f->device));
+  KQSVD_CUDA_CALL(cudaSetDevice(f->device));
   for (int l = 0; l < f->nlanes; l++) {
     lane_t *ln = &f->lane[l];
     unsigned long long b = 0;
     int info = 0;
-    CUDA_CALL(cudaStreamSynchronize(ln->stream));
-    CUDA_CALL(cudaMemcpy(&b, ln->bad, sizeof b, cudaMemcpyDeviceToHost));
-    CUDA_CALL(cudaMemcpy(&info, ln->info, sizeof info, cudaMemcpyDeviceToHost));
+    KQSVD_CUDA_CALL(cudaStreamSynchronize(ln->stream));
+    KQSVD_CUDA_CALL(cudaMemcpy(&b, ln->bad, sizeof b, cudaMemcpyDeviceToHost));
+    KQSVD_CUDA_CALL(cudaMemcpy(&info, ln->info, sizeof info, cudaMemcpyDeviceToHost));
     KQSVD_CHECK(info >= 0, KQSVD_ERR_BUG, "cusolverDnXgeqrf: argument %d is wrong (a kqsvd bug)",
                 -info);
     first = b < first ? b : first;
@@ -237,10 +225,10 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packe
     *bad_tag = (int64_t)(first >> 32);
     *bad_row = (int64_t)(first & 0xffffffffULL);
     for (int l = 0; l < f->nlanes; l++)
-      CUDA_CALL(cudaMemset(f->lane[l].bad, 0xff, sizeof(unsigned long long)));
+      KQSVD_CUDA_CALL(cudaMemset(f->lane[l].bad, 0xff, sizeof(unsigned long long)));
   }
   for (int64_t k = 0; packed && k < f->nfactors; k++) {
-    CUDA_CALL(cudaMemcpy(f->host, f->R + (size_t)k * dd, dd * sizeof(double),
+    KQSVD_CUDA_CALL(cudaMemcpy(f->host, f->R + (size_t)k * dd, dd * sizeof(double),
                          cudaMemcpyDeviceToHost));
     kqsvd_tri_pack(f->d, f->host, packed + (size_t)k * tri);
   }
