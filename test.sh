@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: builds with warnings as errors (installing what is
-# missing), runs every test under ctest, and checks that the optional CUDA
-# backend still compiles and links when the CUDA toolkit is present.
+# missing; with the CUDA module when the CUDA toolkit is present) and runs
+# every test under ctest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 # slurm-wlm and munge let the cluster test start a private single-node SLURM
@@ -11,17 +11,9 @@ KQSVD_EXTRA_PACKAGES="slurm-wlm munge ${KQSVD_EXTRA_PACKAGES:-}" \
 . scripts/env.sh
 scripts/hf-env.sh  # the exporter's environment (.venv), for the real-model tests
 
-nvcc=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || true)
-if [ -n "$nvcc" ]; then
-  echo "test.sh: building the CUDA backend (-DKQSVD_CUDA=ON) with $nvcc"
-  cmake -S . -B build-cuda -DKQSVD_CUDA=ON -DKQSVD_WERROR=ON \
-    -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
-  cmake --build build-cuda -j"$(nproc)" >/dev/null
-  build-cuda/kqsvd --version
-  # The GPU tests: they report SKIPPED where no device is visible.
-  ctest --test-dir build-cuda -R gpu --output-on-failure
-else
-  echo "test.sh: CUDA backend build SKIPPED (no nvcc on this machine)"
-fi
+# The CUDA module is part of the build wherever CMake finds nvcc (here in
+# /usr/local/cuda), so it compiles and links in CI; its tests report
+# SKIPPED where the driver shows no GPU.
+build/kqsvd --version
 
 ctest --test-dir build --output-on-failure -j"$(nproc)" "$@"

@@ -29,3 +29,5 @@ kqsvd_status_t kqsvd_gpu_describe(int dev, char *buf, int n) {
 done:
   return st;
 }
+
+extern "C" const char *kqsvd_gpu_last_error(void) { return kqsvd_error_message(); }

@@ -1,5 +1,10 @@
-/* CUDA backend (built with -DKQSVD_CUDA=ON): finding devices, and the
- * device QR stage of `calibrate`.  Nothing here is collective. */
+/* CUDA backend: finding devices, and the device QR stage of `calibrate`.
+ * The CUDA code is a module, libkqsvd_gpu.so (built with -DKQSVD_CUDA=ON,
+ * the default where CMake finds nvcc), loaded with dlopen only when a GPU
+ * is there: linking cuSOLVER would cost every process some 240 MB of
+ * memory at start, GPU or not.  The first part of this header is what the
+ * module exports; the loader at the end lives in every kqsvd.  Nothing here
+ * is collective. */
 #ifndef KQSVD_GPU_H
 #define KQSVD_GPU_H
 
@@ -57,6 +62,39 @@ kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, const void *X
  * triangles).  Errors: KQSVD_ERR_CUDA, _BUG. */
 kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packed, int64_t *bad_tag,
                                    int64_t *bad_row);
+
+/* The module's own error record: the message of its last failure. */
+const char *kqsvd_gpu_last_error(void);
+
+/* ---- the loader (gpu/loader.c, in every build) ------------------------ */
+
+/* The module's functions, as loaded. */
+typedef struct kqsvd_gpu_api {
+  int (*device_count)(void);
+  kqsvd_status_t (*describe)(int dev, char *buf, int n);
+  kqsvd_status_t (*fold_init)(int device, int d, int64_t nfactors, int64_t max_rows,
+                              int nlanes, kqsvd_gpu_fold_t **f);
+  void (*fold_free)(kqsvd_gpu_fold_t **f);
+  kqsvd_status_t (*fold_load)(kqsvd_gpu_fold_t *f, const double *packed);
+  kqsvd_status_t (*fold_rows)(kqsvd_gpu_fold_t *f, int64_t k, const void *X, kqsvd_dtype_t t,
+                              int64_t n, int64_t tag);
+  kqsvd_status_t (*fold_sync)(kqsvd_gpu_fold_t *f, double *packed, int64_t *bad_tag,
+                              int64_t *bad_row);
+  const char *(*last_error)(void);
+} kqsvd_gpu_api_t;
+
+/* GPUs the CUDA driver sees (through libcuda.so.1, without the module):
+ * 0 when there is no driver or no device. */
+int kqsvd_gpu_driver_devices(void);
+
+/* Where the module is looked for: $KQSVD_GPU_MODULE, else libkqsvd_gpu.so
+ * next to the executable. */
+const char *kqsvd_gpu_module_path(void);
+
+/* Loads the module once and returns its functions.  Errors: KQSVD_ERR_CUDA
+ * naming the module and the loader's reason (e.g. a kqsvd built without
+ * -DKQSVD_CUDA=ON has no module). */
+kqsvd_status_t kqsvd_gpu_open(const kqsvd_gpu_api_t **api);
 
 #ifdef __cplusplus
 }

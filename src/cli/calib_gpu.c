@@ -1,15 +1,14 @@
-/* The GPU lane of calibrate's streaming stage (built with KQSVD_CUDA): the
- * R factors of this rank's items live on its GPU, every block read is
- * queued there whole, and the factors come back to c->state at every
- * checkpoint and at the end.  Calls since the last sync are remembered so
- * that a NaN found on the device is reported like the CPU path does. */
+/* The GPU lane of calibrate's streaming stage: the R factors of this rank's
+ * items live on its GPU (the CUDA module, loaded on demand), every block
+ * read is queued there whole, and the factors come back to c->state at
+ * every checkpoint and at the end.  Calls since the last sync are
+ * remembered so that a NaN found on the device is reported like the CPU
+ * path does. */
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "calibrate.h"
-#ifdef KQSVD_HAVE_CUDA
 #include "kqsvd_gpu.h"
-#endif
 
 /* What one queued call was, for messages. */
 typedef struct {
@@ -19,33 +18,29 @@ typedef struct {
 } gpu_call_t;
 
 struct calib_gpu {
-#ifdef KQSVD_HAVE_CUDA
+  const kqsvd_gpu_api_t *api;
   kqsvd_gpu_fold_t *fold;
-#endif
   gpu_call_t *calls;
   int64_t ncalls, cap;
 };
 
-int calib_gpu_devices(void) {
-#ifdef KQSVD_HAVE_CUDA
-  return kqsvd_gpu_device_count();
-#else
-  return 0;
-#endif
-}
+/* A failure inside the module: its message, here. */
+#define GPU_CALL(g, call)                                                         \
+  do {                                                                            \
+    kqsvd_status_t s_ = (call);                                                   \
+    if (s_ != KQSVD_OK) KQSVD_FAIL(s_, "GPU: %s", (g)->api->last_error());        \
+  } while (0)
+
+int calib_gpu_devices(void) { return kqsvd_gpu_driver_devices(); }
 
 kqsvd_status_t calib_gpu_start(calib_t *c, int device) {
   kqsvd_status_t st = KQSVD_OK;
-#ifdef KQSVD_HAVE_CUDA
   c->gpu = calloc(1, sizeof *c->gpu);
   KQSVD_CHECK(c->gpu, KQSVD_ERR_NOMEM, "cannot allocate the GPU state");
-  KQSVD_CALL(kqsvd_gpu_fold_init(device, (int)c->d, c->nitems * CAL_NR, c->io_rows, 4,
-                                 &c->gpu->fold));
-  KQSVD_CALL(kqsvd_gpu_fold_load(c->gpu->fold, c->state));
-#else
-  (void)device;
-  KQSVD_FAIL(KQSVD_ERR_USAGE, "this kqsvd was built without CUDA (configure with -DKQSVD_CUDA=ON)");
-#endif
+  KQSVD_CALL(kqsvd_gpu_open(&c->gpu->api));
+  GPU_CALL(c->gpu, c->gpu->api->fold_init(device, (int)c->d, c->nitems * CAL_NR, c->io_rows, 4,
+                                          &c->gpu->fold));
+  GPU_CALL(c->gpu, c->gpu->api->fold_load(c->gpu->fold, c->state));
 done:
   return st;
 }
@@ -53,7 +48,6 @@ done:
 kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item,
                                    int64_t r0, int64_t n) {
   kqsvd_status_t st = KQSVD_OK;
-#ifdef KQSVD_HAVE_CUDA
   struct calib_gpu *g = c->gpu;
   const int64_t d = c->d, m = c->group;
   const kqsvd_tensor_t tens[3] = {KQSVD_KEYS, KQSVD_QUERIES, KQSVD_VALUES};
@@ -71,26 +65,21 @@ kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t 
         g->calls = grown, g->cap = cap;
       }
       g->calls[g->ncalls] = (gpu_call_t){kqsvd_shard_path(sh), item, r0, h, tens[t]};
-      KQSVD_CALL(kqsvd_gpu_fold_rows(g->fold, item * CAL_NR + target[t],
-                                     base + (size_t)(h * n * d) * esz, type, n, g->ncalls));
+      GPU_CALL(g, g->api->fold_rows(g->fold, item * CAL_NR + target[t],
+                                    base + (size_t)(h * n * d) * esz, type, n, g->ncalls));
       g->ncalls++;
     }
     base += (size_t)(heads[t] * n * d) * esz;
   }
-#else
-  (void)c, (void)sh, (void)item, (void)r0, (void)n;
-  KQSVD_FAIL(KQSVD_ERR_BUG, "GPU path without CUDA");
-#endif
 done:
   return st;
 }
 
 kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state) {
   kqsvd_status_t st = KQSVD_OK;
-#ifdef KQSVD_HAVE_CUDA
   struct calib_gpu *g = c->gpu;
   int64_t tag = -1, row = -1;
-  KQSVD_CALL(kqsvd_gpu_fold_sync(g->fold, to_state ? c->state : NULL, &tag, &row));
+  GPU_CALL(g, g->api->fold_sync(g->fold, to_state ? c->state : NULL, &tag, &row));
   if (tag >= 0 && tag < g->ncalls) {
     const gpu_call_t *k = &g->calls[tag];
     const int64_t grp = k->item % c->dims.kv_heads;
@@ -100,19 +89,13 @@ kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state) {
                (long long)(k->row0 + row));
   }
   g->ncalls = 0;
-#else
-  (void)c, (void)to_state;
-  goto done;
-#endif
 done:
   return st;
 }
 
 void calib_gpu_stop(calib_t *c) {
   if (!c->gpu) return;
-#ifdef KQSVD_HAVE_CUDA
-  kqsvd_gpu_fold_free(&c->gpu->fold);
-#endif
+  if (c->gpu->api && c->gpu->fold) c->gpu->api->fold_free(&c->gpu->fold);
   free(c->gpu->calls);
   free(c->gpu);
   c->gpu = NULL;

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "kqsvd_gpu.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
@@ -312,12 +313,6 @@ static void print_summary(const calib_t *c, double seconds) {
          c->out_path, c->beta, seconds, rate);
 }
 
-#ifdef KQSVD_HAVE_CUDA
-#define KQSVD_NO_DEVICE "no CUDA device is visible to this rank"
-#else
-#define KQSVD_NO_DEVICE "this kqsvd was built without CUDA (configure with -DKQSVD_CUDA=ON)"
-#endif
-
 /* --device: one GPU per rank, the node-local rank modulo the devices. */
 static kqsvd_status_t choose_device(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
@@ -327,10 +322,14 @@ static kqsvd_status_t choose_device(calib_t *c) {
   KQSVD_MPI(MPI_Comm_split_type(c->cli->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
-  if (strcmp(c->device_opt, "cpu") != 0 && ndev > 0) c->device = lrank % ndev;
+  /* auto also needs the module; cuda insists, and a missing module is then
+   * reported when it is loaded. */
+  const int have = ndev > 0 && (!strcmp(c->device_opt, "cuda") ||
+                                access(kqsvd_gpu_module_path(), R_OK) == 0);
+  if (strcmp(c->device_opt, "cpu") != 0 && have) c->device = lrank % ndev;
   if (!strcmp(c->device_opt, "cuda") && ndev == 0)
     local = kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
-                            "--device cuda: " KQSVD_NO_DEVICE);
+                            "--device cuda: the CUDA driver reports no GPU to this rank");
   KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, local));
 done:
   if (node != MPI_COMM_NULL) MPI_Comm_free(&node);

@@ -6,12 +6,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kqsvd_cli.h"
 #include "kqsvd_h5.h"
-#ifdef KQSVD_HAVE_CUDA
 #include "kqsvd_gpu.h"
-#endif
 
 typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
 
@@ -64,16 +63,18 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "--version") == 0) {
     if (cli.rank == 0) {
       printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
-#ifdef KQSVD_HAVE_CUDA
-      const int ndev = kqsvd_gpu_device_count();
-      printf("CUDA backend: built; %d device%s visible\n", ndev, ndev == 1 ? "" : "s");
-      for (int dev = 0; dev < ndev; dev++) {
+      const int ndev = kqsvd_gpu_driver_devices();
+      const kqsvd_gpu_api_t *api = NULL;
+      if (access(kqsvd_gpu_module_path(), R_OK) != 0)
+        printf("CUDA module: not built (configure with -DKQSVD_CUDA=ON); %d GPU%s visible\n", ndev,
+               ndev == 1 ? "" : "s");
+      else
+        printf("CUDA module: %s; %d GPU%s visible\n", kqsvd_gpu_module_path(), ndev,
+               ndev == 1 ? "" : "s");
+      for (int dev = 0; dev < ndev && kqsvd_gpu_open(&api) == KQSVD_OK; dev++) {
         char line[256];
-        if (kqsvd_gpu_describe(dev, line, sizeof line) == KQSVD_OK) printf("  %s\n", line);
+        if (api->describe(dev, line, sizeof line) == KQSVD_OK) printf("  %s\n", line);
       }
-#else
-      printf("CUDA backend: not built (configure with -DKQSVD_CUDA=ON)\n");
-#endif
     }
     goto finalize;
   }

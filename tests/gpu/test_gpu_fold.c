@@ -12,10 +12,13 @@
 enum { D = 48, NF = 5, ROWS = 700 };
 
 int main(void) {
-  if (kqsvd_gpu_device_count() == 0) {
+  const kqsvd_gpu_api_t *gpu = NULL;
+  if (kqsvd_gpu_driver_devices() == 0) {
     printf("test_gpu_fold: SKIPPED, no CUDA device visible\n");
     return 77;
   }
+  CHECK_OK(kqsvd_gpu_open(&gpu));
+  if (!gpu) return check_exit("test_gpu_fold");
   unsigned long long seed = 11;
   const kqsvd_dtype_t types[] = {KQSVD_F64, KQSVD_F32, KQSVD_BF16, KQSVD_F16};
   const size_t tri = kqsvd_tri_size(D);
@@ -27,7 +30,7 @@ int main(void) {
     double *packed = calloc((size_t)NF * tri, sizeof(double));
     double *x = malloc((size_t)ROWS * D * sizeof(double));
     void *raw = malloc((size_t)ROWS * D * 8);
-    CHECK_OK(kqsvd_gpu_fold_init(0, D, NF, ROWS, 3, &f));
+    CHECK_OK(gpu->fold_init(0, D, NF, ROWS, 3, &f));
     CHECK_OK(kqsvd_qr_ws_init(D, 256, &ws));
     /* Several calls per factor, of uneven sizes, interleaved across factors. */
     const int64_t sizes[] = {ROWS, 1, 300, 77, ROWS};
@@ -37,11 +40,11 @@ int main(void) {
         for (int64_t i = 0; i < n * D; i++) x[i] = test_normal(&seed) * (1.0 + (i % D));
         kqsvd_convert_from_f64(t, x, n * D, raw);
         int64_t bad = -1;
-        CHECK_OK(kqsvd_gpu_fold_rows(f, k, raw, t, n, call * NF + k));
+        CHECK_OK(gpu->fold_rows(f, k, raw, t, n, call * NF + k));
         CHECK_OK(kqsvd_qr_absorb(ws, cpu + (size_t)k * D * D, raw, t, n, &bad));
       }
     int64_t bad_tag = 0, bad_row = 0;
-    CHECK_OK(kqsvd_gpu_fold_sync(f, packed, &bad_tag, &bad_row));
+    CHECK_OK(gpu->fold_sync(f, packed, &bad_tag, &bad_row));
     CHECK(bad_tag == -1 && bad_row == -1, "no NaN, yet tag %lld row %lld", (long long)bad_tag,
           (long long)bad_row);
     double worst = 0.0;
@@ -60,18 +63,18 @@ int main(void) {
     printf("%s: largest relative difference %.3g\n", kqsvd_dtype_name(t), worst);
 
     /* Load, then a NaN in the second call of factor 2 at row 5. */
-    CHECK_OK(kqsvd_gpu_fold_load(f, packed));
+    CHECK_OK(gpu->fold_load(f, packed));
     for (int64_t i = 0; i < 10 * D; i++) x[i] = 1.0 + (double)i;
     kqsvd_convert_from_f64(t, x, 10 * D, raw);
-    CHECK_OK(kqsvd_gpu_fold_rows(f, 2, raw, t, 10, 7));
+    CHECK_OK(gpu->fold_rows(f, 2, raw, t, 10, 7));
     x[5 * D + 3] = NAN;
     kqsvd_convert_from_f64(t, x, 10 * D, raw);
-    CHECK_OK(kqsvd_gpu_fold_rows(f, 2, raw, t, 10, 8));
-    CHECK_OK(kqsvd_gpu_fold_rows(f, 3, raw, t, 10, 9));
-    CHECK_OK(kqsvd_gpu_fold_sync(f, NULL, &bad_tag, &bad_row));
+    CHECK_OK(gpu->fold_rows(f, 2, raw, t, 10, 8));
+    CHECK_OK(gpu->fold_rows(f, 3, raw, t, 10, 9));
+    CHECK_OK(gpu->fold_sync(f, NULL, &bad_tag, &bad_row));
     CHECK(bad_tag == 8 && bad_row == 5, "NaN reported as tag %lld row %lld, expected 8 and 5",
           (long long)bad_tag, (long long)bad_row);
-    kqsvd_gpu_fold_free(&f);
+    gpu->fold_free(&f);
     kqsvd_qr_ws_free(&ws);
     free(cpu);
     free(packed);
