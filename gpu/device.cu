@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 #include <cusolverDn.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "gpu_check.h"
 #include "kqsvd_gpu.h"
@@ -31,3 +32,30 @@ done:
 }
 
 extern "C" const char *kqsvd_gpu_last_error(void) { return kqsvd_error_message(); }
+
+kqsvd_status_t kqsvd_gpu_h2d_bandwidth(int device, size_t bytes, int reps, double *gbps) {
+  kqsvd_status_t st = KQSVD_OK;
+  void *host = NULL, *dev = NULL;
+  cudaEvent_t t0 = NULL, t1 = NULL;
+  float ms = 0.0f;
+  KQSVD_CUDA_CALL(cudaSetDevice(device));
+  KQSVD_CUDA_CALL(cudaMallocHost(&host, bytes));
+  KQSVD_CUDA_CALL(cudaMalloc(&dev, bytes));
+  memset(host, 1, bytes);
+  KQSVD_CUDA_CALL(cudaEventCreate(&t0));
+  KQSVD_CUDA_CALL(cudaEventCreate(&t1));
+  KQSVD_CUDA_CALL(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice)); /* warm-up */
+  KQSVD_CUDA_CALL(cudaEventRecord(t0));
+  for (int r = 0; r < reps; r++)
+    KQSVD_CUDA_CALL(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice));
+  KQSVD_CUDA_CALL(cudaEventRecord(t1));
+  KQSVD_CUDA_CALL(cudaEventSynchronize(t1));
+  KQSVD_CUDA_CALL(cudaEventElapsedTime(&ms, t0, t1));
+  *gbps = (double)bytes * reps / (ms * 1e-3) / 1e9;
+done:
+  if (t0) cudaEventDestroy(t0);
+  if (t1) cudaEventDestroy(t1);
+  cudaFree(dev);
+  cudaFreeHost(host);
+  return st;
+}

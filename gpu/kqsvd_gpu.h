@@ -66,6 +66,10 @@ kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packed, int64_t 
 /* The module's own error record: the message of its last failure. */
 const char *kqsvd_gpu_last_error(void);
 
+/* Host-to-device bandwidth of `device` in GB/s: `reps` copies of `bytes`
+ * from pinned memory.  Errors: KQSVD_ERR_CUDA. */
+kqsvd_status_t kqsvd_gpu_h2d_bandwidth(int device, size_t bytes, int reps, double *gbps);
+
 /* ---- the loader (gpu/loader.c, in every build) ------------------------ */
 
 /* The module's functions, as loaded. */
@@ -81,6 +85,7 @@ typedef struct kqsvd_gpu_api {
   kqsvd_status_t (*fold_sync)(kqsvd_gpu_fold_t *f, double *packed, int64_t *bad_tag,
                               int64_t *bad_row);
   const char *(*last_error)(void);
+  kqsvd_status_t (*h2d_bandwidth)(int device, size_t bytes, int reps, double *gbps);
 } kqsvd_gpu_api_t;
 
 /* GPUs the CUDA driver sees (through libcuda.so.1, without the module):

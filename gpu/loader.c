@@ -64,7 +64,8 @@ kqsvd_status_t kqsvd_gpu_open(const kqsvd_gpu_api_t **out) {
                 {"kqsvd_gpu_fold_load", &api.fold_load, sizeof api.fold_load},
                 {"kqsvd_gpu_fold_rows", &api.fold_rows, sizeof api.fold_rows},
                 {"kqsvd_gpu_fold_sync", &api.fold_sync, sizeof api.fold_sync},
-                {"kqsvd_gpu_last_error", &api.last_error, sizeof api.last_error}};
+                {"kqsvd_gpu_last_error", &api.last_error, sizeof api.last_error},
+                {"kqsvd_gpu_h2d_bandwidth", &api.h2d_bandwidth, sizeof api.h2d_bandwidth}};
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
       void *f = dlsym(h, syms[i].name);
       KQSVD_CHECK(f, KQSVD_ERR_CUDA, "the CUDA module %s lacks %s", path, syms[i].name);
