@@ -46,11 +46,13 @@ report() { # NAME SECONDS
     printf "| %s | %.2f s | %.3g | %.1f GFLOP/s |", n, s, r / s, f / s / 1e9 }'
 }
 
-echo "| run | wall | token x head rows/s | FP64 rate |"
+# Rates use the whole calibrate run's wall time (reading, W^O, solves and
+# writing included), so they understate the QR stage alone.
+echo "| run | wall | token x head rows/s | FP64 rate (whole run) |"
 echo "| --- | --- | --- | --- |"
 cpu_s=$(run cpu "$cpu_ranks" "$data/proj-cpu.h5")
 echo "$(report "CPU, $cpu_ranks ranks" "$cpu_s")"
-ngpu=$(build/kqsvd --version | sed -n 's/.*; \([0-9]*\) GPUs\{0,1\} visible/\1/p')
+ngpu=$(build/kqsvd --version | sed -n 's/^CUDA module: \/.*; \([0-9]*\) GPUs\{0,1\} visible/\1/p')
 if [ "${ngpu:-0}" -gt 0 ]; then
   gpu_s=$(run cuda "$ngpu" "$data/proj-gpu.h5")
   echo "$(report "GPU, $ngpu rank(s)" "$gpu_s")"

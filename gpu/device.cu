@@ -18,6 +18,7 @@ int kqsvd_gpu_device_count(void) {
 
 kqsvd_status_t kqsvd_gpu_describe(int dev, char *buf, int n) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   cudaDeviceProp prop;
   int major = 0, minor = 0, patch = 0;
   KQSVD_CUDA_CALL(cudaGetDeviceProperties(&prop, dev));
@@ -35,6 +36,7 @@ extern "C" const char *kqsvd_gpu_last_error(void) { return kqsvd_error_message()
 
 kqsvd_status_t kqsvd_gpu_h2d_bandwidth(int device, size_t bytes, int reps, double *gbps) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   void *host = NULL, *dev = NULL;
   cudaEvent_t t0 = NULL, t1 = NULL;
   float ms = 0.0f;

@@ -79,6 +79,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_gpu_fold_t *f = (kqsvd_gpu_fold_t *)calloc(1, sizeof *f);
   *out = NULL;
+  kqsvd_error_clear(); /* the module's record: this call's failure only */
+  cudaGetLastError();
   KQSVD_CHECK(f, KQSVD_ERR_NOMEM, "cannot allocate the GPU folder");
   KQSVD_CHECK(d >= 1 && nfactors >= 1 && max_rows >= 1 && nlanes >= 1, KQSVD_ERR_USAGE,
               "GPU folder: sizes must be positive");
@@ -117,6 +119,9 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
       KQSVD_CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
     }
   }
+  /* The memsets above ran on the legacy stream, which the non-blocking
+   * lanes do not wait for. */
+  KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   *out = f;
   f = NULL;
 done:
@@ -155,6 +160,7 @@ extern "C" void kqsvd_gpu_fold_free(kqsvd_gpu_fold_t **fp) {
 extern "C" kqsvd_status_t kqsvd_gpu_fold_load(kqsvd_gpu_fold_t *f, const double *packed) {
   kqsvd_status_t st = KQSVD_OK;
   const size_t tri = kqsvd_tri_size(f->d), dd = (size_t)f->d * f->d;
+  kqsvd_error_clear();
   KQSVD_CUDA_CALL(cudaSetDevice(f->device));
   KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   for (int64_t k = 0; k < f->nfactors; k++) {
@@ -162,6 +168,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_load(kqsvd_gpu_fold_t *f, const double 
     KQSVD_CUDA_CALL(cudaMemcpy(f->R + (size_t)k * dd, f->host, dd * sizeof(double),
                          cudaMemcpyHostToDevice));
   }
+  /* A copy from pageable memory may return before it lands. */
+  KQSVD_CUDA_CALL(cudaDeviceSynchronize());
 done:
   return st;
 }
@@ -174,10 +182,33 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
   const int64_t lda = d + n;
   const size_t bytes = (size_t)n * d * kqsvd_dtype_size(t);
   double *R = f->R + (size_t)k * d * d;
+  size_t need_dev = 0, need_host = 0;
+  kqsvd_error_clear();
   KQSVD_CHECK(k >= 0 && k < f->nfactors && n >= 1 && n <= f->max_rows && tag >= 0 &&
-                  tag < (INT64_C(1) << 31),
-              KQSVD_ERR_BUG, "GPU fold: factor %lld, %lld rows, tag %lld out of range",
-              (long long)k, (long long)n, (long long)tag);
+                  tag < (INT64_C(1) << 31) && t >= KQSVD_F16 && t <= KQSVD_F64,
+              KQSVD_ERR_BUG, "GPU fold: factor %lld, %lld rows, tag %lld, type %d out of range",
+              (long long)k, (long long)n, (long long)tag, (int)t);
+  KQSVD_CUDA_CALL(cudaSetDevice(f->device));
+  /* cuSOLVER does not promise that a smaller matrix needs no more
+   * workspace than the largest: ask, and grow when it does. */
+  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F,
+                                                  ln->A, lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
+                                                  &need_dev, &need_host));
+  if (need_dev > ln->work_dev_bytes || need_host > ln->work_host_bytes) {
+    KQSVD_CUDA_CALL(cudaStreamSynchronize(ln->stream));
+    if (need_dev > ln->work_dev_bytes) {
+      KQSVD_CUDA_CALL(cudaFree(ln->work_dev));
+      ln->work_dev = NULL;
+      KQSVD_CUDA_CALL(cudaMalloc(&ln->work_dev, need_dev));
+      ln->work_dev_bytes = need_dev;
+    }
+    if (need_host > ln->work_host_bytes) {
+      void *grown = realloc(ln->work_host, need_host);
+      KQSVD_CHECK(grown, KQSVD_ERR_NOMEM, "cannot grow cuSOLVER's host workspace");
+      ln->work_host = grown;
+      ln->work_host_bytes = need_host;
+    }
+  }
   /* The staging buffer is reused: wait until the lane's last copy left it. */
   KQSVD_CUDA_CALL(cudaEventSynchronize(ln->done));
   memcpy(ln->pinned, X, bytes);
@@ -209,6 +240,7 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packe
   unsigned long long first = ~0ULL;
   const size_t tri = kqsvd_tri_size(f->d), dd = (size_t)f->d * f->d;
   *bad_tag = *bad_row = -1;
+  kqsvd_error_clear();
   KQSVD_CUDA_CALL(cudaSetDevice(f->device));
   for (int l = 0; l < f->nlanes; l++) {
     lane_t *ln = &f->lane[l];
@@ -226,6 +258,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packe
     *bad_row = (int64_t)(first & 0xffffffffULL);
     for (int l = 0; l < f->nlanes; l++)
       KQSVD_CUDA_CALL(cudaMemset(f->lane[l].bad, 0xff, sizeof(unsigned long long)));
+    /* Legacy-stream memsets: done before the lanes run again. */
+    KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   }
   for (int64_t k = 0; packed && k < f->nfactors; k++) {
     KQSVD_CUDA_CALL(cudaMemcpy(f->host, f->R + (size_t)k * dd, dd * sizeof(double),

@@ -80,7 +80,9 @@ kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state) {
   struct calib_gpu *g = c->gpu;
   int64_t tag = -1, row = -1;
   GPU_CALL(g, g->api->fold_sync(g->fold, to_state ? c->state : NULL, &tag, &row));
-  if (tag >= 0 && tag < g->ncalls) {
+  KQSVD_CHECK(tag < g->ncalls, KQSVD_ERR_BUG, "GPU NaN report names call %lld of %lld",
+              (long long)tag, (long long)g->ncalls);
+  if (tag >= 0) {
     const gpu_call_t *k = &g->calls[tag];
     const int64_t grp = k->item % c->dims.kv_heads;
     KQSVD_FAIL(KQSVD_ERR_DATA, "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",

@@ -318,7 +318,8 @@ static kqsvd_status_t choose_device(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   MPI_Comm node = MPI_COMM_NULL;
   int lrank = 0;
-  const int ndev = calib_gpu_devices();
+  /* --device cpu does not even ask the driver. */
+  const int ndev = strcmp(c->device_opt, "cpu") ? calib_gpu_devices() : 0;
   KQSVD_MPI(MPI_Comm_split_type(c->cli->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
@@ -327,6 +328,16 @@ static kqsvd_status_t choose_device(calib_t *c) {
   const int have = ndev > 0 && (!strcmp(c->device_opt, "cuda") ||
                                 access(kqsvd_gpu_module_path(), R_OK) == 0);
   if (strcmp(c->device_opt, "cpu") != 0 && have) c->device = lrank % ndev;
+  /* auto falls back to the CPU when the module cannot be loaded (an old
+   * driver, a missing CUDA library), saying why. */
+  const kqsvd_gpu_api_t *api = NULL;
+  if (c->device >= 0 && !strcmp(c->device_opt, "auto") && kqsvd_gpu_open(&api) != KQSVD_OK) {
+    if (lrank == 0)
+      fprintf(stderr, "kqsvd calibrate: warning: GPU present but not usable, using the CPU: %s\n",
+              kqsvd_error_message());
+    kqsvd_error_clear();
+    c->device = -1;
+  }
   if (!strcmp(c->device_opt, "cuda") && ndev == 0)
     local = kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
                             "--device cuda: the CUDA driver reports no GPU to this rank");

@@ -30,7 +30,10 @@ int main(void) {
     double *packed = calloc((size_t)NF * tri, sizeof(double));
     double *x = malloc((size_t)ROWS * D * sizeof(double));
     void *raw = malloc((size_t)ROWS * D * 8);
-    CHECK_OK(gpu->fold_init(0, D, NF, ROWS, 3, &f));
+    if (gpu->fold_init(0, D, NF, ROWS, 3, &f) != KQSVD_OK) {
+      CHECK(0, "fold_init: %s", gpu->last_error());
+      break;
+    }
     CHECK_OK(kqsvd_qr_ws_init(D, 256, &ws));
     /* Several calls per factor, of uneven sizes, interleaved across factors. */
     const int64_t sizes[] = {ROWS, 1, 300, 77, ROWS};
