@@ -21,9 +21,11 @@ extern "C" {
 
 typedef struct {
   cudaStream_t stream;
-  cudaEvent_t done;        /* the staging buffer is free again */
+  cudaEvent_t done[2];     /* staging buffer b is free again */
   cusolverDnHandle_t solver;
-  void *pinned, *raw;      /* host staging, device copy of the raw rows */
+  void *pinned[2], *raw[2]; /* host staging and device copies, used in turn so
+                               that the next call's copy overlaps this QR */
+  int next;
   double *A, *tau;         /* (d + max_rows) x d work matrix, column-major */
   void *work_dev, *work_host;
   size_t work_dev_bytes, work_host_bytes;
@@ -34,6 +36,7 @@ typedef struct {
 struct kqsvd_gpu_fold {
   int device, d, nlanes;
   int64_t nfactors, max_rows;
+  size_t row_bytes; /* d x the widest element type */
   double *R; /* nfactors x d x d, column-major, upper triangles */
   double *host; /* d x d scratch for load/sync */
   cusolverDnParams_t params;
@@ -74,7 +77,7 @@ __global__ static void move_triangle(double *R, double *A, int d, int ld, int ba
 }
 
 extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactors,
-                                              int64_t max_rows, int nlanes,
+                                              int64_t max_rows, int elem_bytes, int nlanes,
                                               kqsvd_gpu_fold_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_gpu_fold_t *f = (kqsvd_gpu_fold_t *)calloc(1, sizeof *f);
@@ -88,6 +91,7 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
               "GPU folder: %lld rows per call are too many", (long long)max_rows);
   f->device = device, f->d = d, f->nfactors = nfactors, f->max_rows = max_rows;
   f->nlanes = nlanes;
+  f->row_bytes = (size_t)d * (size_t)(elem_bytes >= 2 && elem_bytes <= 8 ? elem_bytes : 8);
   KQSVD_CUDA_CALL(cudaSetDevice(device));
   KQSVD_CUDA_CALL(cudaMalloc((void **)&f->R, (size_t)nfactors * d * d * sizeof(double)));
   KQSVD_CUDA_CALL(cudaMemset(f->R, 0, (size_t)nfactors * d * d * sizeof(double)));
@@ -100,11 +104,14 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
     for (int l = 0; l < nlanes; l++) {
       lane_t *ln = &f->lane[l];
       KQSVD_CUDA_CALL(cudaStreamCreateWithFlags(&ln->stream, cudaStreamNonBlocking));
-      KQSVD_CUDA_CALL(cudaEventCreateWithFlags(&ln->done, cudaEventDisableTiming));
+      for (int b = 0; b < 2; b++) {
+        KQSVD_CUDA_CALL(cudaEventCreateWithFlags(&ln->done[b], cudaEventDisableTiming));
+        KQSVD_CUDA_CALL(cudaMallocHost(&ln->pinned[b], (size_t)max_rows * f->row_bytes));
+        KQSVD_CUDA_CALL(cudaMalloc(&ln->raw[b], (size_t)max_rows * f->row_bytes));
+        KQSVD_CUDA_CALL(cudaEventRecord(ln->done[b], ln->stream));
+      }
       KQSVD_CUSOLVER_CALL(cusolverDnCreate(&ln->solver));
       KQSVD_CUSOLVER_CALL(cusolverDnSetStream(ln->solver, ln->stream));
-      KQSVD_CUDA_CALL(cudaMallocHost(&ln->pinned, (size_t)max_rows * d * sizeof(double)));
-      KQSVD_CUDA_CALL(cudaMalloc(&ln->raw, (size_t)max_rows * d * sizeof(double)));
       KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->A, (size_t)lda * d * sizeof(double)));
       KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->tau, (size_t)d * sizeof(double)));
       KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->info, sizeof(int)));
@@ -116,7 +123,6 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
       KQSVD_CUDA_CALL(cudaMalloc(&ln->work_dev, ln->work_dev_bytes + 1));
       ln->work_host = malloc(ln->work_host_bytes + 1);
       KQSVD_CHECK(ln->work_host, KQSVD_ERR_NOMEM, "cannot allocate cuSOLVER host workspace");
-      KQSVD_CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
     }
   }
   /* The memsets above ran on the legacy stream, which the non-blocking
@@ -137,10 +143,12 @@ extern "C" void kqsvd_gpu_fold_free(kqsvd_gpu_fold_t **fp) {
     lane_t *ln = &f->lane[l];
     if (ln->stream) cudaStreamSynchronize(ln->stream);
     if (ln->solver) cusolverDnDestroy(ln->solver);
-    if (ln->done) cudaEventDestroy(ln->done);
+    for (int b = 0; b < 2; b++) {
+      if (ln->done[b]) cudaEventDestroy(ln->done[b]);
+      cudaFreeHost(ln->pinned[b]);
+      cudaFree(ln->raw[b]);
+    }
     if (ln->stream) cudaStreamDestroy(ln->stream);
-    cudaFreeHost(ln->pinned);
-    cudaFree(ln->raw);
     cudaFree(ln->A);
     cudaFree(ln->tau);
     cudaFree(ln->info);
@@ -183,6 +191,7 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
   const size_t bytes = (size_t)n * d * kqsvd_dtype_size(t);
   double *R = f->R + (size_t)k * d * d;
   size_t need_dev = 0, need_host = 0;
+  int b = 0; /* the staging buffer of this call */
   kqsvd_error_clear();
   KQSVD_CHECK(k >= 0 && k < f->nfactors && n >= 1 && n <= f->max_rows && tag >= 0 &&
                   tag < (INT64_C(1) << 31) && t >= KQSVD_F16 && t <= KQSVD_F64,
@@ -209,16 +218,22 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
       ln->work_host_bytes = need_host;
     }
   }
-  /* The staging buffer is reused: wait until the lane's last copy left it. */
-  KQSVD_CUDA_CALL(cudaEventSynchronize(ln->done));
-  memcpy(ln->pinned, X, bytes);
-  KQSVD_CUDA_CALL(cudaMemcpyAsync(ln->raw, ln->pinned, bytes, cudaMemcpyHostToDevice, ln->stream));
-  KQSVD_CUDA_CALL(cudaEventRecord(ln->done, ln->stream));
+  KQSVD_CHECK(bytes <= (size_t)n * f->row_bytes, KQSVD_ERR_BUG,
+              "GPU fold: %s rows are wider than the staging buffers", kqsvd_dtype_name(t));
+  /* Buffers in turn: the wait is for the copy two calls back on this lane,
+   * so the host fills one while the device copies from the other. */
+  b = ln->next;
+  ln->next ^= 1;
+  KQSVD_CUDA_CALL(cudaEventSynchronize(ln->done[b]));
+  memcpy(ln->pinned[b], X, bytes);
+  KQSVD_CUDA_CALL(cudaMemcpyAsync(ln->raw[b], ln->pinned[b], bytes, cudaMemcpyHostToDevice,
+                                  ln->stream));
+  KQSVD_CUDA_CALL(cudaEventRecord(ln->done[b], ln->stream));
   {
     const int threads = 256;
     const size_t total = (size_t)n * d;
     convert_rows<<<(unsigned)((total + threads - 1) / threads), threads, 0, ln->stream>>>(
-        ln->raw, (int)t, (int)n, d, ln->A, (int)lda, (unsigned long long)tag, ln->bad);
+        ln->raw[b], (int)t, (int)n, d, ln->A, (int)lda, (unsigned long long)tag, ln->bad);
     move_triangle<<<dim3((unsigned)((d + 127) / 128), (unsigned)d), 128, 0, ln->stream>>>(
         R, ln->A, d, (int)lda, 0);
     KQSVD_CUDA_CALL(cudaGetLastError());

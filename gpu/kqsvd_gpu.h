@@ -35,11 +35,12 @@ kqsvd_status_t kqsvd_gpu_describe(int dev, char *buf, int n);
 typedef struct kqsvd_gpu_fold kqsvd_gpu_fold_t;
 
 /* Holds `nfactors` d x d R factors (zero) on `device`, with `nlanes`
- * streams, each with a pinned staging buffer and a work matrix for calls of
- * up to `max_rows` rows.  Errors: KQSVD_ERR_CUDA naming the call, _NOMEM,
- * _USAGE for sizes out of range. */
+ * streams, each with two pinned staging buffers (used in turn) for calls of
+ * up to `max_rows` rows of elements of at most `elem_bytes` bytes, and a
+ * work matrix.  Errors: KQSVD_ERR_CUDA naming the call, _NOMEM, _USAGE for
+ * sizes out of range. */
 kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactors, int64_t max_rows,
-                                   int nlanes, kqsvd_gpu_fold_t **f);
+                                   int elem_bytes, int nlanes, kqsvd_gpu_fold_t **f);
 void kqsvd_gpu_fold_free(kqsvd_gpu_fold_t **f);
 
 /* Waits for queued work, then sets every factor from `packed` (nfactors
@@ -77,7 +78,7 @@ typedef struct kqsvd_gpu_api {
   int (*device_count)(void);
   kqsvd_status_t (*describe)(int dev, char *buf, int n);
   kqsvd_status_t (*fold_init)(int device, int d, int64_t nfactors, int64_t max_rows,
-                              int nlanes, kqsvd_gpu_fold_t **f);
+                              int elem_bytes, int nlanes, kqsvd_gpu_fold_t **f);
   void (*fold_free)(kqsvd_gpu_fold_t **f);
   kqsvd_status_t (*fold_load)(kqsvd_gpu_fold_t *f, const double *packed);
   kqsvd_status_t (*fold_rows)(kqsvd_gpu_fold_t *f, int64_t k, const void *X, kqsvd_dtype_t t,

@@ -38,8 +38,8 @@ kqsvd_status_t calib_gpu_start(calib_t *c, int device) {
   c->gpu = calloc(1, sizeof *c->gpu);
   KQSVD_CHECK(c->gpu, KQSVD_ERR_NOMEM, "cannot allocate the GPU state");
   KQSVD_CALL(kqsvd_gpu_open(&c->gpu->api));
-  GPU_CALL(c->gpu, c->gpu->api->fold_init(device, (int)c->d, c->nitems * CAL_NR, c->io_rows, 4,
-                                          &c->gpu->fold));
+  GPU_CALL(c->gpu, c->gpu->api->fold_init(device, (int)c->d, c->nitems * CAL_NR, c->io_rows,
+                                          (int)c->elem_max, 4, &c->gpu->fold));
   GPU_CALL(c->gpu, c->gpu->api->fold_load(c->gpu->fold, c->state));
 done:
   return st;

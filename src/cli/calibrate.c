@@ -193,7 +193,8 @@ static kqsvd_status_t plan(calib_t *c) {
   const double rw = (double)((c->nitems + P - 1) / P) * d * d * 8.0;
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
-  const double per_row = (double)(c->group + 2) * d * (double)c->elem_max;
+  /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
+  const double per_row = (double)(c->group + 2 + (c->device >= 0 ? 8 : 0)) * d * (double)c->elem_max;
   const double avail = (double)c->run.mem_mib * mib - state - rw - reserve;
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   rows = rows > 65536 ? 65536 : rows;

@@ -30,7 +30,7 @@ int main(void) {
     double *packed = calloc((size_t)NF * tri, sizeof(double));
     double *x = malloc((size_t)ROWS * D * sizeof(double));
     void *raw = malloc((size_t)ROWS * D * 8);
-    if (gpu->fold_init(0, D, NF, ROWS, 3, &f) != KQSVD_OK) {
+    if (gpu->fold_init(0, D, NF, ROWS, (int)kqsvd_dtype_size(t), 3, &f) != KQSVD_OK) {
       CHECK(0, "fold_init: %s", gpu->last_error());
       break;
     }
