@@ -31,10 +31,10 @@ import sys
 import time
 
 try:
+    import h5py
     import numpy as np
-    import h5py  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import torch
+    import transformers  # noqa: F401 - checked here, used through its Auto classes
 except ImportError as e:
     print(f"export_hf: error: {e.name} is missing; scripts/hf-env.sh prepares .venv with "
           "everything the exporter needs", file=sys.stderr)
@@ -126,7 +126,6 @@ class Capture:
 
 def encode(t, dtype):
     """float tensor -> numpy array of the contract's element type."""
-    import torch
     if dtype == "bf16":
         return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
     return t.to({"f16": torch.float16, "f32": torch.float32}[dtype]).cpu().numpy()
@@ -167,7 +166,6 @@ def check_positions(cfg, mtype, seq_len):
 
 
 def load(args):
-    import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     path = resolve_model(args.model)
     cfg = AutoConfig.from_pretrained(path)
@@ -216,8 +214,6 @@ def progress(done, total, rate):
 
 
 def export(args):
-    import h5py
-    import torch
     path, cfg, mtype, model, tok = load(args)
     seqs, ntok, start = token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
     hq = cfg.num_attention_heads
@@ -305,7 +301,6 @@ def main(argv=None):
     if not os.path.isfile(args.text):
         fail(f"--text {args.text}: no such file")
     if args.device.startswith("cuda"):
-        import torch
         if not torch.backends.cuda.is_built():
             fail(f"--device cuda: this PyTorch ({torch.__version__}) is built without CUDA, as "
                  "Debian's python3-torch is; install a CUDA build into .venv first: "

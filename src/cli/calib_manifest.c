@@ -13,7 +13,7 @@
 #include "kqsvd_manifest.h"
 #include "kqsvd_util.h"
 
-static uint64_t hash_file(uint64_t h, const char *path) {
+uint64_t calib_hash_file(uint64_t h, const char *path) {
   struct stat sb;
   char real[PATH_MAX];
   const char *name = realpath(path, real) ? real : path;
@@ -27,8 +27,8 @@ static uint64_t hash_file(uint64_t h, const char *path) {
 
 void calib_inputs_hash(calib_t *c) {
   char policy[64];
-  uint64_t h = hash_file(KQSVD_FNV_INIT, c->model_path);
-  for (int s = 0; s < c->nshards; s++) h = hash_file(h, c->shards[s]);
+  uint64_t h = calib_hash_file(KQSVD_FNV_INIT, c->model_path);
+  for (int s = 0; s < c->nshards; s++) h = calib_hash_file(h, c->shards[s]);
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
   h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);

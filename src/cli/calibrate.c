@@ -215,14 +215,8 @@ static kqsvd_status_t plan(calib_t *c) {
                          c->device >= 0 ? c->io_rows : -1};
   h = kqsvd_fnv1a(h, key, sizeof key);
   for (int s = 0; s < c->nshards; s++) {
-    struct stat sb;
-    char real[PATH_MAX];
-    const char *name = realpath(c->shards[s], real) ? real : c->shards[s];
-    h = kqsvd_fnv1a(h, name, strlen(name) + 1);
-    if (stat(c->shards[s], &sb) == 0) {
-      const int64_t meta[] = {(int64_t)sb.st_size, (int64_t)sb.st_mtime, c->shard_rows[s]};
-      h = kqsvd_fnv1a(h, meta, sizeof meta);
-    }
+    h = calib_hash_file(h, c->shards[s]);
+    h = kqsvd_fnv1a(h, &c->shard_rows[s], sizeof c->shard_rows[s]);
   }
   c->fingerprint = h;
   snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr-block %lld%s",

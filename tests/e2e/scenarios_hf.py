@@ -4,7 +4,6 @@ calibrate, evaluate, against the brute-force reference."""
 import json
 import os
 import subprocess
-import sys
 
 from eval_reference import METHODS, compare, evaluate as ref_evaluate, report_ranks
 from harness import calibrate, check, finish, run, workdir

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import time
 
-import h5py
 import numpy as np
 
 from harness import calibrate, check, finish, load_proj, max_rel_diff, run, synth, workdir
