@@ -34,3 +34,27 @@ include(CheckFunctionExists)
 set(CMAKE_REQUIRED_LIBRARIES ${LAPACK_LIBRARIES})
 check_function_exists(openblas_set_num_threads KQSVD_HAVE_OPENBLAS_THREADS)
 unset(CMAKE_REQUIRED_LIBRARIES)
+
+# ScaLAPACK (optional): only the `calibrate --qr scalapack` comparison
+# backend uses it.  Debian 12's CMake package for it points at /usr/lib
+# instead of the multiarch folder, so the library is found directly and
+# wrapped in an imported target.
+find_library(KQSVD_SCALAPACK_LIBRARY NAMES scalapack-openmpi scalapack)
+if(KQSVD_SCALAPACK_LIBRARY)
+  set(_kqsvd_scalapack_default ON)
+else()
+  set(_kqsvd_scalapack_default OFF)
+endif()
+option(KQSVD_SCALAPACK "Build the ScaLAPACK pdgeqrf backend (calibrate --qr scalapack)"
+       ${_kqsvd_scalapack_default})
+if(KQSVD_SCALAPACK)
+  if(NOT KQSVD_SCALAPACK_LIBRARY)
+    message(FATAL_ERROR "KQSVD_SCALAPACK=ON but ScaLAPACK was not found; on Debian: "
+                        "apt-get install libscalapack-openmpi-dev")
+  endif()
+  add_library(kqsvd::scalapack UNKNOWN IMPORTED)
+  set_target_properties(kqsvd::scalapack PROPERTIES
+    IMPORTED_LOCATION "${KQSVD_SCALAPACK_LIBRARY}"
+    INTERFACE_LINK_LIBRARIES "LAPACK::LAPACK;MPI::MPI_C")
+  message(STATUS "kqsvd: ScaLAPACK backend enabled (${KQSVD_SCALAPACK_LIBRARY})")
+endif()

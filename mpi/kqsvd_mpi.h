@@ -49,6 +49,39 @@ void kqsvd_partition_items(int64_t n, int nranks, int p, int64_t *first, int64_t
 kqsvd_status_t kqsvd_tsqr_reduce(MPI_Comm comm, int d, int per_item, int64_t nitems,
                                  double *packed);
 
+/* Collective.  Like kqsvd_tsqr_reduce, but items of `item_doubles` doubles
+ * are summed (Gram matrices of `calibrate --qr gram`).  Errors: _MPI. */
+kqsvd_status_t kqsvd_sum_reduce(MPI_Comm comm, size_t item_doubles, int64_t nitems,
+                                double *packed);
+
+/* ScaLAPACK pdgeqrf on a P x 1 row-block grid (`calibrate --qr scalapack`):
+ * the classic distributed Householder QR that TSQR is compared with.  Each
+ * rank holds a block of rows of the whole matrix in memory. */
+typedef struct kqsvd_pqr kqsvd_pqr_t;
+
+/* Whether this kqsvd was built with ScaLAPACK. */
+int kqsvd_pqr_available(void);
+
+/* Collective.  A BLACS grid over `comm` (rank p is process row p) and a
+ * local block of mb x d doubles, mb = the largest `max_local_rows` of all
+ * ranks (at least d, so that R lands on rank 0).  Errors: _USAGE without
+ * ScaLAPACK, _NOMEM, _MPI, _BUG when P * mb exceeds ScaLAPACK's int. */
+kqsvd_status_t kqsvd_pqr_init(MPI_Comm comm, int d, int64_t max_local_rows, kqsvd_pqr_t **pqr);
+
+/* Not collective.  This rank's block (column-major, leading dimension
+ * kqsvd_pqr_ld): fill its first rows with this rank's rows. */
+double *kqsvd_pqr_local(kqsvd_pqr_t *pqr);
+int64_t kqsvd_pqr_ld(const kqsvd_pqr_t *pqr);
+
+/* Collective.  R (d x d upper triangular, column-major, non-negative
+ * diagonal, on every rank) of all ranks' first `local_rows` rows stacked in
+ * rank order; the rest of each block is zeroed first (zero rows leave R
+ * unchanged).  The local block is destroyed.  Errors: _LAPACK, _BUG, _MPI. */
+kqsvd_status_t kqsvd_pqr_factor(kqsvd_pqr_t *pqr, int64_t local_rows, double *R);
+
+/* Collective (releases the grid). */
+void kqsvd_pqr_free(kqsvd_pqr_t **pqr);
+
 /* Progress reporting to rank 0 and cooperative cancellation. */
 typedef struct kqsvd_monitor kqsvd_monitor_t;
 

@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include "calibrate.h"
+#include "kqsvd_gram.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
+#include "kqsvd_util.h"
 
 /* Spectra the rank policies need, per item: each method's sigma_k and
  * sigma_v, then those of K and V. */
@@ -65,6 +67,34 @@ done:
   return st;
 }
 
+/* Leaves the global R factors of each item on its owner rank. */
+static kqsvd_status_t reduce(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int d = (int)c->d;
+  const size_t tri = kqsvd_tri_size(d);
+  double *G = NULL;
+  switch (c->qr) {
+  case CAL_QR_TSQR:
+    KQSVD_CALL(kqsvd_tsqr_reduce(c->cli->comm, d, CAL_NR, c->nitems, c->state));
+    break;
+  case CAL_QR_GRAM:
+    KQSVD_CALL(kqsvd_sum_reduce(c->cli->comm, CAL_NR * tri, c->nitems, c->state));
+    KQSVD_MALLOC(G, (size_t)d * (size_t)d, "Gram matrix");
+    for (int64_t i = c->own0; i < c->own1; i++)
+      for (int k = 0; k < CAL_NR; k++) {
+        double *P = c->state + ((size_t)i * CAL_NR + (size_t)k) * tri;
+        kqsvd_tri_unpack(d, P, G);
+        KQSVD_CALL(kqsvd_gram_to_r(d, G));
+        kqsvd_tri_pack(d, G, P);
+      }
+    break;
+  case CAL_QR_SCALAPACK: break; /* pdgeqrf left every factor on every rank */
+  }
+done:
+  free(G);
+  return st;
+}
+
 kqsvd_status_t calib_finish(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   MPI_Comm comm = c->cli->comm;
@@ -77,7 +107,10 @@ kqsvd_status_t calib_finish(calib_t *c) {
   if (root && c->run.progress != KQSVD_PROGRESS_OFF)
     fprintf(stderr, "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
             "items on %d rank%s\n", (long long)c->nitems, c->cli->size, c->cli->size == 1 ? "" : "s");
-  KQSVD_CALL(kqsvd_tsqr_reduce(comm, (int)c->d, CAL_NR, c->nitems, c->state));
+  double t0 = kqsvd_now();
+  KQSVD_CALL(kqsvd_mpi_agree(comm, reduce(c)));
+  c->t_reduce = kqsvd_now() - t0;
+  t0 = kqsvd_now();
 
   /* One temporary name for all ranks, unique to this run. */
   if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->out_path, (long)getpid());
@@ -107,6 +140,7 @@ kqsvd_status_t calib_finish(calib_t *c) {
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
                             "cannot rename %s to %s: %s", tmp, c->out_path, strerror(errno));
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  c->t_solve = kqsvd_now() - t0;
 done:
   /* The close is collective: only safe when every rank knows of the
    * failure (otherwise main() aborts).  The partial file goes. */

@@ -33,6 +33,8 @@ void calib_inputs_hash(calib_t *c) {
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
   h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);
   h = kqsvd_fnv1a(h, &c->qr_block, sizeof c->qr_block);
+  /* Only the default method keeps the hash of outputs made before --qr. */
+  if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, calib_qr_name(c->qr), strlen(calib_qr_name(c->qr)) + 1);
   h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
   snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
 }

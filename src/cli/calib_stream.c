@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "calibrate.h"
+#include "kqsvd_gram.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
@@ -23,6 +24,7 @@ typedef struct {
   calib_t *c;
   kqsvd_monitor_t *mon;
   kqsvd_qr_ws_t *ws;
+  double *gram_buf;   /* --qr gram: one converted sub-block */
   double *R[CAL_NR];  /* unpacked factors of the current item */
   shared_t *shared;   /* one per local segment */
   int64_t nseg, work; /* local segments; work units done */
@@ -111,7 +113,14 @@ static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, i
     for (int64_t h = 0; h < heads[t]; h++) {
       int64_t bad = -1;
       const char *rows = base + (size_t)((h * n + j0) * d) * esz;
-      KQSVD_CALL(kqsvd_qr_absorb(s->ws, s->R[target[t]], rows, type, nj, &bad));
+      const double t0 = kqsvd_now();
+      if (c->qr == CAL_QR_GRAM)
+        kqsvd_gram_absorb((int)d, s->R[target[t]], rows, type, nj, s->gram_buf, (int)c->qr_block,
+                          &bad);
+      else
+        KQSVD_CALL(kqsvd_qr_absorb(s->ws, s->R[target[t]], rows, type, nj, &bad));
+      c->t_fold += kqsvd_now() - t0;
+      c->rows_folded += (double)nj;
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
                   kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]),
@@ -138,11 +147,15 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
   for (int64_t r0 = seg->row0; r0 < seg->row1 && !*stop; r0 += c->io_rows) {
     const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
     char *p = c->raw;
+    const double t0 = kqsvd_now();
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_KEYS, layer, g, 1, r0, n, p));
     p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_QUERIES, layer, g * m, m, r0, n, p));
     p += (size_t)(m * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, 1, r0, n, p));
+    p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES));
+    c->t_read += kqsvd_now() - t0;
+    c->bytes_read += (double)(p - c->raw);
     /* Sub-blocks in row order, K then each query head then V: the order
      * of updates of each factor does not depend on io_rows.  The GPU takes
      * the whole block at once. */
@@ -225,6 +238,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
   for (int64_t k = 0; k <= s.nseg; k++) s.shared[k].sh = NULL, s.shared[k].comm = MPI_COMM_NULL;
   for (int k = 0; k < CAL_NR; k++) KQSVD_MALLOC(s.R[k], (size_t)(c->d * c->d), "R factor");
   KQSVD_CALL(kqsvd_qr_ws_init((int)c->d, (int)c->qr_block, &s.ws));
+  if (c->qr == CAL_QR_GRAM) KQSVD_MALLOC(s.gram_buf, (size_t)(c->qr_block * c->d), "Gram block");
   st = open_shared(&s);
   if (st != KQSVD_OK) {
     /* Partners of a failed group-collective open stay blocked in it, so no
@@ -261,6 +275,7 @@ done:
   kqsvd_monitor_free(&s.mon);
   calib_gpu_stop(c);
   kqsvd_qr_ws_free(&s.ws);
+  free(s.gram_buf);
   for (int k = 0; k < CAL_NR; k++) free(s.R[k]);
   free(s.shared);
   return st;

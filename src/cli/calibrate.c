@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -52,6 +53,17 @@ static void calibrate_help(void) {
       "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
       "                         [as many as --mem-limit allows, at most 65536]\n"
       "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
+      "  --qr METHOD            how cache rows become R factors [tsqr]:\n"
+      "                           tsqr       streaming Householder QR, merged by a TSQR tree\n"
+      "                           gram       float64 Gram matrix (SYRK) and Cholesky: half the\n"
+      "                                      flops, but singular values below ~1e-8 of the\n"
+      "                                      largest are lost (a benchmark peer)\n"
+      "                           scalapack  ScaLAPACK pdgeqrf on a ranks x 1 grid; holds each\n"
+      "                                      (layer, KV head)'s rows in memory (a benchmark\n"
+      "                                      peer; no --checkpoint)\n"
+      "                         gram and scalapack run on the CPU\n"
+      "  --timings              print the time of each stage, the bytes read per second\n"
+      "                         and the fold's GFLOP/s (slowest rank)\n"
       "  --device D             where the QR stage runs: cpu, cuda (one GPU per rank: the\n"
       "                         node-local rank modulo the GPUs) or auto (cuda when this\n"
       "                         kqsvd has CUDA and sees a GPU) [auto]\n"
@@ -60,10 +72,19 @@ static void calibrate_help(void) {
       "  -h, --help             this text\n");
 }
 
+const char *calib_qr_name(calib_qr_t q) {
+  switch (q) {
+  case CAL_QR_TSQR: return "tsqr";
+  case CAL_QR_GRAM: return "gram";
+  case CAL_QR_SCALAPACK: return "scalapack";
+  }
+  return "?";
+}
+
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST, O_SKIP_DONE, O_DEVICE };
+         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -77,6 +98,8 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"manifest", required_argument, NULL, O_MANIFEST},
       {"skip-done", no_argument, NULL, O_SKIP_DONE},
       {"device", required_argument, NULL, O_DEVICE},
+      {"qr", required_argument, NULL, O_QR},
+      {"timings", no_argument, NULL, O_TIMINGS},
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
@@ -116,6 +139,14 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
                   KQSVD_ERR_USAGE, "--device must be cpu, cuda or auto, got '%s'", optarg);
       c->device_opt = optarg;
       break;
+    case O_QR: {
+      int found = 0;
+      for (calib_qr_t q = CAL_QR_TSQR; q <= CAL_QR_SCALAPACK; q++)
+        if (!strcmp(optarg, calib_qr_name(q))) c->qr = q, found = 1;
+      KQSVD_CHECK(found, KQSVD_ERR_USAGE, "--qr must be tsqr, gram or scalapack, got '%s'", optarg);
+      break;
+    }
+    case O_TIMINGS: c->timings = 1; break;
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
       break;
@@ -132,6 +163,15 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   }
   c->nshards = argc - optind;
   c->shards = argv + optind;
+  KQSVD_CHECK(c->qr != CAL_QR_SCALAPACK || !c->ckpt_dir, KQSVD_ERR_USAGE,
+              "--checkpoint does not work with --qr scalapack, which keeps no running "
+              "factors to save; use --qr tsqr");
+  KQSVD_CHECK(c->qr != CAL_QR_SCALAPACK || kqsvd_pqr_available(), KQSVD_ERR_USAGE,
+              "--qr scalapack: this kqsvd was built without ScaLAPACK (Debian: apt-get install "
+              "libscalapack-openmpi-dev, then rebuild)");
+  KQSVD_CHECK(c->qr == CAL_QR_TSQR || strcmp(c->device_opt, "cuda") != 0, KQSVD_ERR_USAGE,
+              "--device cuda runs the tsqr method only; --qr %s runs on the CPU",
+              calib_qr_name(c->qr));
   if (c->manifest_path) {
     KQSVD_CHECK(!c->model_path && !c->out_path && c->nshards == 0, KQSVD_ERR_USAGE,
                 "--manifest names the models, outputs and shards: give no --model, --out or "
@@ -195,7 +235,20 @@ static kqsvd_status_t plan(calib_t *c) {
   const double reserve = 96.0 * mib;
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
   const double per_row = (double)(c->group + 2 + (c->device >= 0 ? 8 : 0)) * d * (double)c->elem_max;
-  const double avail = (double)c->run.mem_mib * mib - state - rw - reserve;
+  /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
+  double block = 0;
+  for (int p = 0; c->qr == CAL_QR_SCALAPACK && p < P; p++) {
+    int64_t n = 0;
+    for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
+    const double b = (double)(n * c->group) * d * 8.0;
+    block = b > block ? b : block;
+  }
+  const double avail = (double)c->run.mem_mib * mib - state - rw - reserve - block;
+  KQSVD_CHECK(block == 0 || avail >= per_row * (double)c->qr_block, KQSVD_ERR_USAGE,
+              "--qr scalapack holds each (layer, KV head)'s rows in memory: %.0f MiB per rank "
+              "here; raise --mem-limit to at least %.0f MiB, use more ranks, or use --qr tsqr, "
+              "which streams", block / mib,
+              (state + rw + reserve + block + per_row * (double)c->qr_block) / mib + 1);
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   rows = rows > 65536 ? 65536 : rows;
   if (c->read_rows > 0 && c->read_rows < rows) rows = c->read_rows < c->qr_block ? c->qr_block : c->read_rows;
@@ -212,7 +265,7 @@ static kqsvd_status_t plan(calib_t *c) {
   uint64_t h = KQSVD_FNV_INIT;
   /* The GPU folds whole reads, so there the read size counts too. */
   const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
-                         c->device >= 0 ? c->io_rows : -1};
+                         c->device >= 0 ? c->io_rows : -1, c->qr};
   h = kqsvd_fnv1a(h, key, sizeof key);
   for (int s = 0; s < c->nshards; s++) {
     h = calib_hash_file(h, c->shards[s]);
@@ -308,13 +361,38 @@ static void print_summary(const calib_t *c, double seconds) {
          c->out_path, c->beta, seconds, rate);
 }
 
+/* --timings: the slowest rank's stage times, the summed bytes and rows, and
+ * the largest peak RSS, on one parseable line. */
+static kqsvd_status_t print_timings(const calib_t *c, double wall) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  double mx[5] = {c->t_read, c->t_fold, c->t_reduce, c->t_solve, (double)ru.ru_maxrss / 1024.0};
+  double sum[3] = {c->bytes_read, c->rows_folded, c->t_fold};
+  const int root = c->cli->rank == 0;
+  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : mx, mx, 5, MPI_DOUBLE, MPI_MAX, 0, c->cli->comm));
+  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 3, MPI_DOUBLE, MPI_SUM, 0, c->cli->comm));
+  if (!root) goto done;
+  const double P = (double)c->cli->size, d = (double)c->d;
+  /* Per rank: each rank's rows over its own fold time, averaged. */
+  const double gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
+  fprintf(stderr,
+          "kqsvd calibrate: timings (--qr %s, %d rank%s; slowest rank): wall=%.3f s "
+          "read=%.3f s bytes=%.4g read_rate=%.4g B/s/rank fold=%.3f s rows=%.6g "
+          "fold_gflops=%.2f /rank reduce=%.3f s solve=%.3f s peak_rss=%.1f MiB/rank\n",
+          calib_qr_name(c->qr), c->cli->size, c->cli->size == 1 ? "" : "s", wall, mx[0], sum[0],
+          mx[0] > 0 ? sum[0] / P / mx[0] : 0.0, mx[1], sum[1], gflops, mx[2], mx[3], mx[4]);
+done:
+  return st;
+}
+
 /* --device: one GPU per rank, the node-local rank modulo the devices. */
 static kqsvd_status_t choose_device(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   MPI_Comm node = MPI_COMM_NULL;
   int lrank = 0;
   /* --device cpu does not even ask the driver. */
-  const int ndev = strcmp(c->device_opt, "cpu") ? calib_gpu_devices() : 0;
+  const int ndev = strcmp(c->device_opt, "cpu") && c->qr == CAL_QR_TSQR ? calib_gpu_devices() : 0;
   KQSVD_MPI(MPI_Comm_split_type(c->cli->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
@@ -368,10 +446,11 @@ kqsvd_status_t calib_model(calib_t *c) {
                "read buffer");
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
   kqsvd_model_close(&c->model);
-  KQSVD_CALL(calib_stream(c));
+  KQSVD_CALL(c->qr == CAL_QR_SCALAPACK ? calib_stream_pqr(c) : calib_stream(c));
   KQSVD_CALL(calib_finish(c));
   if (c->ckpt_dir) kqsvd_checkpoint_remove(c->ckpt_dir, cli->rank, cli->size);
   if (cli->rank == 0) print_summary(c, kqsvd_now() - c->t_start);
+  if (c->timings) KQSVD_CALL(print_timings(c, kqsvd_now() - c->t_start));
 done:
   kqsvd_model_close(&c->model);
   void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->state, c->RW, c->raw, c->rank_k,

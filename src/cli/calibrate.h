@@ -14,6 +14,11 @@
 /* R factors kept per (layer, KV group), in this order in the state. */
 enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
 
+/* --qr: how cache rows become R factors.  TSQR (streaming Householder, tree
+ * merge) is the default; the others are benchmark peers (docs/benchmarks.md). */
+typedef enum { CAL_QR_TSQR = 0, CAL_QR_GRAM, CAL_QR_SCALAPACK } calib_qr_t;
+const char *calib_qr_name(calib_qr_t q);
+
 typedef struct calib {
   kqsvd_cli_t *cli;
   /* options */
@@ -22,7 +27,8 @@ typedef struct calib {
   double beta, ckpt_every;
   int64_t qr_block, read_rows;
   kqsvd_run_opts_t run;
-  int nshards, help, skip_done;
+  int nshards, help, skip_done, timings;
+  calib_qr_t qr;
   char **shards;
   /* inputs */
   kqsvd_model_t *model;
@@ -48,6 +54,9 @@ typedef struct calib {
   const char *device_opt;   /* --device: cpu, cuda or auto */
   struct calib_gpu *gpu;
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
+  /* --timings: this rank's seconds reading shards and folding rows (QR,
+   * SYRK or pdgeqrf), bytes read and rows folded; reduce and solve stages */
+  double t_read, t_fold, bytes_read, rows_folded, t_reduce, t_solve;
 } calib_t;
 
 /* One model from validated options to its written output, and every model
@@ -80,8 +89,11 @@ kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t 
 kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state);
 void calib_gpu_stop(calib_t *c);
 
-/* Stages, each collective over cli->comm and ending in agreement. */
+/* Stages, each collective over cli->comm and ending in agreement.
+ * calib_stream_pqr is the streaming stage of --qr scalapack: for each item
+ * and tensor, every rank reads all its rows into memory, then pdgeqrf. */
 kqsvd_status_t calib_stream(calib_t *c);
+kqsvd_status_t calib_stream_pqr(calib_t *c);
 kqsvd_status_t calib_finish(calib_t *c);
 
 #endif

@@ -128,22 +128,121 @@ static inline double load_one(kqsvd_dtype_t type, const void *src, int64_t k, in
   return 0.0;
 }
 
+/* Rows i0..i1-1, one element at a time; returns -1 or the first bad row. */
+static int64_t transpose_rows(kqsvd_dtype_t type, const void *src, int64_t i0, int64_t i1, int d,
+                              double *dst, int64_t ld) {
+  int bad = 0;
+  for (int j = 0; j < d; j++)
+    for (int64_t i = i0; i < i1; i++) dst[j * ld + i] = load_one(type, src, i * d + j, &bad);
+  if (bad) {
+    for (int64_t i = i0; i < i1; i++) {
+      int b = 0;
+      for (int j = 0; j < d; j++) (void)load_one(type, src, i * d + j, &b);
+      if (b) return i;
+    }
+  }
+  return -1;
+}
+
+/* GCC only: the vector code relies on __builtin_shuffle. */
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#define HAVE_BF16_AVX512 1
+typedef uint16_t tr_v8h __attribute__((vector_size(16)));
+typedef uint16_t tr_v32h __attribute__((vector_size(64)));
+typedef uint32_t tr_v8u __attribute__((vector_size(32)));
+typedef float tr_v8f __attribute__((vector_size(32)));
+typedef float tr_v16f __attribute__((vector_size(64)));
+typedef double tr_v8d __attribute__((vector_size(64)));
+
+static int bf16_avx512_ok(void) {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* Stores four transposed bf16 columns (8 each) as doubles: u16 k goes to
+ * the top half of 32-bit lane k (bf16 is the top half of a float32), zeros
+ * below, and the floats widen exactly. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static inline void
+bf16_store_cols(tr_v32h t, double *dst, int64_t ld) {
+  static const tr_v32h lo = {32, 0, 32, 1, 32, 2,  32, 3,  32, 4,  32, 5,  32, 6,  32, 7,
+                             32, 8, 32, 9, 32, 10, 32, 11, 32, 12, 32, 13, 32, 14, 32, 15};
+  const tr_v32h hi = lo + (tr_v32h){0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16,
+                                    0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};
+  const tr_v32h zero = {0};
+  for (int h = 0; h < 2; h++) {
+    const tr_v16f w = (tr_v16f)__builtin_shuffle(t, zero, h ? hi : lo);
+    for (int c = 0; c < 2; c++) {
+      tr_v8f f;
+      memcpy(&f, (const char *)&w + 32 * c, sizeof f);
+      const tr_v8d x = __builtin_convertvector(f, tr_v8d);
+      memcpy(dst + (2 * h + c) * ld, &x, sizeof x);
+    }
+  }
+}
+
+/* ROWS_AT_ONCE bf16 rows (stride d) by d8 columns (a multiple of 8) into
+ * columns of dst, 8 x 8 tiles at a time: two 16-bit permutes transpose a
+ * tile, then each column widens exactly to 8 doubles, one cache line of
+ * dst.  Tiles go down the rows first, so each column of dst is written as
+ * one run of ROWS_AT_ONCE doubles (a power-of-two ld sends every column to
+ * the same cache set).  Returns nonzero when some element is NaN or Inf. */
+#define ROWS_AT_ONCE 32
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static int
+bf16_rows_avx512(const uint16_t *src, int d, int d8, double *dst, int64_t ld) {
+  /* Lane c*8 + r of the result takes row r, column c of the tile; rows 0-3
+   * are in the first operand, rows 4-7 in the second (index 32 on). */
+  static const tr_v32h cols0 = {0, 8,  16, 24, 32, 40, 48, 56, 1, 9,  17, 25, 33, 41, 49, 57,
+                                2, 10, 18, 26, 34, 42, 50, 58, 3, 11, 19, 27, 35, 43, 51, 59};
+  const tr_v32h cols1 = cols0 + 4;
+  tr_v32h flag = {0};
+  for (int j0 = 0; j0 < d8; j0 += 8)
+    for (int i0 = 0; i0 < ROWS_AT_ONCE; i0 += 8) {
+      const uint16_t *s = src + (size_t)i0 * d + j0;
+      tr_v32h z0, z1;
+      for (int r = 0; r < 4; r++) {
+        memcpy((char *)&z0 + 16 * r, s + (size_t)r * d, 16);
+        memcpy((char *)&z1 + 16 * r, s + (size_t)(r + 4) * d, 16);
+      }
+      flag |= (tr_v32h)((z0 & 0x7f80u) == 0x7f80u) | (tr_v32h)((z1 & 0x7f80u) == 0x7f80u);
+      double *o = dst + (size_t)j0 * ld + i0;
+      bf16_store_cols(__builtin_shuffle(z0, z1, cols0), o, ld);
+      bf16_store_cols(__builtin_shuffle(z0, z1, cols1), o + 4 * ld, ld);
+    }
+  int any = 0;
+  for (int k = 0; k < 32; k++) any |= flag[k] != 0;
+  return any;
+}
+
+static int64_t transpose_bf16_avx512(const uint16_t *src, int64_t rows, int d, double *dst,
+                                     int64_t ld) {
+  const int d8 = d / 8 * 8;
+  int64_t i0 = 0;
+  for (; i0 + ROWS_AT_ONCE <= rows; i0 += ROWS_AT_ONCE) {
+    int bad = bf16_rows_avx512(src + i0 * d, d, d8, dst + i0, ld);
+    for (int j = d8; j < d; j++)
+      for (int64_t i = i0; i < i0 + ROWS_AT_ONCE; i++)
+        dst[j * ld + i] = load_one(KQSVD_BF16, src, i * d + j, &bad);
+    if (bad) return transpose_rows(KQSVD_BF16, src, i0, i0 + ROWS_AT_ONCE, d, dst, ld);
+  }
+  for (; i0 < rows; i0 += 8) {
+    const int64_t bad = transpose_rows(KQSVD_BF16, src, i0, i0 + 8 < rows ? i0 + 8 : rows, d,
+                                       dst, ld);
+    if (bad >= 0) return bad;
+  }
+  return -1;
+}
+#endif
+
 int64_t kqsvd_convert_transpose(kqsvd_dtype_t type, const void *src, int64_t rows, int d,
                                 double *dst, int64_t ld) {
   if (type == KQSVD_F16) call_once(&g_f16_once, f16_table_init);
+#ifdef HAVE_BF16_AVX512
+  if (type == KQSVD_BF16 && bf16_avx512_ok()) return transpose_bf16_avx512(src, rows, d, dst, ld);
+#endif
   /* Tiles of 8 rows write whole cache lines of the column-major target. */
   for (int64_t i0 = 0; i0 < rows; i0 += 8) {
-    const int64_t i1 = i0 + 8 < rows ? i0 + 8 : rows;
-    int bad = 0;
-    for (int j = 0; j < d; j++)
-      for (int64_t i = i0; i < i1; i++) dst[j * ld + i] = load_one(type, src, i * d + j, &bad);
-    if (bad) {
-      for (int64_t i = i0; i < i1; i++) {
-        int b = 0;
-        for (int j = 0; j < d; j++) (void)load_one(type, src, i * d + j, &b);
-        if (b) return i;
-      }
-    }
+    const int64_t bad = transpose_rows(type, src, i0, i0 + 8 < rows ? i0 + 8 : rows, d, dst, ld);
+    if (bad >= 0) return bad;
   }
   return -1;
 }

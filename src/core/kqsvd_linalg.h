@@ -16,9 +16,10 @@ kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *fi
 #define KQSVD_LAPACK(routine, call)                                                   \
   KQSVD_CALL(kqsvd_lapack_check_((routine), (int)(call), __FILE__, __LINE__, __func__))
 
-/* Rows folded per Householder update: small enough that a sub-block and R
- * stay in L2, large enough for level-3 BLAS.  Results depend on it only
- * through round-off. */
+/* Rows folded per Householder update: large enough to amortize the d x d
+ * work per block, small enough that a block and R stay in L2 (512 was a few
+ * percent faster at d = 128, see bench/qr_kernel.c; 1024 is slower).
+ * Results depend on it only through round-off. */
 #define KQSVD_QR_BLOCK_DEFAULT 256
 
 typedef struct kqsvd_qr_ws kqsvd_qr_ws_t;
@@ -30,12 +31,29 @@ void kqsvd_qr_ws_free(kqsvd_qr_ws_t **ws);
 
 /* R <- the R factor of [R; X], for X = n rows of d elements of `type`
  * (row-major, as stored in the caches).  R is d x d upper triangular with
- * ld = d; its strict lower part stays zero.  Sub-blocks are converted to
- * float64 on the fly.  When a NaN or Inf is met, stops before that sub-block
- * and sets *bad_row to the offending row (else -1) without failing: the
- * caller names the file and dataset.  Errors: KQSVD_ERR_LAPACK, _BUG. */
+ * ld = d; its strict lower part stays zero.  Sub-blocks of block_rows rows,
+ * counted from the first row of each call, are converted to float64 and
+ * folded by kqsvd_tpqr, so R depends only on the rows, the calls and
+ * block_rows (bit for bit on a given machine).  When a NaN or Inf is met,
+ * stops before that sub-block and sets *bad_row to the offending row (else
+ * -1) without failing: the caller names the file and dataset.  Currently
+ * cannot fail; callers should still check. */
 kqsvd_status_t kqsvd_qr_absorb(kqsvd_qr_ws_t *ws, double *R, const void *X, kqsvd_dtype_t type,
                                int64_t n, int64_t *bad_row);
+
+/* The kernel of kqsvd_qr_absorb (tpqr.c): R <- the R factor of [R; B] by
+ * Householder reflections, for B m x n (m >= 1) row-major with row stride
+ * ldb, a multiple of 8 >= n whose pad columns n..ldb-1 are zero (they stay
+ * zero; kqsvd_tpqr_ld(n) also avoids cache-set conflicts).  B is overwritten
+ * by the reflectors, R (ldr) is upper triangular and only its upper part is
+ * touched; work holds kqsvd_tpqr_work_size(m, n) doubles.  The order of
+ * operations depends only on m, n and the instruction set.  Cannot fail. */
+int kqsvd_tpqr_ld(int n);
+/* Loads m rows of d elements of `type` into such a B as float64; returns -1
+ * or the first row holding a NaN or Inf (B is then partial). */
+int64_t kqsvd_tpqr_load(kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb);
+size_t kqsvd_tpqr_work_size(int m, int n);
+void kqsvd_tpqr(int m, int n, double *R, int ldr, double *B, int ldb, double *work);
 
 /* R_top <- the R factor of [R_top; R_bot], both d x d upper triangular. */
 kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_bot);

@@ -10,15 +10,17 @@
 void openblas_set_num_threads(int num_threads);
 #endif
 
-/* Inner block of dtpqrt: 16-32 measured fastest for d = 128 (OpenBLAS). */
+/* Inner block of dtpqrt in merges: 16-32 measured fastest for d = 128. */
 #define TPQRT_NB 32
 
 struct kqsvd_qr_ws {
-  int d, block_rows, nb;
-  double *X;    /* block_rows x d, column-major */
-  double *T;    /* nb x d block reflector factors */
-  double *work; /* nb x d */
-  double *tri;  /* d x d scratch for merges */
+  int d, block_rows, nb, ldx;
+  double *X;     /* block_rows x ldx, row-major, 64-byte aligned; the pad
+                  * columns d..ldx-1 are zero and the kernel keeps them so */
+  double *work;  /* kqsvd_tpqr scratch */
+  double *T;     /* nb x d block reflector factors (merges) */
+  double *mwork; /* nb x d (merges) */
+  double *tri;   /* d x d scratch for merges */
 };
 
 kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *file, int line,
@@ -46,9 +48,15 @@ kqsvd_status_t kqsvd_qr_ws_init(int d, int block_rows, kqsvd_qr_ws_t **out) {
   ws->d = d;
   ws->block_rows = block_rows;
   ws->nb = d < TPQRT_NB ? d : TPQRT_NB;
-  KQSVD_MALLOC(ws->X, (size_t)block_rows * (size_t)d, "QR block buffer");
+  ws->ldx = kqsvd_tpqr_ld(d);
+  /* Whole cache lines per row (ldx is a multiple of 8 doubles). */
+  const size_t xsize = (size_t)block_rows * (size_t)ws->ldx * sizeof(double);
+  ws->X = aligned_alloc(64, xsize);
+  KQSVD_CHECK(ws->X, KQSVD_ERR_NOMEM, "cannot allocate QR block buffer (%zu bytes)", xsize);
+  memset(ws->X, 0, xsize);
+  KQSVD_MALLOC(ws->work, kqsvd_tpqr_work_size(block_rows, d), "QR kernel scratch");
   KQSVD_MALLOC(ws->T, (size_t)ws->nb * (size_t)d, "QR reflector factors");
-  KQSVD_MALLOC(ws->work, (size_t)ws->nb * (size_t)d, "QR work");
+  KQSVD_MALLOC(ws->mwork, (size_t)ws->nb * (size_t)d, "QR work");
   KQSVD_MALLOC(ws->tri, (size_t)d * (size_t)d, "QR merge scratch");
   *out = ws;
   ws = NULL;
@@ -60,33 +68,32 @@ done:
 void kqsvd_qr_ws_free(kqsvd_qr_ws_t **ws) {
   if (!ws || !*ws) return;
   free((*ws)->X);
-  free((*ws)->T);
   free((*ws)->work);
+  free((*ws)->T);
+  free((*ws)->mwork);
   free((*ws)->tri);
   free(*ws);
   *ws = NULL;
 }
 
+/* Sub-blocks start at the first row of each call, so the order of updates
+ * is fixed by the calls and block_rows alone. */
 kqsvd_status_t kqsvd_qr_absorb(kqsvd_qr_ws_t *ws, double *R, const void *X, kqsvd_dtype_t type,
                                int64_t n, int64_t *bad_row) {
-  kqsvd_status_t st = KQSVD_OK;
   const int d = ws->d;
   const size_t esz = kqsvd_dtype_size(type);
   *bad_row = -1;
   for (int64_t r0 = 0; r0 < n; r0 += ws->block_rows) {
     const int m = (int)(n - r0 < ws->block_rows ? n - r0 : ws->block_rows);
     const char *src = (const char *)X + (size_t)r0 * (size_t)d * esz;
-    int64_t bad = kqsvd_convert_transpose(type, src, m, d, ws->X, m);
+    const int64_t bad = kqsvd_tpqr_load(type, src, m, d, ws->X, ws->ldx);
     if (bad >= 0) {
       *bad_row = r0 + bad;
-      goto done;
+      break;
     }
-    /* l = 0: the new rows form a full rectangle under the triangle. */
-    KQSVD_LAPACK("dtpqrt", LAPACKE_dtpqrt_work(LAPACK_COL_MAJOR, m, d, 0, ws->nb, R, d, ws->X,
-                                              m, ws->T, ws->nb, ws->work));
+    kqsvd_tpqr(m, d, R, d, ws->X, ws->ldx, ws->work);
   }
-done:
-  return st;
+  return KQSVD_OK;
 }
 
 kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_bot) {
@@ -95,7 +102,7 @@ kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_
   memcpy(ws->tri, R_bot, (size_t)d * (size_t)d * sizeof(double));
   /* l = d: the bottom block is itself triangular, which dtpqrt exploits. */
   KQSVD_LAPACK("dtpqrt", LAPACKE_dtpqrt_work(LAPACK_COL_MAJOR, d, d, d, ws->nb, R_top, d,
-                                            ws->tri, d, ws->T, ws->nb, ws->work));
+                                            ws->tri, d, ws->T, ws->nb, ws->mwork));
 done:
   return st;
 }
