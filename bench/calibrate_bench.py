@@ -2,8 +2,8 @@
 """kqsvd calibrate against its peers and the machine's limits, on synthetic
 sets of growing size (issue 7).  One command:
 
-    bench/calibrate_bench.py            # 16 k .. 262 k tokens per head, about 15 minutes here
-    bench/calibrate_bench.py --quick    # 16 k .. 64 k, about 2 minutes
+    bench/calibrate_bench.py            # 16 k .. 262 k tokens per head, about 25 minutes here
+    bench/calibrate_bench.py --quick    # 16 k .. 64 k, about 3 minutes
 
 For each size it makes a set with `kqsvd synth` (d = 128, GQA; kept in
 data/bench for later runs) and times, on the same files:
@@ -35,10 +35,10 @@ ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIR
 BEGIN, END = "<!-- calibrate-bench:begin -->", "<!-- calibrate-bench:end -->"
 
 
-def sh(cmd, **kw):
+def sh(cmd, env=None):
     """Runs cmd; returns (seconds, stdout, stderr); exits with its output on failure."""
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, **kw)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env or ENV)
     dt = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"calibrate_bench: failed: {shlex.join(cmd)}\n{p.stdout}{p.stderr}")
@@ -66,21 +66,39 @@ def make_set(a, tokens):
     return os.path.join(out, "model.h5"), sorted(glob.glob(os.path.join(out, "shard-*.h5")))
 
 
+def sigma_diff(ref, path):
+    """Largest difference of the singular values in two outputs, relative to
+    each item's largest: every timed run must have done the same work."""
+    import h5py
+    import numpy as np
+    worst = 0.0
+    with h5py.File(ref, "r") as f, h5py.File(path, "r") as g:
+        for m in ("kqsvd", "ksvd", "eigen"):
+            for k in ("sigma_k", "sigma_v"):
+                x, y = f[m][k][()], g[m][k][()]
+                worst = max(worst, float((np.abs(x - y) / np.maximum(x[..., :1], 1e-300)).max()))
+    return worst
+
+
 def kqsvd_run(a, model, shards, np_, qr, out):
+    # TSQR and gram run under the default --mem-limit; pdgeqrf needs the rows in memory.
+    mem = ["--mem-limit", str(a.mem_limit)] if qr == "scalapack" else []
     cmd = ["mpirun", "-np", str(np_), os.path.join(BUILD, "kqsvd"), "calibrate", "--progress",
-           "off", "--timings", "--qr", qr, "--mem-limit", str(a.mem_limit), "--model", model,
-           "--out", out] + shards
+           "off", "--timings", "--qr", qr, "--model", model, "--out", out] + mem + shards
     wall, _, err = sh(cmd)
     line = [x for x in err.splitlines() if "timings" in x][-1]
     t = keyvals(line.split(":", 2)[2])
+    ref = os.path.join(os.path.dirname(out), "p1.h5")
     return dict(wall=wall, fold_gflops=t["fold_gflops"], rss=t["peak_rss"],
-                read_bps=t["read_rate"], fold=t["fold"], read=t["read"])
+                read_bps=t["read_rate"], fold=t["fold"], read=t["read"],
+                sigma=sigma_diff(ref, out) if out != ref else 0.0)
 
 
 def peer_run(a, model, shards, threads, check):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "inmemory_pipeline.py"), "--model", model,
            "--dtype", a.peer_dtype, "--threads", str(threads), "--check", check] + shards
-    wall, out, _ = sh(cmd)
+    # Debian's torch does its QR, SVD and products in OpenBLAS.
+    wall, out, _ = sh(cmd, env=dict(ENV, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads)))
     j = json.loads(out.strip().splitlines()[-1])
     return dict(wall=wall, rss=j["peak_rss_mib"], load=j["seconds_load"],
                 compute=j["seconds_compute"], sigma=j["max_rel_sigma_diff"])
@@ -108,7 +126,7 @@ def main():
     ap.add_argument("--np", type=int, default=os.cpu_count() or 2, help="ranks of the parallel runs")
     ap.add_argument("--peer-dtype", default="float32", choices=("float32", "float64"),
                     help="the in-memory pipeline's precision (the authors use float32)")
-    ap.add_argument("--mem-limit", type=int, default=16384, help="kqsvd --mem-limit (MiB)")
+    ap.add_argument("--mem-limit", type=int, default=16384, help="--mem-limit (MiB) of the --qr scalapack runs")
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "bench"))
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"),
                     help="file to write the results into ('' = none)")
@@ -141,11 +159,13 @@ def main():
     read = keyvals(sh([os.path.join(BUILD, "kqsvd_bench_machine"), "read"] + make_set(a, sizes[-1])[1])[1])
 
     lines = ["| tokens/head | run | wall (s) | token x head rows/s | fold GFLOP/s per rank | "
-             "peak RSS per rank (MiB) | read GB/s per rank |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "peak RSS per rank (MiB) | read GB/s per rank | sigma vs 1 rank |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for T, name, r in rows:
         gf = f"{r['fold_gflops']:.1f}" if "fold_gflops" in r else "-"
         rd = f"{r['read_bps'] / 1e9:.2f}" if "read_bps" in r else "-"
-        lines.append(f"| {T:,} | {name} | {r['wall']:.2f} | {T * heads / r['wall']:.3g} | {gf} | {r['rss']:.0f} | {rd} |")
+        lines.append(f"| {T:,} | {name} | {r['wall']:.2f} | {T * heads / r['wall']:.3g} | {gf} "
+                     f"| {r['rss']:.0f} | {rd} | {r['sigma']:.0e} |")
     big, small = sizes[-1], [t for t in sizes if t * 8 == sizes[-1]]
     k1, kn = f"kqsvd, 1 rank", f"kqsvd, {a.np} ranks"
     out = ["", f"Machine limits: OpenBLAS dgemm {mach[1]:.1f} GFLOP/s on 1 thread"
@@ -160,8 +180,7 @@ def main():
                    f"QR stage at 1 rank {s[k1]['fold_gflops']:.1f} GFLOP/s = "
                    f"**{100 * s[k1]['fold_gflops'] / mach[1]:.0f}%** of dgemm; "
                    f"pdgeqrf / TSQR at {a.np} ranks = **{s[f'--qr scalapack, {a.np} ranks']['wall'] / s[kn]['wall']:.2f}x** "
-                   f"(wall); largest sigma difference of the in-memory pipeline from kqsvd "
-                   f"{s['in-memory, 1 thread']['sigma']:.1e}.")
+                   "(wall).")
     if small:
         t0 = small[0]
         g = lambda name: 100 * (summary[big][name]["rss"] / summary[t0][name]["rss"] - 1)
@@ -175,7 +194,9 @@ def main():
             f"sequences of {a.seq_len} tokens, shards of 32,768 tokens (`kqsvd synth`). A token x head "
             f"row is one row of d values of one head's K, Q or V: {heads} per token. The fold is "
             "the QR stage (conversion from bf16 included), at 2 d² flops per row for every method. "
-            f"The in-memory pipeline computes in {a.peer_dtype}.", ""]
+            f"The in-memory pipeline computes in {a.peer_dtype}. The last column is the largest "
+            "difference of every method's singular values from those of the 1-rank TSQR run, "
+            "relative to each head's largest: every run did the same work.", ""]
     text = "\n".join(head + lines + out) + "\n"
     print(text)
     if a.doc:

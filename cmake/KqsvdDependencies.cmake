@@ -39,15 +39,21 @@ unset(CMAKE_REQUIRED_LIBRARIES)
 # backend uses it.  Debian 12's CMake package for it points at /usr/lib
 # instead of the multiarch folder, so the library is found directly and
 # wrapped in an imported target.
+# AUTO (the default) looks again at every configure, so a build folder made
+# before the library was installed picks it up.
 find_library(KQSVD_SCALAPACK_LIBRARY NAMES scalapack-openmpi scalapack)
-if(KQSVD_SCALAPACK_LIBRARY)
-  set(_kqsvd_scalapack_default ON)
+set(KQSVD_SCALAPACK AUTO CACHE STRING
+    "Build the ScaLAPACK pdgeqrf backend (calibrate --qr scalapack): ON, OFF or AUTO")
+if(KQSVD_SCALAPACK STREQUAL "AUTO")
+  if(KQSVD_SCALAPACK_LIBRARY)
+    set(KQSVD_WITH_SCALAPACK ON)
+  else()
+    set(KQSVD_WITH_SCALAPACK OFF)
+  endif()
 else()
-  set(_kqsvd_scalapack_default OFF)
+  set(KQSVD_WITH_SCALAPACK ${KQSVD_SCALAPACK})
 endif()
-option(KQSVD_SCALAPACK "Build the ScaLAPACK pdgeqrf backend (calibrate --qr scalapack)"
-       ${_kqsvd_scalapack_default})
-if(KQSVD_SCALAPACK)
+if(KQSVD_WITH_SCALAPACK)
   if(NOT KQSVD_SCALAPACK_LIBRARY)
     message(FATAL_ERROR "KQSVD_SCALAPACK=ON but ScaLAPACK was not found; on Debian: "
                         "apt-get install libscalapack-openmpi-dev")

@@ -50,7 +50,8 @@ kqsvd_status_t kqsvd_tsqr_reduce(MPI_Comm comm, int d, int per_item, int64_t nit
                                  double *packed);
 
 /* Collective.  Like kqsvd_tsqr_reduce, but items of `item_doubles` doubles
- * are summed (Gram matrices of `calibrate --qr gram`).  Errors: _MPI. */
+ * are summed (Gram matrices of `calibrate --qr gram`).  Errors: _MPI;
+ * _USAGE when one item or chunk exceeds MPI's int count. */
 kqsvd_status_t kqsvd_sum_reduce(MPI_Comm comm, size_t item_doubles, int64_t nitems,
                                 double *packed);
 
@@ -64,8 +65,10 @@ int kqsvd_pqr_available(void);
 
 /* Collective.  A BLACS grid over `comm` (rank p is process row p) and a
  * local block of mb x d doubles, mb = the largest `max_local_rows` of all
- * ranks (at least d, so that R lands on rank 0).  Errors: _USAGE without
- * ScaLAPACK, _NOMEM, _MPI, _BUG when P * mb exceeds ScaLAPACK's int. */
+ * ranks (at least d, so that R lands on rank 0).  Failures are agreed on
+ * before any ScaLAPACK call, so no rank is left in one.  Errors: _USAGE
+ * without ScaLAPACK or when P * mb exceeds ScaLAPACK's int, _NOMEM, _MPI,
+ * _LAPACK. */
 kqsvd_status_t kqsvd_pqr_init(MPI_Comm comm, int d, int64_t max_local_rows, kqsvd_pqr_t **pqr);
 
 /* Not collective.  This rank's block (column-major, leading dimension
@@ -75,8 +78,10 @@ int64_t kqsvd_pqr_ld(const kqsvd_pqr_t *pqr);
 
 /* Collective.  R (d x d upper triangular, column-major, non-negative
  * diagonal, on every rank) of all ranks' first `local_rows` rows stacked in
- * rank order; the rest of each block is zeroed first (zero rows leave R
- * unchanged).  The local block is destroyed.  Errors: _LAPACK, _BUG, _MPI. */
+ * rank order.  The matrix factored has blocks as tall as the largest
+ * `local_rows` (at least d); shorter ranks are padded with zero rows, which
+ * leave R unchanged.  The local block is destroyed.  Errors: _LAPACK, _BUG,
+ * _MPI. */
 kqsvd_status_t kqsvd_pqr_factor(kqsvd_pqr_t *pqr, int64_t local_rows, double *R);
 
 /* Collective (releases the grid). */

@@ -1,6 +1,7 @@
 /* pdgeqrf on a P x 1 row-block distribution: the peer that TSQR is
  * benchmarked against.  Built with ScaLAPACK when CMake finds it; otherwise
  * every entry point says so. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,9 +21,13 @@ void pdgeqrf_(const int *m, const int *n, double *a, const int *ia, const int *j
               const int *desca, double *tau, double *work, const int *lwork, int *info);
 #endif
 
-/* Column block of the descriptor, the width of pdgeqrf's panels: 32 was
- * the fastest of 16, 32, 64 and 128 at d = 128 here (bench/). */
-#define PQR_NB 32
+/* Column block of the descriptor, the width of pdgeqrf's panels.  At d =
+ * 128 on 2 ranks (32 k tokens, 4 layers, GQA) pdgeqrf's stage took 4.0,
+ * 3.9, 4.7, 7.1 and 10.3 s with 8, 16, 32, 64 and 128: its panels stream
+ * the whole tall block once per column, so narrow panels win. */
+#ifndef PQR_NB
+#define PQR_NB 16
+#endif
 
 struct kqsvd_pqr {
   MPI_Comm comm;
@@ -40,6 +45,32 @@ int kqsvd_pqr_available(void) {
 #endif
 }
 
+/* BLACS and ScaLAPACK index with int: counts beyond it get a clear refusal. */
+static kqsvd_status_t to_int(int64_t v, int *out) {
+  kqsvd_status_t st = KQSVD_OK;
+  KQSVD_CHECK(v >= 0 && v <= INT_MAX, KQSVD_ERR_USAGE,
+              "--qr scalapack: %lld rows exceed ScaLAPACK's 32-bit indices; use --qr tsqr or "
+              "more ranks", (long long)v);
+  *out = (int)v;
+done:
+  return st;
+}
+
+#ifdef KQSVD_HAVE_SCALAPACK
+/* Descriptor of the P x d matrix of row blocks of mb rows (mb >= d, so the
+ * whole R lands in rank 0's block); local blocks have leading dimension ld. */
+static kqsvd_status_t describe(kqsvd_pqr_t *q, int mb, int *M) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int nb = q->d < PQR_NB ? q->d : PQR_NB, zero = 0;
+  int info = 0;
+  KQSVD_CALL(to_int((int64_t)q->size * mb, M));
+  descinit_(q->desc, M, &q->d, &mb, &nb, &zero, &zero, &q->ctxt, &q->mb, &info);
+  KQSVD_LAPACK("descinit", info);
+done:
+  return st;
+}
+#endif
+
 kqsvd_status_t kqsvd_pqr_init(MPI_Comm comm, int d, int64_t max_local_rows, kqsvd_pqr_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_pqr_t *q = NULL;
@@ -56,30 +87,42 @@ kqsvd_status_t kqsvd_pqr_init(MPI_Comm comm, int d, int64_t max_local_rows, kqsv
   KQSVD_MPI(MPI_Comm_size(comm, &q->size));
   KQSVD_MPI(MPI_Allreduce(&max_local_rows, &mb, 1, MPI_INT64_T, MPI_MAX, comm));
   mb = mb < d ? d : mb;
-  KQSVD_TO_INT(mb, &q->mb, "rows per rank for ScaLAPACK");
-  KQSVD_TO_INT((int64_t)q->size * mb, &M, "rows of the ScaLAPACK matrix");
+  /* Everything that can fail on one rank alone happens before the grid
+   * exists and is agreed on: ScaLAPACK's calls are collective over it. */
+  kqsvd_status_t local = to_int(mb, &q->mb);
+  if (local == KQSVD_OK) local = to_int((int64_t)q->size * mb, &M);
+  if (local == KQSVD_OK) {
+    q->A = malloc((size_t)mb * (size_t)d * sizeof(double));
+    q->tau = malloc((size_t)d * sizeof(double));
+    if (!q->A || !q->tau)
+      local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
+                              "cannot allocate the ScaLAPACK row block (%lld x %d doubles)",
+                              (long long)mb, d);
+  }
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   q->handle = Csys2blacs_handle(comm);
   q->ctxt = q->handle;
   Cblacs_gridinit(&q->ctxt, "Row", q->size, 1);
-  const int nb = d < PQR_NB ? d : PQR_NB, zero = 0, lld = q->mb;
-  descinit_(q->desc, &M, &d, &q->mb, &nb, &zero, &zero, &q->ctxt, &lld, &info);
-  KQSVD_LAPACK("descinit", info);
-  KQSVD_MALLOC(q->A, (size_t)q->mb * (size_t)d, "ScaLAPACK row block");
-  KQSVD_MALLOC(q->tau, (size_t)d, "ScaLAPACK scalars");
+  KQSVD_CALL(describe(q, q->mb, &M));
   double query = 0;
   const int one = 1, minus1 = -1;
+  /* The workspace of the tallest matrix serves the shorter ones. */
   pdgeqrf_(&M, &d, q->A, &one, &one, q->desc, q->tau, &query, &minus1, &info);
   KQSVD_LAPACK("pdgeqrf (workspace query)", info);
-  q->lwork = (int)query + 1;
-  KQSVD_MALLOC(q->work, (size_t)q->lwork, "ScaLAPACK workspace");
+  local = to_int((int64_t)query + 1, &q->lwork);
+  if (local == KQSVD_OK && !(q->work = malloc((size_t)q->lwork * sizeof(double))))
+    local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
+                            "cannot allocate the ScaLAPACK workspace (%d doubles)", q->lwork);
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   *out = q;
   q = NULL;
 #else
-  (void)comm, (void)d, (void)max_local_rows;
+  (void)comm, (void)d, (void)max_local_rows, (void)to_int;
   KQSVD_FAIL(KQSVD_ERR_USAGE, "--qr scalapack: this kqsvd was built without ScaLAPACK "
              "(Debian: apt-get install libscalapack-openmpi-dev, then rebuild)");
 #endif
 done:
+  /* Every failure above is agreed, so every rank releases the grid. */
   kqsvd_pqr_free(&q);
   return st;
 }
@@ -91,12 +134,17 @@ kqsvd_status_t kqsvd_pqr_factor(kqsvd_pqr_t *q, int64_t local_rows, double *R) {
   kqsvd_status_t st = KQSVD_OK;
 #ifdef KQSVD_HAVE_SCALAPACK
   const int d = q->d, one = 1;
-  int M = q->size * q->mb, info = 0, count = 0;
+  int M = 0, info = 0, count = 0, mb = 0;
+  int64_t most = 0;
   KQSVD_CHECK(local_rows >= 0 && local_rows <= q->mb, KQSVD_ERR_BUG,
               "%lld local rows for a block of %d", (long long)local_rows, q->mb);
+  /* Blocks as tall as this matrix's longest rank, not the allocation:
+   * pdgeqrf does not skip zero rows. */
+  KQSVD_MPI(MPI_Allreduce(&local_rows, &most, 1, MPI_INT64_T, MPI_MAX, q->comm));
+  mb = (int)(most < d ? d : most);
+  KQSVD_CALL(describe(q, mb, &M));
   for (int j = 0; j < d; j++)
-    memset(q->A + (size_t)j * q->mb + local_rows, 0,
-           (size_t)(q->mb - local_rows) * sizeof(double));
+    memset(q->A + (size_t)j * q->mb + local_rows, 0, (size_t)(mb - local_rows) * sizeof(double));
   pdgeqrf_(&M, &d, q->A, &one, &one, q->desc, q->tau, q->work, &q->lwork, &info);
   KQSVD_LAPACK("pdgeqrf", info);
   /* mb >= d: the whole R lies in rank 0's block. */

@@ -78,7 +78,7 @@ kqsvd_status_t kqsvd_tsqr_reduce(MPI_Comm comm, int d, int per_item, int64_t nit
   g_merge.d = d;
   KQSVD_MPI(MPI_Comm_size(comm, &size));
   if (size == 1) return KQSVD_OK;
-  KQSVD_CALL(kqsvd_qr_ws_init(d, 1, &g_merge.ws));
+  KQSVD_CALL(kqsvd_qr_ws_init(d, d, &g_merge.ws)); /* d rows: the fast merge */
   KQSVD_MALLOC(g_merge.top, (size_t)d * d, "TSQR merge buffer");
   KQSVD_MALLOC(g_merge.bottom, (size_t)d * d, "TSQR merge buffer");
   KQSVD_MPI(MPI_Op_create(merge_op, 0 /* not commutative: rank order is kept */, &op));

@@ -107,6 +107,9 @@ kqsvd_status_t calib_finish(calib_t *c) {
   if (root && c->run.progress != KQSVD_PROGRESS_OFF)
     fprintf(stderr, "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
             "items on %d rank%s\n", (long long)c->nitems, c->cli->size, c->cli->size == 1 ? "" : "s");
+  /* Without it the reduction's time would include waiting for the slowest
+   * rank's stream. */
+  if (c->timings) KQSVD_MPI(MPI_Barrier(comm));
   double t0 = kqsvd_now();
   KQSVD_CALL(kqsvd_mpi_agree(comm, reduce(c)));
   c->t_reduce = kqsvd_now() - t0;

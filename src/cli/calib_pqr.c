@@ -78,6 +78,8 @@ static kqsvd_status_t factor_all(pqr_stream_t *s) {
       /* pdgeqrf is collective: a rank that failed to read must not leave
        * the others inside it. */
       const kqsvd_status_t local = load(s, i, tens[k], &stop);
+      /* The others stop reading at their next block instead of finishing. */
+      if (local != KQSVD_OK) kqsvd_monitor_raise(s->mon);
       KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, stop && local == KQSVD_OK ? KQSVD_ERR_REMOTE : local));
       const double t0 = kqsvd_now();
       KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, kqsvd_pqr_factor(s->pqr, heads[k] * s->rows, R)));

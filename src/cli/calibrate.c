@@ -51,7 +51,8 @@ static void calibrate_help(void) {
       "  --mem-limit MIB        memory bound per rank for factors and buffers [1024]\n"
       "  --qr-block N           rows per Householder update [256]\n"
       "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
-      "                         [as many as --mem-limit allows, at most 65536]\n"
+      "                         [as many as --mem-limit allows, at most 8192 (65536 on\n"
+      "                         a GPU)]\n"
       "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
       "  --qr METHOD            how cache rows become R factors [tsqr]:\n"
       "                           tsqr       streaming Householder QR, merged by a TSQR tree\n"
@@ -62,8 +63,9 @@ static void calibrate_help(void) {
       "                                      (layer, KV head)'s rows in memory (a benchmark\n"
       "                                      peer; no --checkpoint)\n"
       "                         gram and scalapack run on the CPU\n"
-      "  --timings              print the time of each stage, the bytes read per second\n"
-      "                         and the fold's GFLOP/s (slowest rank)\n"
+      "  --timings              print the time of each stage (slowest rank), the bytes\n"
+      "                         read per second, the fold's GFLOP/s at 2 d^2 flops per row\n"
+      "                         (QR-equivalent for gram) and the peak RSS per rank\n"
       "  --device D             where the QR stage runs: cpu, cuda (one GPU per rank: the\n"
       "                         node-local rank modulo the GPUs) or auto (cuda when this\n"
       "                         kqsvd has CUDA and sees a GPU) [auto]\n"
@@ -240,7 +242,9 @@ static kqsvd_status_t plan(calib_t *c) {
   for (int p = 0; c->qr == CAL_QR_SCALAPACK && p < P; p++) {
     int64_t n = 0;
     for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
-    const double b = (double)(n * c->group) * d * 8.0;
+    /* pdgeqrf's workspace: about 16 (panel width) x (block + d + 16) doubles. */
+    const double rows = (double)(n * c->group);
+    const double b = (rows * d + 16.0 * (rows + d + 16.0)) * 8.0;
     block = b > block ? b : block;
   }
   const double avail = (double)c->run.mem_mib * mib - state - rw - reserve - block;
@@ -250,7 +254,11 @@ static kqsvd_status_t plan(calib_t *c) {
               "which streams", block / mib,
               (state + rw + reserve + block + per_row * (double)c->qr_block) / mib + 1);
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
-  rows = rows > 65536 ? 65536 : rows;
+  /* Larger reads buy nothing on the CPU (reads of 4 k to 64 k rows stream
+   * at the same rate: docs/benchmarks.md) but resident memory; a GPU wants
+   * large transfers. */
+  const int64_t cap = c->device >= 0 ? 65536 : 8192;
+  rows = rows > cap ? cap : rows;
   if (c->read_rows > 0 && c->read_rows < rows) rows = c->read_rows < c->qr_block ? c->qr_block : c->read_rows;
   rows -= rows % c->qr_block;
   KQSVD_CHECK(rows >= c->qr_block, KQSVD_ERR_USAGE,
@@ -265,15 +273,18 @@ static kqsvd_status_t plan(calib_t *c) {
   uint64_t h = KQSVD_FNV_INIT;
   /* The GPU folds whole reads, so there the read size counts too. */
   const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
-                         c->device >= 0 ? c->io_rows : -1, c->qr};
+                         c->device >= 0 ? c->io_rows : -1};
   h = kqsvd_fnv1a(h, key, sizeof key);
+  /* Only other methods change the hash, so TSQR checkpoints of earlier
+   * versions stay valid. */
+  if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, &c->qr, sizeof c->qr);
   for (int s = 0; s < c->nshards; s++) {
     h = calib_hash_file(h, c->shards[s]);
     h = kqsvd_fnv1a(h, &c->shard_rows[s], sizeof c->shard_rows[s]);
   }
   c->fingerprint = h;
-  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr-block %lld%s",
-           c->nshards, (long long)c->tokens, P, (long long)c->qr_block,
+  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr %s, --qr-block %lld%s",
+           c->nshards, (long long)c->tokens, P, calib_qr_name(c->qr), (long long)c->qr_block,
            c->device >= 0 ? ", on GPUs" : "");
 done:
   return st;
@@ -374,7 +385,7 @@ static kqsvd_status_t print_timings(const calib_t *c, double wall) {
   KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 3, MPI_DOUBLE, MPI_SUM, 0, c->cli->comm));
   if (!root) goto done;
   const double P = (double)c->cli->size, d = (double)c->d;
-  /* Per rank: each rank's rows over its own fold time, averaged. */
+  /* Per rank: all rows over all ranks' fold time, so a rank's average. */
   const double gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
   fprintf(stderr,
           "kqsvd calibrate: timings (--qr %s, %d rank%s; slowest rank): wall=%.3f s "

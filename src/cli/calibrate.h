@@ -17,6 +17,7 @@ enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
 /* --qr: how cache rows become R factors.  TSQR (streaming Householder, tree
  * merge) is the default; the others are benchmark peers (docs/benchmarks.md). */
 typedef enum { CAL_QR_TSQR = 0, CAL_QR_GRAM, CAL_QR_SCALAPACK } calib_qr_t;
+/* The --qr spelling of q ("tsqr", "gram", "scalapack"); not collective. */
 const char *calib_qr_name(calib_qr_t q);
 
 typedef struct calib {

@@ -17,8 +17,9 @@ kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *fi
   KQSVD_CALL(kqsvd_lapack_check_((routine), (int)(call), __FILE__, __LINE__, __func__))
 
 /* Rows folded per Householder update: large enough to amortize the d x d
- * work per block, small enough that a block and R stay in L2 (512 was a few
- * percent faster at d = 128, see bench/qr_kernel.c; 1024 is slower).
+ * work per block, small enough that a block and R stay in L2.  512 measured
+ * 1-3% faster at d = 128 (bench/qr_kernel.c), within run-to-run noise, and
+ * 1024 slower; 256 stays, as a change would invalidate every checkpoint.
  * Results depend on it only through round-off. */
 #define KQSVD_QR_BLOCK_DEFAULT 256
 
@@ -55,7 +56,9 @@ int64_t kqsvd_tpqr_load(kqsvd_dtype_t type, const void *src, int m, int d, doubl
 size_t kqsvd_tpqr_work_size(int m, int n);
 void kqsvd_tpqr(int m, int n, double *R, int ldr, double *B, int ldb, double *work);
 
-/* R_top <- the R factor of [R_top; R_bot], both d x d upper triangular. */
+/* R_top <- the R factor of [R_top; R_bot], both d x d upper triangular
+ * (with kqsvd_tpqr when the workspace has at least d block rows, else
+ * LAPACK dtpqrt).  Errors: KQSVD_ERR_LAPACK, _BUG. */
 kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_bot);
 
 /* Upper triangles packed column by column (LAPACK 'U' packed order). */

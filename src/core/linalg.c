@@ -99,6 +99,15 @@ kqsvd_status_t kqsvd_qr_absorb(kqsvd_qr_ws_t *ws, double *R, const void *X, kqsv
 kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_bot) {
   kqsvd_status_t st = KQSVD_OK;
   const int d = ws->d;
+  if (ws->block_rows >= d) {
+    /* The streaming kernel ignores R_bot's zeros (2 d^3 flops against
+     * dtpqrt's 2/3 d^3), yet runs faster than dtpqrt's level-2 panels; the
+     * merges are the TSQR tree's work at scale (docs/benchmarks.md). */
+    for (int i = 0; i < d; i++)
+      for (int j = 0; j < d; j++) ws->X[(size_t)i * ws->ldx + j] = j >= i ? R_bot[(size_t)j * d + i] : 0.0;
+    kqsvd_tpqr(d, d, R_top, d, ws->X, ws->ldx, ws->work);
+    goto done;
+  }
   memcpy(ws->tri, R_bot, (size_t)d * (size_t)d * sizeof(double));
   /* l = d: the bottom block is itself triangular, which dtpqrt exploits. */
   KQSVD_LAPACK("dtpqrt", LAPACKE_dtpqrt_work(LAPACK_COL_MAJOR, d, d, d, ws->nb, R_top, d,

@@ -31,14 +31,15 @@ from scenarios_data import (bad_input, checkpoint, degenerate, disk_full, exampl
 from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ranks,  # noqa: E402
                             eval_reference, figures)
 from scenarios_math import gpu, ranks, reference, shards, theorems  # noqa: E402
-from scenarios_qr import qr_backends  # noqa: E402
+from scenarios_qr import qr_gram, qr_scalapack  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_slurm import manifest, slurm  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
-              eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_backends, gpu)}
+              eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
+              qr_scalapack, gpu)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

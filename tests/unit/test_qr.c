@@ -199,15 +199,20 @@ static void check_bf16_transpose(unsigned long long *seed) {
   for (int i = 0; i < rows; i++)
     for (int j = 0; j < d; j++) wrong += dst[(size_t)j * ld + i] != kqsvd_bf16_to_f64(h[i * d + j]);
   CHECK(wrong == 0, "bf16 transpose: %d values differ", wrong);
-  /* Bad values in the last (odd) column, in a tile, and in the row tail;
-   * each stays, so the first bad row is the least so far. */
-  const int bad_at[][3] = {{70, 128, 70}, {33, 5, 33}, {99, 64, 33}, {2, 127, 2}};
+  /* One bad value at a time, in the last (odd) column, in a tile and in the
+   * row tail; then two, where the first row counts. */
+  const int bad_at[][2] = {{70, 128}, {33, 5}, {99, 64}, {2, 127}};
   for (size_t b = 0; b < sizeof bad_at / sizeof bad_at[0]; b++) {
-    h[bad_at[b][0] * d + bad_at[b][1]] = b % 2 ? 0xff80 : 0x7fc0; /* -Inf, NaN */
+    uint16_t *at = &h[bad_at[b][0] * d + bad_at[b][1]];
+    const uint16_t keep = *at;
+    *at = b % 2 ? 0xff80 : 0x7fc0; /* -Inf, NaN */
     const int64_t got = kqsvd_convert_transpose(KQSVD_BF16, h, rows, d, dst, ld);
-    CHECK(got == bad_at[b][2], "bf16 transpose: bad row %lld, expected %d", (long long)got,
-          bad_at[b][2]);
+    CHECK(got == bad_at[b][0], "bf16 transpose: bad row %lld, expected %d", (long long)got,
+          bad_at[b][0]);
+    if (b + 1 < sizeof bad_at / sizeof bad_at[0]) *at = keep;
   }
+  h[50 * d + 3] = 0x7f80; /* +Inf, with row 2's NaN still there */
+  CHECK(kqsvd_convert_transpose(KQSVD_BF16, h, rows, d, dst, ld) == 2, "bf16 transpose: first bad row");
   free(h);
   free(dst);
 }
@@ -252,6 +257,13 @@ int main(void) {
   memcpy(bottom, R2, sizeof R2);
   CHECK_OK(kqsvd_qr_merge(ws, bottom, R));
   CHECK(r_diff(bottom, Rref) <= 1e-12, "reversed merge differs by %.3g", r_diff(bottom, Rref));
+  /* Fewer block rows than d: the LAPACK dtpqrt merge. */
+  kqsvd_qr_ws_t *narrow = NULL;
+  CHECK_OK(kqsvd_qr_ws_init(D, 8, &narrow));
+  memcpy(top, R, sizeof R);
+  CHECK_OK(kqsvd_qr_merge(narrow, top, R2));
+  CHECK(r_diff(top, Rref) <= 1e-12, "dtpqrt merge differs by %.3g", r_diff(top, Rref));
+  kqsvd_qr_ws_free(&narrow);
 
   /* Packing round trip. */
   double P[D * (D + 1) / 2], U[D * D];
