@@ -2,7 +2,7 @@
 """kqsvd calibrate against its peers and the machine's limits, on synthetic
 sets of growing size (issue 7).  One command:
 
-    bench/calibrate_bench.py            # 16 k .. 262 k tokens per head, about 25 minutes here
+    bench/calibrate_bench.py            # 16 k .. 262 k tokens per head, about 20 minutes here
     bench/calibrate_bench.py --quick    # 16 k .. 64 k, about 3 minutes
 
 For each size it makes a set with `kqsvd synth` (d = 128, GQA; kept in
@@ -144,6 +144,9 @@ def main():
     for T in sizes:
         model, shards = make_set(a, T)
         wd = os.path.dirname(model)
+        # The raw read rate of these files, which also leaves them in the page
+        # cache: every run below reads them from memory, the first one too.
+        read = keyvals(sh([os.path.join(BUILD, "kqsvd_bench_machine"), "read"] + shards)[1])
         runs = [("kqsvd, 1 rank", kqsvd_run(a, model, shards, 1, "tsqr", os.path.join(wd, "p1.h5")))]
         runs.append((f"kqsvd, {a.np} ranks", kqsvd_run(a, model, shards, a.np, "tsqr", os.path.join(wd, "pn.h5"))))
         runs.append((f"--qr gram, {a.np} ranks", kqsvd_run(a, model, shards, a.np, "gram", os.path.join(wd, "pg.h5"))))
@@ -156,7 +159,6 @@ def main():
             rows.append((T, name, r))
             print(f"{T:7d}  {name:26s} {r['wall']:8.2f} s  peak RSS {r['rss']:8.1f} MiB", file=sys.stderr, flush=True)
         summary[T] = dict(runs)
-    read = keyvals(sh([os.path.join(BUILD, "kqsvd_bench_machine"), "read"] + make_set(a, sizes[-1])[1])[1])
 
     lines = ["| tokens/head | run | wall (s) | token x head rows/s | fold GFLOP/s per rank | "
              "peak RSS per rank (MiB) | read GB/s per rank | sigma vs 1 rank |",
