@@ -28,6 +28,9 @@ import subprocess
 import sys
 import time
 
+import h5py
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.environ.get("KQSVD_BUILD", os.path.join(ROOT, "build"))
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -69,8 +72,6 @@ def make_set(a, tokens):
 def sigma_diff(ref, path):
     """Largest difference of the singular values in two outputs, relative to
     each item's largest: every timed run must have done the same work."""
-    import h5py
-    import numpy as np
     worst = 0.0
     with h5py.File(ref, "r") as f, h5py.File(path, "r") as g:
         for m in ("kqsvd", "ksvd", "eigen"):

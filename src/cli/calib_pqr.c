@@ -102,7 +102,7 @@ kqsvd_status_t calib_stream_pqr(calib_t *c) {
   s.c = c;
   s.segs = c->segs + c->seg_first[me];
   s.nseg = c->seg_first[me + 1] - c->seg_first[me];
-  for (int64_t k = 0; k < s.nseg; k++) s.rows += s.segs[k].row1 - s.segs[k].row0;
+  s.rows = calib_rank_rows(c, me);
   const size_t tri = kqsvd_tri_size((int)c->d);
   KQSVD_MALLOC(c->state, (size_t)(c->nitems * CAL_NR) * tri, "R factors");
 

@@ -220,6 +220,12 @@ done:
   return st;
 }
 
+int64_t calib_rank_rows(const calib_t *c, int p) {
+  int64_t n = 0;
+  for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
+  return n;
+}
+
 /* The split of rows and items, buffer sizes under --mem-limit, and the
  * fingerprint that ties checkpoints to exactly these inputs. */
 static kqsvd_status_t plan(calib_t *c) {
@@ -240,10 +246,8 @@ static kqsvd_status_t plan(calib_t *c) {
   /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
   double block = 0;
   for (int p = 0; c->qr == CAL_QR_SCALAPACK && p < P; p++) {
-    int64_t n = 0;
-    for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
     /* pdgeqrf's workspace: about 16 (panel width) x (block + d + 16) doubles. */
-    const double rows = (double)(n * c->group);
+    const double rows = (double)(calib_rank_rows(c, p) * c->group);
     const double b = (rows * d + 16.0 * (rows + d + 16.0)) * 8.0;
     block = b > block ? b : block;
   }

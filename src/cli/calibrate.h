@@ -60,6 +60,10 @@ typedef struct calib {
   double t_read, t_fold, bytes_read, rows_folded, t_reduce, t_solve;
 } calib_t;
 
+/* Not collective: the rows of rank p's segments (the plan is the same on
+ * every rank). */
+int64_t calib_rank_rows(const calib_t *c, int p);
+
 /* One model from validated options to its written output, and every model
  * of a manifest in turn; collective, ending in agreement.  calib_model
  * frees what it allocated, so `c` may serve the next model. */
