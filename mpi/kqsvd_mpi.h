@@ -36,6 +36,14 @@ typedef struct kqsvd_segment {
 kqsvd_status_t kqsvd_partition_rows(int64_t nshards, const int64_t *rows, int nranks, double snap,
                                     kqsvd_segment_t **segs, int64_t **first);
 
+/* Not collective.  The ranks that read part of shard `shard` under the
+ * split above (segs/first of kqsvd_partition_rows), in increasing order,
+ * into ranks[] (room for nranks); returns how many.  A rank may own no row
+ * at all (fewer rows than ranks), so these need not be a contiguous range:
+ * only they take part in opening the shard together. */
+int kqsvd_partition_readers(const kqsvd_segment_t *segs, const int64_t *first, int nranks,
+                            int64_t shard, int *ranks);
+
 /* Not collective.  Block split of `n` items: rank p owns [first, last). */
 void kqsvd_partition_items(int64_t n, int nranks, int p, int64_t *first, int64_t *last);
 

@@ -65,3 +65,15 @@ done:
   free(segs);
   return st;
 }
+
+int kqsvd_partition_readers(const kqsvd_segment_t *segs, const int64_t *first, int nranks,
+                            int64_t shard, int *ranks) {
+  int n = 0;
+  for (int p = 0; p < nranks; p++)
+    for (int64_t k = first[p]; k < first[p + 1]; k++)
+      if (segs[k].shard == shard) {
+        ranks[n++] = p;
+        break;
+      }
+  return n;
+}

@@ -32,31 +32,25 @@ typedef struct {
   int saves;
 } stream_t;
 
-/* Ranks of each shard's first and last reader (segments are contiguous). */
+/* Opens every shard this rank shares with others, together with exactly
+ * the ranks that read part of it. */
 static kqsvd_status_t open_shared(stream_t *s) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
   const int me = c->cli->rank;
-  int *lo = NULL, *hi = NULL;
+  int *readers = NULL;
   MPI_Group world = MPI_GROUP_NULL, grp = MPI_GROUP_NULL;
-  KQSVD_MALLOC(lo, c->nshards, "shard reader ranks");
-  KQSVD_MALLOC(hi, c->nshards, "shard reader ranks");
-  for (int k = 0; k < c->nshards; k++) lo[k] = c->cli->size, hi[k] = -1;
-  for (int p = 0; p < c->cli->size; p++)
-    for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) {
-      const int64_t sh = c->segs[k].shard;
-      lo[sh] = p < lo[sh] ? p : lo[sh];
-      hi[sh] = p > hi[sh] ? p : hi[sh];
-    }
+  KQSVD_MALLOC(readers, c->cli->size, "shard reader ranks");
   KQSVD_MPI(MPI_Comm_group(c->cli->comm, &world));
-  /* Every rank meets its shared shards in increasing order and each group
-   * is a contiguous range of ranks, so these group-collective opens cannot
-   * deadlock. */
+  /* Every rank meets its shared shards in increasing order, so these
+   * group-collective opens cannot deadlock.  A rank between two readers
+   * may read nothing of the shard (fewer rows than ranks): it must not be
+   * in the group, or the readers wait for it forever. */
   for (int64_t k = 0; k < s->nseg; k++) {
     const int64_t sh = c->segs[c->seg_first[me] + k].shard;
-    if (lo[sh] == hi[sh]) continue;
-    int range[1][3] = {{lo[sh], hi[sh], 1}};
-    KQSVD_MPI(MPI_Group_range_incl(world, 1, range, &grp));
+    const int n = kqsvd_partition_readers(c->segs, c->seg_first, c->cli->size, sh, readers);
+    if (n < 2) continue;
+    KQSVD_MPI(MPI_Group_incl(world, n, readers, &grp));
     KQSVD_MPI(MPI_Comm_create_group(c->cli->comm, grp, (int)(sh % 32768), &s->shared[k].comm));
     MPI_Group_free(&grp);
     KQSVD_CALL(kqsvd_shard_open(c->shards[sh], s->shared[k].comm, &s->shared[k].sh));
@@ -64,8 +58,7 @@ static kqsvd_status_t open_shared(stream_t *s) {
 done:
   if (grp != MPI_GROUP_NULL) MPI_Group_free(&grp);
   if (world != MPI_GROUP_NULL) MPI_Group_free(&world);
-  free(lo);
-  free(hi);
+  free(readers);
   return st;
 }
 
