@@ -3,16 +3,101 @@
 
     python3 examples/compress_cache.py PROJ.h5 SHARD.h5 [LAYER]
 
-The first block is the README's snippet; the rest measures what it did.
+The README's snippet (marked below) and a measurement of what it did: the
+share of the cache kept and the relative squared error of the scores.
+Needs numpy, h5py and PyTorch (Debian: python3-numpy python3-h5py
+python3-torch).  Usage errors exit 2, bad input 1, each with one line.
 """
+import argparse
+import os
+import shutil
 import sys
 
-import h5py
-import numpy as np
-import torch
+PROG = "compress_cache.py"
 
-proj, shard = sys.argv[1], sys.argv[2]
-layer = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+
+def fail(msg):
+    print(f"{PROG}: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Compresses one layer's cache of SHARD.h5 with the kqsvd "
+        "projections of PROJ.h5, at the layer's stored ranks, and prints the share of the "
+        "cache kept and the relative squared error of the attention scores.")
+    ap.add_argument("proj", metavar="PROJ.h5", help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("shard", metavar="SHARD.h5", help="a cache shard of the same model")
+    ap.add_argument("layer", metavar="LAYER", nargs="?", default="0",
+                    help="the layer to compress, from 0 to num_layers - 1 [0]")
+    a = ap.parse_args()
+    try:
+        a.layer = int(a.layer)
+    except ValueError:
+        ap.error(f"argument LAYER: expected an integer from 0 to num_layers - 1, got '{a.layer}'")
+    return a
+
+
+def import_modules():
+    """numpy, h5py and torch; python3 first on PATH (pyenv, a venv) may lack
+    Debian's python3-* packages, so run again with $KQSVD_PYTHON or
+    /usr/bin/python3 (as scripts/env.sh picks) before giving up."""
+    try:
+        import h5py
+        import numpy
+        import torch
+        return h5py, numpy, torch
+    except ImportError as e:
+        if not os.environ.get("KQSVD_EXAMPLES_REEXEC"):
+            for cand in (os.environ.get("KQSVD_PYTHON"), "/usr/bin/python3"):
+                path = cand and shutil.which(cand)
+                if path and os.path.abspath(path) != sys.executable:
+                    os.environ["KQSVD_EXAMPLES_REEXEC"] = "1"
+                    os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
+        fail(f"needs numpy, h5py and PyTorch ({e}); Debian: apt-get install python3-numpy "
+             "python3-h5py python3-torch")
+
+
+def attr(f, name):
+    v = f.attrs.get(name)
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def check_inputs(proj, shard, layer):
+    """One line and exit 1 for a missing file, a file of the wrong kind, a
+    shard of another model or a layer out of range."""
+    sizes = {}
+    for path, want, datasets in ((proj, "projections", ("kqsvd/key_down", "kqsvd/query_down",
+                                                         "kqsvd/value_down", "kqsvd/value_up",
+                                                         "kqsvd/rank_k", "kqsvd/rank_v")),
+                                 (shard, "cache", ("keys", "values", "queries"))):
+        if not os.path.exists(path):
+            fail(f"{path}: no such file")
+        if os.path.isdir(path):
+            fail(f"{path}: is a folder, not a file")
+        try:
+            with h5py.File(path, "r") as f:
+                kind = attr(f, "kqsvd_format")
+                if kind != want:
+                    fail(f"{path}: not a kqsvd {want} file (kqsvd_format is {kind!r}, "
+                         f"expected {want!r})" if kind else
+                         f"{path}: not a kqsvd {want} file (no kqsvd_format attribute)")
+                missing = [n for n in datasets if n not in f]
+                if missing:
+                    fail(f"{path}: dataset '{missing[0]}' is missing")
+                sizes[path] = [int(f.attrs[n]) for n in ("num_layers", "num_heads",
+                                                           "num_kv_heads", "head_dim")]
+        except OSError as e:
+            fail(f"{path}: cannot read as HDF5 ({e})")
+        except (KeyError, TypeError, ValueError) as e:
+            fail(f"{path}: bad size attribute ({e})")
+    for name, a, b in zip(("num_layers", "num_heads", "num_kv_heads", "head_dim"),
+                          sizes[proj], sizes[shard]):
+        if a != b:
+            fail(f"{shard} has {name} = {b}, but {proj} has {a}: not the same model")
+    layers = sizes[proj][0]
+    if not 0 <= layer < layers:
+        fail(f"LAYER {layer} is out of range: {proj} has {layers} layers, 0 to {layers - 1}")
 
 
 def cache(ds):  # bf16 is stored as uint16 bit patterns
@@ -21,6 +106,11 @@ def cache(ds):  # bf16 is stored as uint16 bit patterns
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).double()
     return torch.from_numpy(a.astype(np.float64))
 
+
+args = parse_args()
+h5py, np, torch = import_modules()
+proj, shard, layer = args.proj, args.shard, args.layer
+check_inputs(proj, shard, layer)
 
 # --- README snippet -----------------------------------------------------------
 with h5py.File(proj) as p, h5py.File(shard) as s:

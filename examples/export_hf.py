@@ -6,7 +6,7 @@ me=$(readlink -f "$0"); v="$(dirname "$me")/../.venv/bin/python3"
 [ -x "$v" ] || v=python3; exec "$v" "$me" "$@"
 '''
 HELP = """Exports a Hugging Face model's attention caches in the kqsvd data contract
-(../shared/spec/FORMATS.md): DIR/model.h5 (each layer's output projection)
+(docs/formats.md): DIR/model.h5 (each layer's output projection)
 and DIR/shard-NNNN.h5 (post-RoPE queries and keys, and values, exactly as the
 attention computes them).
 

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Renders the paper's figures from `kqsvd evaluate --json` reports.
 
     examples/plot_reports.py REPORT.json [REPORT-beta*.json ...] --out DIR
@@ -10,11 +10,14 @@ DIR/figure2.png   with reports at two or more values of beta (calibrate
                   --beta, see examples/sweep_beta.sh): mean err_out against
                   beta, as in the paper's Figure 2.
 
-Needs matplotlib (Debian: python3-matplotlib).
+Needs matplotlib (Debian: python3-matplotlib).  When the python3 first on
+PATH (pyenv, a venv) lacks it, the script runs again with $KQSVD_PYTHON or
+/usr/bin/python3, where Debian's python3-* packages live.
 """
 import argparse
 import json
 import os
+import shutil
 import sys
 
 METHODS = ("kqsvd", "ksvd", "eigen")
@@ -108,6 +111,12 @@ def main():
         import matplotlib.pyplot as plt
         import matplotlib.ticker as ticker
     except ImportError:
+        if not os.environ.get("KQSVD_EXAMPLES_REEXEC"):
+            for cand in (os.environ.get("KQSVD_PYTHON"), "/usr/bin/python3"):
+                path = cand and shutil.which(cand)
+                if path and os.path.abspath(path) != sys.executable:
+                    os.environ["KQSVD_EXAMPLES_REEXEC"] = "1"
+                    os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
         raise SystemExit("plot_reports: needs matplotlib (Debian: apt-get install python3-matplotlib)")
     os.makedirs(a.out, exist_ok=True)
     written = [os.path.join(a.out, "figure1.png")]

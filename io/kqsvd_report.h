@@ -1,4 +1,4 @@
-/* The evaluation report (FORMATS.md section 4) as JSON.  Not collective:
+/* The evaluation report (docs/formats.md section 4) as JSON.  Not collective:
  * one rank writes it. */
 #ifndef KQSVD_REPORT_H
 #define KQSVD_REPORT_H

@@ -1,4 +1,4 @@
-/* Writers of cache shards and model files (FORMATS.md sections 1 and 2),
+/* Writers of cache shards and model files (docs/formats.md sections 1 and 2),
  * used by `kqsvd synth` and the tests.  Not collective.  Files are written
  * under "<path>.tmp" and renamed by kqsvd_writer_commit, so a failed or
  * killed run never leaves a partial file under the final name. */

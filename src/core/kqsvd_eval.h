@@ -1,4 +1,4 @@
-/* Attention fidelity (FORMATS.md section 4): the squared Frobenius sums
+/* Attention fidelity (docs/formats.md section 4): the squared Frobenius sums
  * behind err_k, err_q, err_v, err_kq and err_out for one layer, one
  * sequence and one block of its query rows, for all three methods at once.
  * All matrices are float64 and row-major.  Not collective.

@@ -1,4 +1,4 @@
-"""Brute-force float64 evaluation, written from FORMATS.md section 4 only:
+"""Brute-force float64 evaluation, written from docs/formats.md section 4 only:
 whole T x T score matrices, softmax and the T x D layer output per sequence,
 no R factors and no blocking.
 

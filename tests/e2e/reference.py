@@ -1,4 +1,4 @@
-"""Independent float64 reference for kqsvd, written from FORMATS.md and the
+"""Independent float64 reference for kqsvd, written from docs/formats.md and the
 paper only: it loads whole matrices and never forms an R factor.
 
 Used by the end-to-end tests; also runnable by hand:
