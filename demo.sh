@@ -22,7 +22,7 @@ for split in train:40 validation:16; do
       --split "$name" --shard-seqs 8 --dtype bf16 --out "$data/$name"
   fi
 done
-mpirun -np 2 build/kqsvd calibrate --model "$data/train/model.h5" --out "$data/proj.h5" \
+mpirun -np 2 build/kqsvd calibrate --force --model "$data/train/model.h5" --out "$data/proj.h5" \
   --checkpoint "$data/checkpoint" "$data"/train/shard-*.h5
 mpirun -np 2 build/kqsvd evaluate --model "$data/validation/model.h5" --proj "$data/proj.h5" \
   --json "$data/report.json" "$data"/validation/shard-*.h5

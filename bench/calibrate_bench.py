@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """kqsvd calibrate against its peers and the machine's limits, on synthetic
-sets of growing size (issue 7).  One command:
+sets of growing size.  One command:
 
     bench/calibrate_bench.py            # 16 k .. 262 k tokens per head, about 20 minutes here
     bench/calibrate_bench.py --quick    # 16 k .. 64 k, about 3 minutes
@@ -84,8 +84,8 @@ def sigma_diff(ref, path):
 def kqsvd_run(a, model, shards, np_, qr, out):
     # TSQR and gram run under the default --mem-limit; pdgeqrf needs the rows in memory.
     mem = ["--mem-limit", str(a.mem_limit)] if qr == "scalapack" else []
-    cmd = ["mpirun", "-np", str(np_), os.path.join(BUILD, "kqsvd"), "calibrate", "--progress",
-           "off", "--timings", "--qr", qr, "--model", model, "--out", out] + mem + shards
+    cmd = ["mpirun", "-np", str(np_), os.path.join(BUILD, "kqsvd"), "calibrate", "--force",
+           "--progress", "off", "--timings", "--qr", qr, "--model", model, "--out", out] + mem + shards
     wall, _, err = sh(cmd)
     line = [x for x in err.splitlines() if "timings" in x][-1]
     t = keyvals(line.split(":", 2)[2])

@@ -8,8 +8,9 @@
 #
 # DIR gets proj-betaB.h5, report-betaB.json for each B, and figure1.png /
 # figure2.png when matplotlib is there.  KQSVD (default: build/kqsvd next to
-# this script's folder), MPIEXEC (default: mpirun) and MPIEXEC_FLAGS (say,
-# --oversubscribe) may be set.
+# this script's folder), MPIEXEC (default: mpirun), MPIEXEC_FLAGS (say,
+# --oversubscribe) and KQSVD_PYTHON (the Python for the figures; default: the
+# first of python3 and /usr/bin/python3 that has matplotlib) may be set.
 set -eu
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,7 +19,7 @@ mpiexec=${MPIEXEC:-mpirun}
 mpiflags=${MPIEXEC_FLAGS:-}
 betas=1,2,5,10 np=2 model= calib= valid= out=
 
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     --betas) betas=$2; shift 2 ;;
@@ -40,7 +41,7 @@ for b in $(echo "$betas" | tr ',' ' '); do
   echo "== beta = $b"
   # The globs are expanded here, on purpose.
   # shellcheck disable=SC2086
-  "$mpiexec" -np "$np" $mpiflags "$kqsvd" calibrate --progress off --beta "$b" --model "$model" \
+  "$mpiexec" -np "$np" $mpiflags "$kqsvd" calibrate --force --progress off --beta "$b" --model "$model" \
     --out "$out/proj-beta$b.h5" $calib > "$out/calibrate-beta$b.log"
   rm -f "$out/report-beta$b.json"
   # shellcheck disable=SC2086
@@ -51,10 +52,14 @@ for b in $(echo "$betas" | tr ',' ' '); do
   reports="$reports $out/report-beta$b.json"
 done
 
-py=python3
-[ -x /usr/bin/python3 ] && py=/usr/bin/python3
+# Debian's python3-matplotlib lives under /usr/bin/python3, which need not be
+# the python3 first on PATH (as in scripts/env.sh).
+py=
+for candidate in ${KQSVD_PYTHON:-} python3 /usr/bin/python3; do
+  if "$candidate" -c "import matplotlib" 2>/dev/null; then py=$candidate; break; fi
+done
 # shellcheck disable=SC2086
-if "$py" -c "import matplotlib" 2>/dev/null; then
+if [ -n "$py" ]; then
   "$py" "$here/examples/plot_reports.py" $reports --out "$out"
 else
   echo "sweep_beta.sh: no matplotlib; reports are in $out" >&2

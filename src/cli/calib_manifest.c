@@ -18,8 +18,13 @@ uint64_t calib_hash_file(uint64_t h, const char *path) {
   char real[PATH_MAX];
   const char *name = realpath(path, real) ? real : path;
   h = kqsvd_fnv1a(h, name, strlen(name) + 1);
+  /* A file rewritten within one second keeps its size and whole-second
+   * mtime; the nanoseconds, the inode and the change time tell. */
   if (stat(path, &sb) == 0) {
-    const int64_t meta[] = {(int64_t)sb.st_size, (int64_t)sb.st_mtime};
+    const int64_t meta[] = {(int64_t)sb.st_size,         (int64_t)sb.st_mtim.tv_sec,
+                            (int64_t)sb.st_mtim.tv_nsec, (int64_t)sb.st_ctim.tv_sec,
+                            (int64_t)sb.st_ctim.tv_nsec, (int64_t)sb.st_dev,
+                            (int64_t)sb.st_ino};
     h = kqsvd_fnv1a(h, meta, sizeof meta);
   }
   return h;
@@ -68,7 +73,12 @@ kqsvd_status_t calib_manifest(calib_t *base) {
   /* Every output's folder before any work, so a typo in the last line does
    * not surface hours later. */
   for (int i = 0; i < m.n; i++) {
-    st = kqsvd_check_writable(m.e[i].output);
+    /* A manifest remakes outputs whose inputs changed: no --force needed. */
+    st = kqsvd_check_output("OUTPUT_H5", m.e[i].output, 1);
+    if (st == KQSVD_OK && base->ckpt_dir) {
+      snprintf(ckpt, sizeof ckpt, "%s/%s", base->ckpt_dir, m.e[i].name);
+      st = kqsvd_check_checkpoint_dir(ckpt, m.e[i].output);
+    }
     if (st != KQSVD_OK) {
       char where[PATH_MAX + 32];
       snprintf(where, sizeof where, "%s:%d", m.path, m.e[i].line);

@@ -33,9 +33,12 @@ static void calibrate_help(void) {
       "                         outputs already made from the same inputs are skipped, and\n"
       "                         --checkpoint DIR keeps each model's in DIR/NAME\n"
       "  --skip-done            do nothing when OUT exists and was made from the same\n"
-      "                         files and options (as --manifest does for every model)\n"
+      "                         files and options (as --manifest does for every model);\n"
+      "                         remake it otherwise\n"
       "  --out FILE             projections file to write (required); written under a\n"
-      "                         temporary name and renamed when complete\n"
+      "                         temporary name and renamed when complete; an existing\n"
+      "                         file is refused unless --force or --skip-done\n"
+      "  --force                replace an existing OUT\n"
       "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
       "                           eps:E     the paper's rule: per layer, the smallest rank\n"
       "                                     keeping 1 - E of the head-averaged energy of K\n"
@@ -86,7 +89,7 @@ const char *calib_qr_name(calib_qr_t q) {
 static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS };
+         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS, O_FORCE };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -99,6 +102,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       {"read-rows", required_argument, NULL, O_READ},
       {"manifest", required_argument, NULL, O_MANIFEST},
       {"skip-done", no_argument, NULL, O_SKIP_DONE},
+      {"force", no_argument, NULL, O_FORCE},
       {"device", required_argument, NULL, O_DEVICE},
       {"qr", required_argument, NULL, O_QR},
       {"timings", no_argument, NULL, O_TIMINGS},
@@ -136,6 +140,7 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_CKPT: c->ckpt_dir = optarg; break;
     case O_MANIFEST: c->manifest_path = optarg; break;
     case O_SKIP_DONE: c->skip_done = 1; break;
+    case O_FORCE: c->force = 1; break;
     case O_DEVICE:
       KQSVD_CHECK(!strcmp(optarg, "cpu") || !strcmp(optarg, "cuda") || !strcmp(optarg, "auto"),
                   KQSVD_ERR_USAGE, "--device must be cpu, cuda or auto, got '%s'", optarg);
@@ -175,6 +180,9 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
               "--device cuda runs the tsqr method only; --qr %s runs on the CPU",
               calib_qr_name(c->qr));
   if (c->manifest_path) {
+    KQSVD_CHECK(!c->force, KQSVD_ERR_USAGE,
+                "--force does not apply to --manifest, which remakes only the outputs whose "
+                "inputs changed");
     KQSVD_CHECK(!c->model_path && !c->out_path && c->nshards == 0, KQSVD_ERR_USAGE,
                 "--manifest names the models, outputs and shards: give no --model, --out or "
                 "shards with it");
@@ -183,16 +191,12 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
   KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required (or --manifest)");
   KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
-  KQSVD_CALL(kqsvd_check_writable(c->out_path));
+  if (c->ckpt_dir) KQSVD_CALL(kqsvd_check_checkpoint_dir(c->ckpt_dir, c->out_path));
   {
-    const char **in = malloc((size_t)(c->nshards + 1) * sizeof *in);
-    KQSVD_CHECK(in, KQSVD_ERR_NOMEM, "cannot allocate the file list");
-    in[0] = c->model_path;
-    for (int i = 0; i < c->nshards; i++) in[i + 1] = c->shards[i];
-    st = kqsvd_check_files(c->out_path, in, c->nshards + 1);
-    free(in);
-    KQSVD_CALL(st);
+    const char *named[] = {c->model_path}, *opts[] = {"--model"};
+    KQSVD_CALL(kqsvd_check_file_args("--out", c->out_path, 1, named, opts, c->shards, c->nshards));
   }
+  KQSVD_CALL(kqsvd_check_output("--out", c->out_path, c->force || c->skip_done));
 done:
   return st;
 }

@@ -28,7 +28,7 @@ typedef struct calib {
   double beta, ckpt_every;
   int64_t qr_block, read_rows;
   kqsvd_run_opts_t run;
-  int nshards, help, skip_done, timings;
+  int nshards, help, skip_done, force, timings;
   calib_qr_t qr;
   char **shards;
   /* inputs */

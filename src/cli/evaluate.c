@@ -49,7 +49,6 @@ static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
                                            KQSVD_RUN_LONGOPTS,
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
-  const char **in = NULL;
   int handled = 0;
   e->block_rows = 256;
   kqsvd_run_opts_default(&e->run);
@@ -84,14 +83,14 @@ static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
   e->nshards = argc - optind;
   e->shards = argv + optind;
   KQSVD_CHECK(e->nshards > 0, KQSVD_ERR_USAGE, "no validation cache shards given");
-  KQSVD_MALLOC(in, (size_t)e->nshards + 2, "the file list");
-  in[0] = e->model_path;
-  in[1] = e->proj_path;
-  for (int i = 0; i < e->nshards; i++) in[i + 2] = e->shards[i];
-  KQSVD_CALL(kqsvd_check_files(e->json_path, in, e->nshards + 2));
-  if (e->json_path) KQSVD_CALL(kqsvd_check_writable(e->json_path));
+  {
+    const char *named[] = {e->model_path, e->proj_path}, *opts[] = {"--model", "--proj"};
+    KQSVD_CALL(kqsvd_check_file_args("--json", e->json_path, 2, named, opts, e->shards,
+                                     e->nshards));
+  }
+  /* A report is quick to remake: it is replaced without --force. */
+  if (e->json_path) KQSVD_CALL(kqsvd_check_output("--json", e->json_path, 1));
 done:
-  free(in);
   return st;
 }
 

@@ -31,13 +31,34 @@ kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, doubl
 
 /* Checks file arguments before any work: no input given twice (its rows
  * would count twice) and no output that is one of the inputs (the final
- * rename would replace it).  `out` may be NULL; files that do not exist are
- * left for the readers to report.  Errors: KQSVD_ERR_USAGE. */
-kqsvd_status_t kqsvd_check_files(const char *out, const char *const *in, int nin);
+ * rename would replace it).  roles[i] names in[i] in messages ("--model",
+ * "shard 3"); `out` may be NULL; files that do not exist are left for the
+ * readers to report.  Not collective.  Errors: KQSVD_ERR_USAGE naming the
+ * options that collide. */
+kqsvd_status_t kqsvd_check_files(const char *out_opt, const char *out, const char *const *in,
+                                 const char *const *roles, int nin);
 
-/* Checks before any work that `path` can be created: its folder exists
- * and is writable, and it is not a folder.  Errors: KQSVD_ERR_USAGE. */
-kqsvd_status_t kqsvd_check_writable(const char *path);
+/* kqsvd_check_files for named inputs (named_opts[i] gives the option of
+ * named[i]) followed by shard arguments ("shard N" in messages). */
+kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int nnamed,
+                                     const char *const *named, const char *const *named_opts,
+                                     char **shards, int nshards);
+
+/* Longest suffix kqsvd appends to an output's name while writing it
+ * (".tmp-" and a process id). */
+#define KQSVD_TMP_SUFFIX_MAX 16
+
+/* Checks before any work that output `path` (given as option `opt`) can be
+ * made: its name leaves room for the temporary suffix, it holds no control
+ * character, its folder exists and is writable, it is not a folder, and it
+ * does not exist unless `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
+kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force);
+
+/* Checks a --checkpoint folder before any work: not the output's path, not
+ * a file, creatable and writable (a file is made and removed in it), and
+ * not holding `out` (may be NULL), whose neighbours are deleted at the end.
+ * Creates the folder.  Not collective.  Errors: KQSVD_ERR_USAGE. */
+kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out);
 
 /* What kqsvd_scan_shards learns of a set of cache shards. */
 typedef struct kqsvd_shard_set {

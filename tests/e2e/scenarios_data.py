@@ -121,9 +121,10 @@ def types():
             files[tag].append(path)
     write_model(os.path.join(wd, "model-f16.h5"), O, Hq, Hkv, dm, "f16")
     write_model(os.path.join(wd, "model-f64.h5"), O, Hq, Hkv, dm, "f64")
-    calibrate(os.path.join(wd, "model-f16.h5"), os.path.join(wd, "mixed.h5"), files["mixed"], np_=2)
-    calibrate(os.path.join(wd, "model-f64.h5"), os.path.join(wd, "f64.h5"), files["f64"], np_=2)
-    a, b = load_proj(os.path.join(wd, "mixed.h5")), load_proj(os.path.join(wd, "f64.h5"))
+    calibrate(os.path.join(wd, "model-f16.h5"), os.path.join(wd, "proj-mixed.h5"), files["mixed"],
+              np_=2)
+    calibrate(os.path.join(wd, "model-f64.h5"), os.path.join(wd, "proj-f64.h5"), files["f64"], np_=2)
+    a, b = load_proj(os.path.join(wd, "proj-mixed.h5")), load_proj(os.path.join(wd, "proj-f64.h5"))
     same = all(np.array_equal(a[k], b[k]) for k in a if k != "attrs")
     check(same, "mixed element types changed the results")
     finish("types")
@@ -265,7 +266,7 @@ def bad_input():
     case("unknown option", ["unknown option", "--frobnicate"], args=["--frobnicate"], code=2)
     case("shard twice", ["given twice"], files=shards + [shards[0]], code=2)
     p = calibrate(model, shards[1], shards, np_=2, expect=1)
-    check("is one of the inputs" in p.stderr and p.returncode == 2, f"--out = input: {p.stderr}")
+    check("is also an input" in p.stderr and p.returncode == 2, f"--out = input: {p.stderr}")
     case("tiny memory limit", ["--mem-limit"], args=["--mem-limit", "16"], code=2)
     # Ranks owning different numbers of items must still decide alike.
     wide_model, wide = synth(os.path.join(wd, "wide"), layers=3, heads=1, kv_heads=1, head_dim=512,

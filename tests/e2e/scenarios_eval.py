@@ -242,7 +242,7 @@ def eval_bad_input():
         ("fixed rank above d", ["--ranks", "fixed:9"], None, ["fixed:9", "head_dim"]),
         ("budget too small", ["--ranks", "budget:0.01"], None, ["budget:0.01"]),
         ("bad policy", ["--ranks", "best:3"], None, ["--ranks", "best:3"]),
-        ("report over an input", ["--json", val[0]], None, ["is one of the inputs"]),
+        ("report over an input", ["--json", val[0]], None, ["is also an input"]),
         ("no shards", [], None, ["no validation cache shards"]),
         ("report into a missing folder", ["--json", os.path.join(wd, "nope", "r.json")], None,
          ["nope", "does not exist"]),

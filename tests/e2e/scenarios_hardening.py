@@ -1,0 +1,108 @@
+"""Hardening scenarios: inputs and faults found by fuzzing and fault
+injection.  Each case must end with a correct result or one clear message,
+a non-zero exit, no hang and no leftover."""
+import glob
+import os
+
+import numpy as np
+
+from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set, synth
+
+# d = 4 <= rows, so every factor has full rank and the projections are unique.
+TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=4, hidden=16)
+
+
+def few_rows():
+    """More ranks than rows: every rank count runs (some ranks read nothing)
+    and gives the 1-rank result; 1- and 3-shard sets, tsqr and gram."""
+    wd, model, one = small_set("few_rows", seqs=1, seq_len=5, min_seq_len=5, shards=1, **TINY)
+    three_model, three = synth(os.path.join(wd, "three"), seqs=3, seq_len=3, min_seq_len=2,
+                               shards=3, **TINY)
+    for name, m, files in (("1 shard", model, one), ("3 shards", three_model, three)):
+        for qr in ("tsqr", "gram"):
+            base = os.path.join(wd, f"base-{qr}.h5")
+            calibrate(m, base, files, extra=["--qr", qr, "--force"])
+            ref = load_proj(base)
+            for np_ in (6, 8, 13):
+                out = os.path.join(wd, f"np{np_}-{qr}.h5")
+                p = calibrate(m, out, files, np_=np_, extra=["--qr", qr, "--force"])
+                d, where = max_rel_diff(ref, load_proj(out))
+                print(f"{name}, --qr {qr}, np {np_}: largest relative difference {d:.3g}")
+                check(d <= 1e-10, f"{name} --qr {qr} np {np_}: differs by {d:.3g} in {where}")
+                check(p.returncode == 0, f"{name} np {np_}: exit {p.returncode}")
+    finish("few_rows")
+
+
+def refused(p, *words, code=None):
+    """One error line naming `words`, a non-zero exit (`code` if given)."""
+    err = p.stderr.strip()
+    ok = p.returncode != 0 and (code is None or p.returncode == code)
+    ok = ok and all(w in err for w in words) and "Traceback" not in err
+    return check(ok, f"expected a refusal naming {words} (exit {code}), got exit "
+                     f"{p.returncode}: {err[:600]}")
+
+
+def leftovers(folder):
+    return [f for f in os.listdir(folder) if ".tmp" in f]
+
+
+def options():
+    """Output and checkpoint arguments refused before any work."""
+    wd, model, shards = small_set("options", seqs=4, seq_len=32, shards=2, **TINY)
+    out = os.path.join(wd, "proj.h5")
+    calibrate(model, out, shards)
+    before = os.stat(out).st_mtime_ns
+    # An existing output is kept unless --force (or --skip-done) says so.
+    refused(calibrate(model, out, shards, expect=None), "--out", "already exists", "--force",
+            code=2)
+    check(os.stat(out).st_mtime_ns == before, "a refused run touched the existing output")
+    calibrate(model, out, shards, extra=["--force"])
+    # A name that leaves no room for the temporary suffix (".tmp-PID"):
+    # refused at once, not after the run inside MPI-IO.
+    long_out = os.path.join(wd, "p" * 238 + ".h5")
+    refused(calibrate(model, long_out, shards, expect=None), "--out", "file name", code=2)
+    check(not leftovers(wd), f"leftovers: {leftovers(wd)}")
+    # The two options that name one file.
+    refused(calibrate(model, out, [model, *shards], extra=["--force"], expect=None),
+            "given twice", "--model", "shard 1", code=2)
+    refused(calibrate(model, shards[0], shards, extra=["--force"], expect=None),
+            "--out", "shard 1", code=2)
+    # Checkpoints: an output inside the folder would be deleted with them;
+    # the folder must be writable before the stream starts.
+    ckpt = os.path.join(wd, "ckpt")
+    refused(calibrate(model, os.path.join(ckpt, "rank-00000-of-00001.h5"), shards,
+                      extra=["--checkpoint", ckpt], expect=None), "inside the --checkpoint",
+            code=2)
+    refused(calibrate(model, out, shards, extra=["--force", "--checkpoint", out], expect=None),
+            "--checkpoint", code=2)
+    under_file = os.path.join(shards[0], "ckpt")
+    p = calibrate(model, os.path.join(wd, "x.h5"), shards, extra=["--checkpoint", under_file],
+                  expect=None)
+    refused(p, "--checkpoint", under_file, code=2)
+    check(not os.path.exists(os.path.join(wd, "x.h5")), "output written despite the refusal")
+    finish("options")
+
+
+def skip_done():
+    """--skip-done notices a shard rewritten within the same second with the
+    same size (and even the same mtime)."""
+    wd, model, shards = small_set("skip_done", seqs=4, seq_len=32, min_seq_len=32,
+                                   shards=2, **TINY)
+    out = os.path.join(wd, "proj.h5")
+    calibrate(model, out, shards)
+    p = calibrate(model, out, shards, extra=["--skip-done"])
+    check("nothing to do" in p.stdout, f"an up-to-date output was remade: {p.stdout}")
+    st = os.stat(shards[1])
+    other = synth(os.path.join(wd, "other"), seqs=4, seq_len=32, min_seq_len=32, shards=2,
+                  seed=99, **TINY)[1]
+    with open(other[1], "rb") as f:
+        data = f.read()
+    if check(len(data) == st.st_size, "the two synthetic shards differ in size"):
+        with open(shards[1], "r+b") as f:
+            f.write(data)
+        os.utime(shards[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+        p = calibrate(model, out, shards, extra=["--skip-done"])
+        check("nothing to do" not in p.stdout, "a rewritten shard with the same size and mtime "
+              "was taken as unchanged")
+    finish("skip_done")
+
