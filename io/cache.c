@@ -99,17 +99,28 @@ static kqsvd_status_t read_seq_lens(kqsvd_shard_t *sh) {
   KQSVD_H5_ID(type, H5Dget_type(dset));
   KQSVD_CHECK(H5Tget_class(type) == H5T_INTEGER, KQSVD_ERR_INPUT,
               "%s: dataset 'seq_lens' must hold integers", sh->path);
+  /* Every sequence holds a row: more lengths than rows is damage, and must
+   * not size an allocation. */
+  KQSVD_CHECK((int64_t)n <= sh->T, KQSVD_ERR_INPUT,
+              "%s: seq_lens has %llu entries but the caches hold only T = %lld rows", sh->path,
+              (unsigned long long)n, (long long)sh->T);
   KQSVD_MALLOC(lens, n ? n : 1, "seq_lens");
   if (n) KQSVD_H5(H5Dread(dset, H5T_NATIVE_LLONG, H5S_ALL, H5S_ALL, H5P_DEFAULT, lens));
-  long long sum = 0;
+  /* Each length is checked against what is left of T before it is added,
+   * so no sum can overflow (lengths near 2^62 would wrap back to T). */
+  long long left = sh->T;
   for (hsize_t i = 0; i < n; i++) {
     KQSVD_CHECK(lens[i] >= 1, KQSVD_ERR_INPUT, "%s: seq_lens[%llu] = %lld, must be >= 1",
                 sh->path, (unsigned long long)i, lens[i]);
-    sum += lens[i];
+    KQSVD_CHECK(lens[i] <= left, KQSVD_ERR_INPUT,
+                "%s: seq_lens[%llu] = %lld goes past the T = %lld rows the caches hold "
+                "(%lld left after the sequences before it)",
+                sh->path, (unsigned long long)i, lens[i], (long long)sh->T, left);
+    left -= lens[i];
   }
-  KQSVD_CHECK(sum == sh->T, KQSVD_ERR_INPUT,
-              "%s: seq_lens sums to %lld but the caches hold T = %lld rows", sh->path, sum,
-              (long long)sh->T);
+  KQSVD_CHECK(left == 0, KQSVD_ERR_INPUT,
+              "%s: seq_lens sums to %lld but the caches hold T = %lld rows", sh->path,
+              (long long)sh->T - left, (long long)sh->T);
   sh->S = (int64_t)n;
   KQSVD_MALLOC(sh->seq_lens, n ? n : 1, "seq_lens");
   for (hsize_t i = 0; i < n; i++) sh->seq_lens[i] = (int64_t)lens[i];
@@ -175,7 +186,33 @@ kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t lay
   return tensor_read(&sh->t[t], sh->path, kqsvd_tensor_name(t), 4, start, count, buf);
 }
 
+static kqsvd_status_t shard_open_close(void *path) {
+  kqsvd_shard_t *sh = NULL;
+  const kqsvd_status_t st = kqsvd_shard_open(path, MPI_COMM_NULL, &sh);
+  kqsvd_shard_close(&sh);
+  return st;
+}
+
+kqsvd_status_t kqsvd_shard_check(const char *path) {
+  return kqsvd_h5_isolate(path, shard_open_close, (void *)path);
+}
+
+static kqsvd_status_t model_open_here(const char *path, kqsvd_model_t **out);
+
+static kqsvd_status_t model_open_close(void *path) {
+  kqsvd_model_t *m = NULL;
+  const kqsvd_status_t st = model_open_here(path, &m);
+  kqsvd_model_close(&m);
+  return st;
+}
+
 kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **out) {
+  *out = NULL;
+  const kqsvd_status_t st = kqsvd_h5_isolate(path, model_open_close, (void *)path);
+  return st != KQSVD_OK ? st : model_open_here(path, out);
+}
+
+static kqsvd_status_t model_open_here(const char *path, kqsvd_model_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_model_t *m = calloc(1, sizeof *m);
   *out = NULL;

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -67,6 +68,17 @@ done:
   return st;
 }
 
+/* A read that HDF5 refused: the file, the attribute and HDF5's reason
+ * (out-of-range integers and damaged heaps end here). */
+static kqsvd_status_t attr_unreadable(const char *path, const char *name) {
+  kqsvd_h5_fail_("H5Aread", __FILE__, __LINE__, __func__);
+  char why[1024];
+  snprintf(why, sizeof why, "%s", kqsvd_error_message());
+  kqsvd_error_clear();
+  return kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                         "%s: attribute '%s' cannot be read (%s)", path, name, why);
+}
+
 /* Opens attribute `name` of obj or fails naming it. */
 static kqsvd_status_t open_attr(hid_t obj, const char *path, const char *name, hid_t *attr,
                                 H5T_class_t *cls) {
@@ -96,7 +108,7 @@ kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, 
   KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
   KQSVD_CHECK(cls == H5T_INTEGER, KQSVD_ERR_INPUT, "%s: attribute '%s' must be an integer", path,
               name);
-  KQSVD_H5(H5Aread(attr, H5T_NATIVE_LLONG, &x));
+  if (H5Aread(attr, H5T_NATIVE_LLONG, &x) < 0) KQSVD_CALL(attr_unreadable(path, name));
   *v = x;
 done:
   kqsvd_h5_close(&attr);
@@ -108,7 +120,7 @@ kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, 
   kqsvd_status_t st = KQSVD_OK;
   hid_t attr = -1, ftype = -1, mtype = -1;
   H5T_class_t cls;
-  char *vstr = NULL;
+  char *vstr = NULL, *tmp = NULL;
   KQSVD_CALL(open_attr(obj, path, name, &attr, &cls));
   KQSVD_CHECK(cls == H5T_STRING, KQSVD_ERR_INPUT, "%s: attribute '%s' must be a string", path,
               name);
@@ -118,19 +130,28 @@ kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, 
   if (H5Tis_variable_str(ftype) > 0) {
     /* h5py writes Python str attributes as variable-length strings. */
     KQSVD_H5(H5Tset_size(mtype, H5T_VARIABLE));
-    KQSVD_H5(H5Aread(attr, mtype, &vstr));
+    if (H5Aread(attr, mtype, &vstr) < 0) KQSVD_CALL(attr_unreadable(path, name));
+    const size_t len = vstr ? strlen(vstr) : 0;
+    KQSVD_CHECK(len <= KQSVD_H5_STR_MAX, KQSVD_ERR_INPUT,
+                "%s: attribute '%s' is %zu bytes long; at most %d are accepted", path, name, len,
+                KQSVD_H5_STR_MAX);
     snprintf(buf, n, "%s", vstr ? vstr : "");
   } else {
+    /* The same limit as for variable-length strings. */
     const size_t len = H5Tget_size(ftype);
-    char tmp[1024] = "";
-    KQSVD_CHECK(len < sizeof tmp, KQSVD_ERR_INPUT, "%s: attribute '%s' is too long", path, name);
+    KQSVD_CHECK(len <= KQSVD_H5_STR_MAX, KQSVD_ERR_INPUT,
+                "%s: attribute '%s' is %zu bytes long; at most %d are accepted", path, name, len,
+                KQSVD_H5_STR_MAX);
+    KQSVD_MALLOC(tmp, len + 1, "a string attribute");
     KQSVD_H5(H5Tset_size(mtype, len + 1));
     KQSVD_H5(H5Tset_strpad(mtype, H5T_STR_NULLTERM));
-    KQSVD_H5(H5Aread(attr, mtype, tmp));
+    if (H5Aread(attr, mtype, tmp) < 0) KQSVD_CALL(attr_unreadable(path, name));
+    tmp[len] = '\0';
     snprintf(buf, n, "%s", tmp);
   }
 done:
   if (vstr) H5free_memory(vstr);
+  free(tmp);
   kqsvd_h5_close(&attr);
   kqsvd_h5_close(&ftype);
   kqsvd_h5_close(&mtype);
@@ -174,18 +195,31 @@ done:
 kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, int ndims,
                                 hsize_t *dims, hid_t *dset) {
   kqsvd_status_t st = KQSVD_OK;
-  hid_t space = -1;
+  hid_t space = -1, dcpl = -1;
   *dset = -1;
   htri_t exists = H5Lexists(file, name, H5P_DEFAULT);
   KQSVD_CHECK(exists > 0, KQSVD_ERR_INPUT, "%s: dataset '%s' is missing", path, name);
   *dset = H5Dopen2(file, name, H5P_DEFAULT);
   KQSVD_CHECK(*dset >= 0, KQSVD_ERR_INPUT, "%s: '%s' is not a readable dataset", path, name);
+  KQSVD_H5_ID(dcpl, H5Dget_create_plist(*dset));
+  /* Data in other files: a virtual dataset whose sources are missing reads
+   * as fill values, and its parallel reads fail, so both kinds are refused
+   * alike on every rank count. */
+  KQSVD_CHECK(H5Pget_layout(dcpl) != H5D_VIRTUAL, KQSVD_ERR_INPUT,
+              "%s: dataset '%s' is a virtual dataset (its data lives in other files); kqsvd "
+              "reads only data stored in the file itself (h5repack can copy it in)",
+              path, name);
+  KQSVD_CHECK(H5Pget_external_count(dcpl) == 0, KQSVD_ERR_INPUT,
+              "%s: dataset '%s' is stored in external files; kqsvd reads only data stored in "
+              "the file itself (h5repack can copy it in)",
+              path, name);
   KQSVD_H5_ID(space, H5Dget_space(*dset));
   const int nd = H5Sget_simple_extent_ndims(space);
   KQSVD_CHECK(nd == ndims, KQSVD_ERR_INPUT, "%s: dataset '%s' has %d dimensions, expected %d",
               path, name, nd, ndims);
   KQSVD_H5(H5Sget_simple_extent_dims(space, dims, NULL));
 done:
+  kqsvd_h5_close(&dcpl);
   kqsvd_h5_close(&space);
   if (st != KQSVD_OK) kqsvd_h5_close(dset);
   return st;
@@ -198,6 +232,17 @@ kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name
   KQSVD_H5_ID(type, H5Dget_type(dset));
   const H5T_class_t cls = H5Tget_class(type);
   const size_t size = H5Tget_size(type);
+  char tag[64] = "";
+  if (H5Aexists(dset, "dtype") > 0)
+    KQSVD_CALL(kqsvd_h5_attr_str(dset, path, "dtype", tag, sizeof tag));
+  /* bf16 bits in a float16 dataset would be decoded as IEEE half: the
+   * contract stores them as uint16 and nothing else. */
+  KQSVD_CHECK(strcmp(tag, "bfloat16") != 0 ||
+                  (cls == H5T_INTEGER && size == 2 && H5Tget_sign(type) == H5T_SGN_NONE),
+              KQSVD_ERR_INPUT,
+              "%s: dataset '%s' has dtype = \"bfloat16\" but is not stored as 16-bit unsigned "
+              "integers",
+              path, name);
   if (cls == H5T_FLOAT && size == 2) {
     size_t spos, epos, esize, mpos, msize;
     KQSVD_H5(H5Tget_fields(type, &spos, &epos, &esize, &mpos, &msize));
@@ -209,12 +254,10 @@ kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name
   } else if (cls == H5T_FLOAT && (size == 4 || size == 8)) {
     *t = size == 4 ? KQSVD_F32 : KQSVD_F64;
   } else if (cls == H5T_INTEGER && size == 2) {
-    char tag[64] = "";
-    KQSVD_CHECK(H5Aexists(dset, "dtype") > 0, KQSVD_ERR_INPUT,
+    KQSVD_CHECK(tag[0], KQSVD_ERR_INPUT,
                 "%s: dataset '%s' holds 16-bit integers without the attribute "
                 "dtype = \"bfloat16\"",
                 path, name);
-    KQSVD_CALL(kqsvd_h5_attr_str(dset, path, "dtype", tag, sizeof tag));
     KQSVD_CHECK(strcmp(tag, "bfloat16") == 0, KQSVD_ERR_INPUT,
                 "%s: dataset '%s' has dtype = \"%s\" (only \"bfloat16\" is supported)", path,
                 name, tag);

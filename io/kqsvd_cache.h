@@ -1,4 +1,4 @@
-/* Readers of cache shards and model files (FORMATS.md sections 1 and 2). */
+/* Readers of cache shards and model files (docs/formats.md sections 1 and 2). */
 #ifndef KQSVD_CACHE_H
 #define KQSVD_CACHE_H
 
@@ -22,6 +22,11 @@ typedef struct kqsvd_shard kqsvd_shard_t;
  * Errors: KQSVD_ERR_INPUT naming the file and field. */
 kqsvd_status_t kqsvd_shard_open(const char *path, MPI_Comm comm, kqsvd_shard_t **sh);
 
+/* Not collective.  kqsvd_shard_open and close in a child process
+ * (kqsvd_h5_isolate): a file that would crash libhdf5 is refused here,
+ * naming it.  Errors: as kqsvd_shard_open. */
+kqsvd_status_t kqsvd_shard_check(const char *path);
+
 /* Closes (collective when opened with a communicator). */
 void kqsvd_shard_close(kqsvd_shard_t **sh);
 
@@ -41,7 +46,8 @@ kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t lay
 
 typedef struct kqsvd_model kqsvd_model_t;
 
-/* Opens and validates a model file (format, sizes, o_proj [L, D, Hq*d]).
+/* Opens and validates a model file (format, sizes, o_proj [L, D, Hq*d]),
+ * its headers read first in a child process (kqsvd_h5_isolate).
  * Not collective.  Errors: KQSVD_ERR_INPUT naming the file and field. */
 kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **m);
 void kqsvd_model_close(kqsvd_model_t **m);

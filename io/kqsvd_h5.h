@@ -1,4 +1,4 @@
-/* HDF5 plumbing shared by every file format of ../shared/spec/FORMATS.md:
+/* HDF5 plumbing shared by every file format of docs/formats.md:
  * the status checker, attributes, element types and the common header
  * (format name, version and sizes).  Functions are not collective unless
  * they say so. */
@@ -40,8 +40,22 @@ void kqsvd_h5_close(hid_t *id);
  * Errors name the path: KQSVD_ERR_INPUT for a missing or non-HDF5 file. */
 kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file);
 
+/* Longest string attribute read, fixed or variable length alike. */
+#define KQSVD_H5_STR_MAX 4096
+
+/* Not collective.  Runs fn(ctx), which must only read `path` with the
+ * default driver, in a forked child first, so that a crash or a hang of
+ * libhdf5 on a damaged file becomes KQSVD_ERR_INPUT naming `path`; the
+ * child's own error comes back as it is.  Returns KQSVD_OK when fn
+ * succeeded there (the caller then reads the file itself).  Setting
+ * KQSVD_NO_ISOLATION=1 runs fn here instead (for MPI stacks that forbid
+ * fork()).  Errors: _INPUT, _IO (no pipe or fork), or fn's. */
+kqsvd_status_t kqsvd_h5_isolate(const char *path, kqsvd_status_t (*fn)(void *), void *ctx);
+
 /* Scalar attributes.  Readers fail with KQSVD_ERR_INPUT naming the file and
- * attribute when it is missing or of the wrong kind. */
+ * attribute when it is missing, of the wrong kind, unreadable or (strings)
+ * longer than KQSVD_H5_STR_MAX bytes; a longer string than n - 1 bytes is
+ * cut to fit buf. */
 kqsvd_status_t kqsvd_h5_attr_int(hid_t obj, const char *path, const char *name, int64_t *v);
 kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, char *buf,
                                  size_t n);
@@ -50,12 +64,14 @@ kqsvd_status_t kqsvd_h5_put_double(hid_t obj, const char *name, double v);
 kqsvd_status_t kqsvd_h5_put_str(hid_t obj, const char *name, const char *v);
 
 /* Opens dataset `name` and checks it has `ndims` dimensions, returned in
- * dims.  Errors name the file and dataset. */
+ * dims.  Virtual and external datasets (data in other files) are refused.
+ * Errors name the file and dataset. */
 kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, int ndims,
                                 hsize_t *dims, hid_t *dset);
 
 /* Classifies a cache or model dataset's elements: IEEE f16/f32/f64, or
- * uint16 with attribute dtype = "bfloat16".  KQSVD_ERR_INPUT otherwise. */
+ * uint16 with attribute dtype = "bfloat16" (any other type with that tag
+ * is refused).  KQSVD_ERR_INPUT otherwise. */
 kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name,
                                   kqsvd_dtype_t *t);
 
@@ -69,7 +85,7 @@ kqsvd_status_t kqsvd_h5_mem_type(kqsvd_dtype_t t, hid_t *type);
 kqsvd_status_t kqsvd_h5_create_dataset(hid_t file, const char *name, kqsvd_dtype_t t, int ndims,
                                        const hsize_t *dims, hid_t *dset);
 
-/* The header every kqsvd file carries (FORMATS.md sections 1-3). */
+/* The header every kqsvd file carries (docs/formats.md sections 1-3). */
 typedef struct kqsvd_dims {
   char model[256];
   int64_t layers, heads, kv_heads, head_dim, hidden, causal;

@@ -1,4 +1,4 @@
-/* The projections file (FORMATS.md section 3), written in parallel: every
+/* The projections file (docs/formats.md section 3), written in parallel: every
  * rank writes the (layer, KV head) items it solved. */
 #ifndef KQSVD_PROJ_H
 #define KQSVD_PROJ_H
@@ -45,7 +45,8 @@ kqsvd_status_t kqsvd_proj_close(kqsvd_proj_writer_t **w);
 typedef struct kqsvd_proj_reader kqsvd_proj_reader_t;
 
 /* Opens `path` and checks the header and that every dataset of the
- * contract is there with its shape and kind (float or integer).  Errors:
+ * contract is there with its shape and kind (float or integer); the
+ * headers are read in a child process first (kqsvd_h5_isolate).  Errors:
  * KQSVD_ERR_INPUT naming the file and what is wrong. */
 kqsvd_status_t kqsvd_proj_open(const char *path, kqsvd_proj_reader_t **r);
 void kqsvd_proj_reader_free(kqsvd_proj_reader_t **r);

@@ -22,6 +22,7 @@ static kqsvd_status_t scan_own(kqsvd_cli_t *cli, const char *cmd, char **paths, 
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_shard_t *sh = NULL;
   for (int s = cli->rank; s < n; s += cli->size) {
+    KQSVD_CALL(kqsvd_shard_check(paths[s]));
     KQSVD_CALL(kqsvd_shard_open(paths[s], MPI_COMM_NULL, &sh));
     KQSVD_CALL(kqsvd_dims_match(kqsvd_shard_dims(sh), paths[s], dims, model_path));
     set->rows[s] = kqsvd_shard_tokens(sh);

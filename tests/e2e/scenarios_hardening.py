@@ -3,7 +3,9 @@ injection.  Each case must end with a correct result or one clear message,
 a non-zero exit, no hang and no leftover."""
 import glob
 import os
+import shutil
 
+import h5py
 import numpy as np
 
 from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set, synth
@@ -105,4 +107,95 @@ def skip_done():
         check("nothing to do" not in p.stdout, "a rewritten shard with the same size and mtime "
               "was taken as unchanged")
     finish("skip_done")
+
+
+def copy_to(src, folder, tag):
+    dst = os.path.join(folder, f"{tag}-{os.path.basename(src)}")
+    shutil.copy(src, dst)
+    return dst
+
+
+def hostile_files():
+    """Files that were accepted with wrong results, or broke the tool."""
+    wd, model, shards = small_set("hostile", seqs=4, seq_len=24, min_seq_len=24, shards=2,
+                                  dtype="bf16", **TINY)
+    out = os.path.join(wd, "proj.h5")
+
+    def cal(files, np_=1, mdl=None, extra=()):
+        return calibrate(mdl or model, out, files, np_=np_, extra=["--force", *extra],
+                         expect=None)
+
+    def refused_file(p, path, *words):
+        refused(p, path, *words, code=1)
+        check(not os.path.exists(out) and not leftovers(wd), f"{path}: output or leftovers")
+
+    # seq_lens whose sum wraps around 2^64 back to T.
+    sl = copy_to(shards[0], wd, "wrap")
+    with h5py.File(sl, "r+") as f:
+        T = f["keys"].shape[2]
+        del f["seq_lens"]
+        f["seq_lens"] = np.array([2**62, 2**62, 2**62, 2**62 + T], dtype=np.int64)
+    refused_file(cal([sl, shards[1]]), sl, "seq_lens[0]")
+    # evaluate reads the same field (it reported a --mem-limit error).
+    calibrate(model, out, shards)
+    p = run(["evaluate", "--progress", "off", "--model", model, "--proj", out, sl], expect=None)
+    refused(p, sl, "seq_lens", code=1)
+    os.remove(out)
+    # bf16 bit patterns in an IEEE half dataset, tagged bfloat16.
+    half = copy_to(shards[0], wd, "half")
+    with h5py.File(half, "r+") as f:
+        bits = f["keys"][...]
+        del f["keys"]
+        f["keys"] = bits.view(np.float16)
+        f["keys"].attrs["dtype"] = "bfloat16"
+    refused_file(cal([half, shards[1]]), half, "keys", "bfloat16", "unsigned")
+    signed = copy_to(shards[0], wd, "signed")
+    with h5py.File(signed, "r+") as f:
+        bits = f["values"][...]
+        del f["values"]
+        f["values"] = bits.view(np.int16)
+        f["values"].attrs["dtype"] = "bfloat16"
+    refused_file(cal([signed, shards[1]]), signed, "values", "unsigned")
+    # Virtual datasets: refused up front on every rank count (a missing
+    # source read as zeros; a valid one failed only once split over ranks).
+    src = copy_to(shards[0], wd, "source")
+    for tag, keep_source in (("virtual", True), ("orphan", False)):
+        v = os.path.join(wd, f"{tag}.h5")
+        shutil.copy(shards[0], v)
+        with h5py.File(src, "r") as s, h5py.File(v, "r+") as f:
+            shape, dt = s["keys"].shape, s["keys"].dtype
+            layout = h5py.VirtualLayout(shape=shape, dtype=dt)
+            layout[...] = h5py.VirtualSource(src, "keys", shape=shape)
+            del f["keys"]
+            f.create_virtual_dataset("keys", layout)
+            f["keys"].attrs["dtype"] = "bfloat16"
+        if not keep_source:
+            os.rename(src, src + ".gone")
+        for np_ in (1, 2):
+            refused_file(cal([v], np_=np_), v, "keys", "virtual")
+    ext = copy_to(shards[0], wd, "external")
+    with h5py.File(ext, "r+") as f:
+        vals = f["values"][...]
+        del f["values"]
+        f.create_dataset("values", data=vals, external=[(os.path.join(wd, "raw.bin"), 0,
+                                                         h5py.h5f.UNLIMITED)])
+        f["values"].attrs["dtype"] = "bfloat16"
+    refused_file(cal([ext, shards[1]]), ext, "values", "external")
+    # One limit for string attributes, fixed or variable length.
+    for kind in ("fixed", "variable"):
+        big = copy_to(model, wd, kind)
+        with h5py.File(big, "r+") as f:
+            del f.attrs["model"]
+            if kind == "fixed":
+                f.attrs.create("model", np.bytes_(b"m" * 5000))
+            else:
+                f.attrs["model"] = "m" * 100000
+        refused_file(cal(shards, mdl=big), big, "'model'", "4096")
+    # An attribute HDF5 cannot read names the attribute.
+    bad_attr = copy_to(model, wd, "attr")
+    with h5py.File(bad_attr, "r+") as f:
+        del f.attrs["num_layers"]
+        f.attrs["num_layers"] = np.array(2**64 - 1, dtype=np.uint64)
+    refused_file(cal(shards, mdl=bad_attr), bad_attr, "num_layers")
+    finish("hostile_files")
 
