@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -16,15 +17,33 @@ static void ckpt_path(char *buf, size_t n, const char *dir, int rank, int nranks
   snprintf(buf, n, "%s/rank-%05d-of-%05d.h5", dir, rank, nranks);
 }
 
+/* Covers everything a resume trusts: the fingerprint, the position and
+ * every bit of the state.  One word at a time, each step a bijection of
+ * the running value, so a change confined to one word is always seen. */
+static void checksum(const char *fingerprint, kqsvd_checkpoint_pos_t pos, int64_t nvals,
+                     const double *state, char hex[32]) {
+  uint64_t h = kqsvd_fnv1a(KQSVD_FNV_INIT, fingerprint, strlen(fingerprint));
+  const int64_t head[3] = {pos.segment, pos.item, nvals};
+  h = kqsvd_fnv1a(h, head, sizeof head);
+  for (int64_t k = 0; k < nvals; k++) {
+    uint64_t w;
+    memcpy(&w, state + k, sizeof w);
+    h = (h ^ w) * UINT64_C(0x100000001b3);
+    h ^= h >> 29;
+  }
+  snprintf(hex, 32, "%016" PRIx64, h);
+}
+
 kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint64_t fingerprint,
                                      const char *about, kqsvd_checkpoint_pos_t pos,
                                      int64_t nvals, const double *state) {
   kqsvd_status_t st = KQSVD_OK;
-  char path[PATH_MAX], tmp[PATH_MAX + 8], fp[32];
+  char path[PATH_MAX], tmp[PATH_MAX + 8], fp[32], sum[32];
   hid_t file = -1, space = -1, ds = -1;
   ckpt_path(path, sizeof path, dir, rank, nranks);
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
+  checksum(fp, pos, nvals, state, sum);
   if (kqsvd_mkdir_p(dir) != 0)
     KQSVD_FAIL(KQSVD_ERR_IO, "cannot create checkpoint folder %s: %s", dir, strerror(errno));
   file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
@@ -34,6 +53,7 @@ kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint
   KQSVD_CALL(kqsvd_h5_put_str(file, "about", about));
   KQSVD_CALL(kqsvd_h5_put_int(file, "next_segment", H5T_STD_I64LE, pos.segment));
   KQSVD_CALL(kqsvd_h5_put_int(file, "next_item", H5T_STD_I64LE, pos.item));
+  KQSVD_CALL(kqsvd_h5_put_str(file, "checksum", sum));
   const hsize_t n = (hsize_t)nvals;
   KQSVD_H5_ID(space, H5Screate_simple(1, &n, NULL));
   KQSVD_H5_ID(ds, H5Dcreate2(file, "state", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT,
@@ -81,17 +101,21 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint64_t fingerprint,
-                                     int64_t nvals, double *state, kqsvd_checkpoint_pos_t *pos,
-                                     int *found) {
+typedef struct {
+  const char *path;
+  uint64_t fingerprint;
+  int64_t nvals;
+  double *state;
+  kqsvd_checkpoint_pos_t *pos;
+} load_t;
+
+static kqsvd_status_t load_here(void *ctx) {
   kqsvd_status_t st = KQSVD_OK;
-  char path[PATH_MAX], fp[32], have[64] = "", about[1024] = "", fmt[32] = "";
+  const load_t *a = ctx;
+  const char *path = a->path;
+  char fp[32], have[64] = "", about[1024] = "", fmt[32] = "", stored[64] = "", sum[32];
   hid_t file = -1, ds = -1;
-  *found = 0;
-  ckpt_path(path, sizeof path, dir, rank, nranks);
-  KQSVD_CALL(check_rank_count(dir, nranks));
-  if (access(path, F_OK) != 0) return KQSVD_OK;
-  snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
+  snprintf(fp, sizeof fp, "%016" PRIx64, a->fingerprint);
   KQSVD_CALL(kqsvd_h5_open_read(path, MPI_COMM_NULL, &file));
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "kqsvd_format", fmt, sizeof fmt));
   KQSVD_CHECK(strcmp(fmt, "checkpoint") == 0, KQSVD_ERR_INPUT, "%s: not a kqsvd checkpoint",
@@ -102,18 +126,49 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
               "%s was written for other inputs or options (%s); remove the folder or use "
               "another --checkpoint folder",
               path, about);
-  KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_segment", &pos->segment));
-  KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_item", &pos->item));
+  KQSVD_CHECK(H5Aexists(file, "checksum") > 0, KQSVD_ERR_INPUT,
+              "%s has no checksum (written by an older kqsvd, or damaged); remove it to start "
+              "over", path);
+  KQSVD_CALL(kqsvd_h5_attr_str(file, path, "checksum", stored, sizeof stored));
+  KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_segment", &a->pos->segment));
+  KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_item", &a->pos->item));
   hsize_t n = 0;
   KQSVD_CALL(kqsvd_h5_dataset(file, path, "state", 1, &n, &ds));
-  KQSVD_CHECK((int64_t)n == nvals, KQSVD_ERR_INPUT, "%s: state holds %llu values, expected %lld",
-              path, (unsigned long long)n, (long long)nvals);
-  KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, state));
-  *found = 1;
+  KQSVD_CHECK((int64_t)n == a->nvals, KQSVD_ERR_INPUT,
+              "%s: state holds %llu values, expected %lld", path, (unsigned long long)n,
+              (long long)a->nvals);
+  KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, a->state));
+  /* Resuming from damaged factors would end in a wrong proj.h5 that
+   * nothing downstream could tell from a right one. */
+  checksum(fp, *a->pos, a->nvals, a->state, sum);
+  KQSVD_CHECK(strcmp(sum, stored) == 0, KQSVD_ERR_INPUT,
+              "%s: checksum mismatch (stored %s, contents give %s): the checkpoint is damaged; "
+              "remove it to start over", path, stored, sum);
+  for (int64_t k = 0; k < a->nvals; k++)
+    KQSVD_CHECK(isfinite(a->state[k]), KQSVD_ERR_INPUT,
+                "%s: dataset 'state' holds NaN or Inf at %lld: the checkpoint is damaged; "
+                "remove it to start over", path, (long long)k);
 done:
   if (st != KQSVD_OK) kqsvd_error_context(path);
   kqsvd_h5_close(&ds);
   kqsvd_h5_close(&file);
+  return st;
+}
+
+kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint64_t fingerprint,
+                                     int64_t nvals, double *state, kqsvd_checkpoint_pos_t *pos,
+                                     int *found) {
+  kqsvd_status_t st = KQSVD_OK;
+  char path[PATH_MAX];
+  load_t a = {path, fingerprint, nvals, state, pos};
+  *found = 0;
+  ckpt_path(path, sizeof path, dir, rank, nranks);
+  KQSVD_CALL(check_rank_count(dir, nranks));
+  if (access(path, F_OK) != 0) return KQSVD_OK;
+  KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));
+  KQSVD_CALL(load_here(&a));
+  *found = 1;
+done:
   return st;
 }
 

@@ -14,15 +14,18 @@ typedef struct kqsvd_checkpoint_pos {
   int64_t item;    /* items of that segment already folded in */
 } kqsvd_checkpoint_pos_t;
 
-/* Saves state (nvals doubles) with the run's fingerprint and a readable
- * description of what it covers.  Errors: KQSVD_ERR_IO, _HDF5. */
+/* Saves state (nvals doubles) with the run's fingerprint, a readable
+ * description of what it covers and a checksum of the contents.  Errors:
+ * KQSVD_ERR_IO, _HDF5. */
 kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint64_t fingerprint,
                                      const char *about, kqsvd_checkpoint_pos_t pos,
                                      int64_t nvals, const double *state);
 
-/* Loads this rank's checkpoint if there is one (*found = 0 otherwise).
- * Refuses, with KQSVD_ERR_INPUT naming the file, a checkpoint written by a
- * run with another number of ranks, other inputs or other options. */
+/* Loads this rank's checkpoint if there is one (*found = 0 otherwise),
+ * its headers read in a child process first (kqsvd_h5_isolate).  Refuses,
+ * with KQSVD_ERR_INPUT naming the file, a checkpoint written by a run with
+ * another number of ranks, other inputs or other options, and one whose
+ * checksum does not match its contents or whose state is not finite. */
 kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint64_t fingerprint,
                                      int64_t nvals, double *state, kqsvd_checkpoint_pos_t *pos,
                                      int *found);

@@ -199,3 +199,44 @@ def hostile_files():
     refused_file(cal(shards, mdl=bad_attr), bad_attr, "num_layers")
     finish("hostile_files")
 
+
+def checkpoints():
+    """A checkpoint with flipped bits or a NaN is refused, naming it; an
+    intact one resumes to the uninterrupted result bit for bit."""
+    wd, model, shards = small_set("checkpoints", seqs=6, seq_len=40, shards=3, **TINY)
+    ref = os.path.join(wd, "ref.h5")
+    calibrate(model, ref, shards, np_=2)
+    ckpt = os.path.join(wd, "ckpt")
+    out = os.path.join(wd, "proj.h5")
+    kill = {"KQSVD_TEST_KILL_AFTER_CHECKPOINTS": "1"}
+    calibrate(model, out, shards, np_=2, extra=["--checkpoint", ckpt], env=kill, expect=None)
+    files = sorted(glob.glob(os.path.join(ckpt, "rank-*.h5")))
+    if not check(len(files) == 2, f"expected 2 checkpoints, found {files}"):
+        finish("checkpoints")
+    saved = {f: open(f, "rb").read() for f in files}
+
+    def damaged(how):
+        for f, data in saved.items():
+            open(f, "wb").write(data)
+        with h5py.File(files[0], "r+") as f:
+            state = f["state"][...]
+            if how == "flip":
+                bits = state.view(np.uint64)
+                bits[len(bits) // 2] ^= np.uint64(1 << 20)
+            else:
+                state[len(state) // 3] = np.nan
+            f["state"][...] = state
+        p = calibrate(model, out, shards, np_=2, extra=["--checkpoint", ckpt], expect=None)
+        refused(p, files[0], code=1)
+        check("LAPACK" not in p.stderr, f"{how}: reported as a LAPACK failure")
+        check(not os.path.exists(out), f"{how}: an output was written from a damaged checkpoint")
+
+    damaged("flip")
+    damaged("nan")
+    for f, data in saved.items():
+        open(f, "wb").write(data)
+    calibrate(model, out, shards, np_=2, extra=["--checkpoint", ckpt])
+    a, b = load_proj(ref), load_proj(out)
+    check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"),
+          "a resumed run differs from the uninterrupted one")
+    finish("checkpoints")
