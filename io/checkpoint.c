@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "kqsvd_h5.h"
+#include "kqsvd_signal.h"
 #include "kqsvd_util.h"
 
 static void ckpt_path(char *buf, size_t n, const char *dir, int rank, int nranks) {
@@ -46,6 +47,7 @@ kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint
   checksum(fp, pos, nvals, state, sum);
   if (kqsvd_mkdir_p(dir) != 0)
     KQSVD_FAIL(KQSVD_ERR_IO, "cannot create checkpoint folder %s: %s", dir, strerror(errno));
+  kqsvd_signal_track(tmp);
   file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   KQSVD_CHECK(file >= 0, KQSVD_ERR_IO, "%s: cannot create checkpoint file", tmp);
   KQSVD_CALL(kqsvd_h5_put_str(file, "kqsvd_format", "checkpoint"));
@@ -76,6 +78,7 @@ done:
   kqsvd_h5_close(&space);
   kqsvd_h5_close(&file);
   if (st != KQSVD_OK) remove(tmp);
+  kqsvd_signal_untrack(tmp);
   return st;
 }
 

@@ -1,4 +1,5 @@
 #include "kqsvd_report.h"
+#include "kqsvd_signal.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -66,6 +67,7 @@ kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
   char tmp[PATH_MAX + 32];
   FILE *f = NULL;
   snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
+  kqsvd_signal_track(tmp);
   f = fopen(tmp, "w");
   KQSVD_CHECK(f, KQSVD_ERR_IO, "%s: cannot create the report: %s", path, strerror(errno));
   put_report(f, r);
@@ -79,5 +81,6 @@ kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
 done:
   if (f) fclose(f);
   if (st != KQSVD_OK) remove(tmp);
+  kqsvd_signal_untrack(tmp);
   return st;
 }

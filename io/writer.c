@@ -1,4 +1,5 @@
 #include "kqsvd_writer.h"
+#include "kqsvd_signal.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -28,6 +29,7 @@ static kqsvd_status_t writer_new(const char *path, const kqsvd_dims_t *dims, kqs
   w->d = dims->head_dim;
   snprintf(w->path, sizeof w->path, "%s", path);
   snprintf(w->tmp, sizeof w->tmp, "%s.tmp", path);
+  kqsvd_signal_track(w->tmp);
   w->file = H5Fcreate(w->tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   if (w->file < 0) {
     kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
@@ -165,6 +167,7 @@ kqsvd_status_t kqsvd_writer_commit(kqsvd_writer_t **wp) {
               w->path, strerror(errno));
 done:
   if (st != KQSVD_OK) remove(w->tmp);
+  kqsvd_signal_untrack(w->tmp);
   writer_close(w);
   free(w);
   return st;
@@ -174,6 +177,7 @@ void kqsvd_writer_abort(kqsvd_writer_t **wp) {
   if (!wp || !*wp) return;
   writer_close(*wp);
   remove((*wp)->tmp);
+  kqsvd_signal_untrack((*wp)->tmp);
   free(*wp);
   *wp = NULL;
 }

@@ -22,6 +22,10 @@ kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local) {
   KQSVD_MPI(MPI_Allreduce(mine, all, 2, MPI_INT, MPI_MIN, comm));
   if (all[1] == 0) return KQSVD_OK;
   const int first = all[0];
+  /* Every rank exits with the reporting rank's code (2 for usage, 75 for
+   * an interruption), not with its own "another rank failed". */
+  int code = rank == first ? (int)local : 0, agreed = 0;
+  KQSVD_MPI(MPI_Allreduce(&code, &agreed, 1, MPI_INT, MPI_MAX, comm));
   if (!origin) {
     kqsvd_error_clear();
     st = kqsvd_error_set(KQSVD_ERR_REMOTE, __FILE__, __LINE__, __func__,
@@ -31,6 +35,7 @@ kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local) {
   }
   /* If no rank recorded an origin, rank 0 at least says the run stopped. */
   kqsvd_error_mark_collective(first < size ? rank == first : rank == 0);
+  if (agreed != 0) kqsvd_error_set_origin((kqsvd_status_t)agreed);
 done:
   return st;
 }

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #include "kqsvd_linalg.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
+#include "kqsvd_signal.h"
 #include "kqsvd_util.h"
 
 /* Spectra the rank policies need, per item: each method's sigma_k and
@@ -118,12 +120,16 @@ kqsvd_status_t calib_finish(calib_t *c) {
   /* One temporary name for all ranks, unique to this run. */
   if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->out_path, (long)getpid());
   KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
+  kqsvd_signal_track(tmp);
+  /* Test hook: a signal while the output is being written. */
+  const char *sig_at = getenv("KQSVD_TEST_SIGNAL_WRITING");
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   const double eps = c->ranks.kind == KQSVD_RANKS_EPS ? c->ranks.value : NAN;
   kqsvd_proj_meta_t meta = {c->dims, eps, c->beta, c->tokens, c->nshards, c->qr_block, policy,
                             c->inputs_hash};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  if (sig_at && root) raise(atoi(sig_at));
 
   const size_t nsig = (size_t)(SIG_N * c->nitems * c->d);
   KQSVD_MALLOC(sig, nsig, "spectra");
@@ -149,6 +155,7 @@ done:
    * failure (otherwise main() aborts).  The partial file goes. */
   if (w && (st == KQSVD_OK || kqsvd_error_is_collective())) kqsvd_proj_close(&w);
   if (st != KQSVD_OK && root && tmp[0]) remove(tmp);
+  if (tmp[0]) kqsvd_signal_untrack(tmp);
   free(sig);
   return st;
 }

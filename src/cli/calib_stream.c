@@ -6,10 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "calibrate.h"
 #include "kqsvd_gram.h"
 #include "kqsvd_linalg.h"
+#include "kqsvd_signal.h"
 #include "kqsvd_util.h"
 
 /* A shard cut between several ranks is opened with MPI-IO by exactly those
@@ -30,6 +32,8 @@ typedef struct {
   int64_t nseg, work; /* local segments; work units done */
   double last_save;
   int saves;
+  int signal;         /* the signal that stopped this rank (0: none) */
+  int delay_ms;       /* test hook: KQSVD_TEST_READ_DELAY_MS per read */
 } stream_t;
 
 /* Opens every shard this rank shares with others, together with exactly
@@ -147,6 +151,10 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
     p += (size_t)(m * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, 1, r0, n, p));
     p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES));
+    if (s->delay_ms > 0) {
+      const struct timespec pause = {s->delay_ms / 1000, (long)(s->delay_ms % 1000) * 1000000L};
+      nanosleep(&pause, NULL);
+    }
     c->t_read += kqsvd_now() - t0;
     c->bytes_read += (double)(p - c->raw);
     /* Sub-blocks in row order, K then each query head then V: the order
@@ -158,8 +166,15 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
       KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->qr_block ? n - j0 : c->qr_block));
     s->work += n * (m + 2);
     KQSVD_CALL(kqsvd_monitor_update(s->mon, s->work, stop));
+    if (!s->signal && kqsvd_signal_pending()) {
+      s->signal = kqsvd_signal_pending();
+      KQSVD_CALL(kqsvd_monitor_raise(s->mon));
+      *stop = 1;
+    }
   }
-  for (int k = 0; !c->gpu && k < CAL_NR; k++)
+  /* A stopped item keeps the factors it had before it, so that a
+   * checkpoint taken now resumes at its start. */
+  for (int k = 0; !c->gpu && !*stop && k < CAL_NR; k++)
     kqsvd_tri_pack((int)d, s->R[k], c->state + ((size_t)item * CAL_NR + k) * tri);
 done:
   return st;
@@ -170,15 +185,17 @@ static kqsvd_status_t stream_segments(stream_t *s) {
   calib_t *c = s->c;
   kqsvd_shard_t *own = NULL;
   int stop = 0;
+  int64_t k = c->pos.segment, i = 0;
   const kqsvd_segment_t *segs = c->segs + c->seg_first[c->cli->rank];
-  for (int64_t k = c->pos.segment; k < s->nseg && !stop; k++) {
+  for (; k < s->nseg && !stop; k++) {
     kqsvd_shard_t *sh = s->shared[k].sh;
     if (!sh) {
       KQSVD_CALL(kqsvd_shard_open(c->shards[segs[k].shard], MPI_COMM_NULL, &own));
       sh = own;
     }
-    for (int64_t i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems && !stop; i++) {
+    for (i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems && !stop; i++) {
       KQSVD_CALL(stream_item(s, sh, &segs[k], i, &stop));
+      if (stop) break;
       /* Every finished segment is kept; long ones also on a timer. */
       const int last = i + 1 == c->nitems;
       if (!stop && c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
@@ -187,7 +204,18 @@ static kqsvd_status_t stream_segments(stream_t *s) {
     /* A NaN met on the GPU is named while its shard is still open. */
     if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 0));
     kqsvd_shard_close(&own);
+    if (stop) break;
   }
+  /* Stopped by a signal here or by another rank: keep what is done.  On a
+   * GPU the factors of the stopped item are already changed, so the last
+   * regular checkpoint stands. */
+  if (stop && c->ckpt_dir && !c->gpu && k < s->nseg) KQSVD_CALL(save_checkpoint(s, k, i));
+  if (stop && s->signal)
+    KQSVD_FAIL(KQSVD_ERR_INTERRUPTED, "interrupted by %s; %s%s%s", strsignal(s->signal),
+               c->ckpt_dir ? "checkpoint saved in " : "no --checkpoint was given, so nothing "
+                                                      "is kept",
+               c->ckpt_dir ? c->ckpt_dir : "",
+               c->ckpt_dir ? ": run the same command again to resume" : "");
   if (stop) st = KQSVD_ERR_REMOTE; /* the failing rank reports */
   else if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
 done:
@@ -210,6 +238,8 @@ kqsvd_status_t calib_stream(calib_t *c) {
   kqsvd_progress_t prog;
   memset(&s, 0, sizeof s);
   s.c = c;
+  /* Test hook: slow reads, so that a test can signal a run mid-stream. */
+  s.delay_ms = getenv("KQSVD_TEST_READ_DELAY_MS") ? atoi(getenv("KQSVD_TEST_READ_DELAY_MS")) : 0;
   s.nseg = c->seg_first[c->cli->rank + 1] - c->seg_first[c->cli->rank];
   const size_t tri = kqsvd_tri_size((int)c->d);
   const int64_t nvals = c->nitems * CAL_NR * (int64_t)tri;
@@ -256,7 +286,16 @@ kqsvd_status_t calib_stream(calib_t *c) {
                                 kqsvd_progress_interval(&prog), &s.mon));
   s.last_save = kqsvd_now();
   const double t0 = kqsvd_now();
+  /* A signal now stops every rank at its next block, with a checkpoint. */
+  kqsvd_signal_defer(1);
   local = stream_segments(&s);
+  /* One that came after the last block still stops the run here. */
+  if (local == KQSVD_OK && kqsvd_signal_pending() && kqsvd_monitor_raise(s.mon) == KQSVD_OK)
+    local = kqsvd_error_set(KQSVD_ERR_INTERRUPTED, __FILE__, __LINE__, __func__,
+                            "interrupted by %s%s%s", strsignal(kqsvd_signal_pending()),
+                            c->ckpt_dir ? "; checkpoint saved in " : "",
+                            c->ckpt_dir ? c->ckpt_dir : "");
+  kqsvd_signal_defer(0);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(s.mon));
   c->t_stream = kqsvd_now() - t0;
   c->streamed = (double)c->tokens * (double)(total - base) / (double)total;

@@ -11,6 +11,7 @@
 #include "kqsvd_cli.h"
 #include "kqsvd_h5.h"
 #include "kqsvd_gpu.h"
+#include "kqsvd_signal.h"
 
 typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
 
@@ -50,6 +51,7 @@ int main(int argc, char **argv) {
   MPI_Comm_rank(cli.comm, &cli.rank);
   MPI_Comm_size(cli.comm, &cli.size);
   kqsvd_h5_init();
+  kqsvd_signal_install();
 
   const char *cmd = argc > 1 ? argv[1] : NULL;
   command_fn fn = NULL;
@@ -89,7 +91,8 @@ int main(int argc, char **argv) {
 
   st = fn(&cli, argc - 1, argv + 1);
   if (st != KQSVD_OK) {
-    code = st == KQSVD_ERR_USAGE ? 2 : 1;
+    const kqsvd_status_t why = kqsvd_error_origin();
+    code = why == KQSVD_ERR_USAGE ? 2 : why == KQSVD_ERR_INTERRUPTED ? KQSVD_EXIT_INTERRUPTED : 1;
     if (kqsvd_error_report_here() && st != KQSVD_ERR_REMOTE) {
       if (cli.size > 1 && !kqsvd_error_is_collective())
         fprintf(stderr, "kqsvd %s: error (rank %d): %s\n", cmd, cli.rank, kqsvd_error_message());

@@ -14,7 +14,8 @@ static struct {
   bool collective;
   bool report;
   bool fatal;
-} g_err = {KQSVD_OK, "", "", false, true, false};
+  kqsvd_status_t origin;
+} g_err = {KQSVD_OK, "", "", false, true, false, KQSVD_OK};
 
 static void append_frame(const char *file, int line, const char *func) {
   size_t used = strlen(g_err.trace);
@@ -75,7 +76,11 @@ void kqsvd_error_clear(void) {
   g_err.collective = false;
   g_err.report = true;
   g_err.fatal = false;
+  g_err.origin = KQSVD_OK;
 }
+
+void kqsvd_error_set_origin(kqsvd_status_t code) { g_err.origin = code; }
+kqsvd_status_t kqsvd_error_origin(void) { return g_err.origin != KQSVD_OK ? g_err.origin : g_err.code; }
 
 void kqsvd_error_mark_collective(bool report_here) {
   g_err.collective = true;
@@ -105,6 +110,7 @@ const char *kqsvd_status_name(kqsvd_status_t st) {
   case KQSVD_ERR_NOMEM: return "out of memory";
   case KQSVD_ERR_BUG: return "internal error";
   case KQSVD_ERR_REMOTE: return "failure on another rank";
+  case KQSVD_ERR_INTERRUPTED: return "interrupted by a signal";
   }
   return "unknown status";
 }

@@ -28,7 +28,8 @@ typedef enum kqsvd_status {
   KQSVD_ERR_CUDA,    /* CUDA, cuBLAS or cuSOLVER failure */
   KQSVD_ERR_NOMEM,   /* allocation failed or exceeds the memory limit */
   KQSVD_ERR_BUG,     /* broken internal invariant, e.g. LAPACK info < 0 */
-  KQSVD_ERR_REMOTE   /* another MPI rank failed and reports it */
+  KQSVD_ERR_REMOTE,  /* another MPI rank failed and reports it */
+  KQSVD_ERR_INTERRUPTED /* stopped by a signal at a safe point (kqsvd_signal.h) */
 } kqsvd_status_t;
 
 /* Records a new error (the first one wins while one is pending) and returns
@@ -61,6 +62,11 @@ void kqsvd_error_mark_local(void);
 void kqsvd_error_mark_fatal(void);
 bool kqsvd_error_is_fatal(void);
 bool kqsvd_error_is_collective(void);
+/* The status of the rank whose message is reported (set when ranks agree
+ * on a failure), so that every rank exits with the same code; the pending
+ * error's own status when no agreement recorded one. */
+void kqsvd_error_set_origin(kqsvd_status_t code);
+kqsvd_status_t kqsvd_error_origin(void);
 bool kqsvd_error_report_here(void);
 
 const char *kqsvd_status_name(kqsvd_status_t st);

@@ -25,6 +25,7 @@ options         output and checkpoint arguments refused before any work
 skip_done       --skip-done sees a shard rewritten with the same size and mtime
 hostile_files   overflowing seq_lens, mistagged bf16, virtual and external data, long strings
 checkpoints     damaged checkpoints refused by name; an intact one resumes bit for bit
+signals         SIGUSR1/SIGTERM: checkpoint, exit 75, bit-identical resume; no leftovers
 examples_usage  compress_cache.py's usage errors and one-line bad-input errors
 gpu             calibrate --device cuda against --device cpu (needs a GPU and -DKQSVD_CUDA=ON)
 """
@@ -39,7 +40,7 @@ from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ran
 from scenarios_math import gpu, ranks, reference, shards, theorems  # noqa: E402
 from scenarios_qr import qr_gram, qr_scalapack  # noqa: E402
 from scenarios_hardening import (checkpoints, few_rows, hostile_files, options,  # noqa: E402
-                                 skip_done)
+                                 signals, skip_done)
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_slurm import manifest, slurm  # noqa: E402
@@ -49,7 +50,7 @@ SCENARIOS = {f.__name__: f for f in
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
               eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
-              examples_usage)}
+              signals, examples_usage)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

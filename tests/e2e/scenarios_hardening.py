@@ -240,3 +240,69 @@ def checkpoints():
     check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"),
           "a resumed run differs from the uninterrupted one")
     finish("checkpoints")
+
+
+def signals():
+    """SIGUSR1 (SLURM's warning through mpirun) or SIGTERM stops a run at a
+    safe point with a checkpoint and exit 75; the rerun equals an
+    uninterrupted run bit for bit.  A signal while the output is written
+    leaves no temporary file."""
+    import signal
+    import subprocess
+    import time
+    from harness import KQSVD, MPIEXEC, NPFLAG, PREFLAGS
+    wd, model, shards = small_set("signals", seqs=8, seq_len=256, min_seq_len=256, shards=2,
+                                  **TINY)
+    blocks = ["--read-rows", "64", "--qr-block", "64"]
+    ref = os.path.join(wd, "ref.h5")
+    calibrate(model, ref, shards, np_=2, extra=blocks)
+    slow = dict(os.environ, KQSVD_TEST_READ_DELAY_MS="60")
+
+    def interrupted(tag, send, ckpt=True):
+        out, ck = os.path.join(wd, f"{tag}.h5"), os.path.join(wd, f"ck-{tag}")
+        args = [KQSVD, "calibrate", "--progress", "off", "--model", model, "--out", out, *blocks]
+        args += ["--checkpoint", ck, "--checkpoint-every", "0"] if ckpt else []
+        p = subprocess.Popen([MPIEXEC, NPFLAG, "2", *PREFLAGS, *args, *shards], env=slow,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0 = time.time()
+        # Mid-stream: once a checkpoint exists (or a second has passed).
+        while time.time() - t0 < 20 and not glob.glob(os.path.join(ck, "rank-*.h5")):
+            if not ckpt and time.time() - t0 > 1.5:
+                break
+            time.sleep(0.05)
+        send(p)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            check(False, f"{tag}: no exit within 60 s of the signal")
+            return out, ck, args
+        check(p.returncode == 75, f"{tag}: exit {p.returncode}, expected 75: {err[:800]}")
+        check("interrupted by" in err, f"{tag}: no 'interrupted by' message: {err[:800]}")
+        check(not os.path.exists(out) and not leftovers(wd), f"{tag}: output or leftovers")
+        if ckpt:
+            check(len(glob.glob(os.path.join(ck, "rank-*.h5"))) == 2 and
+                  not glob.glob(os.path.join(ck, "*.tmp")), f"{tag}: checkpoints missing")
+        else:
+            check("nothing is kept" in err, f"{tag}: does not say nothing was kept: {err[:400]}")
+        return out, ck, args
+
+    def ranks_of(p):
+        r = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True)
+        return [int(x) for x in r.stdout.split()]
+
+    for tag, send in (("usr1", lambda p: p.send_signal(signal.SIGUSR1)),
+                      ("term-one-rank", lambda p: os.kill(ranks_of(p)[-1], signal.SIGTERM))):
+        out, ck, args = interrupted(tag, send)
+        calibrate(model, out, shards, np_=2, extra=[*blocks, "--checkpoint", ck])
+        a, b = load_proj(ref), load_proj(out)
+        check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"),
+              f"{tag}: the resumed run differs from the uninterrupted one")
+    interrupted("no-checkpoint", lambda p: p.send_signal(signal.SIGUSR1), ckpt=False)
+    # SIGTERM while proj.h5 is written: no OUT.tmp-PID left behind.
+    out = os.path.join(wd, "writing.h5")
+    p = calibrate(model, out, shards, np_=2, env={"KQSVD_TEST_SIGNAL_WRITING": "15"},
+                  expect=None)
+    check(p.returncode != 0 and not os.path.exists(out) and not leftovers(wd),
+          f"signal while writing: exit {p.returncode}, leftovers {leftovers(wd)}")
+    finish("signals")
