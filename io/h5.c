@@ -50,6 +50,9 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file) 
   hid_t fapl = -1;
   struct stat sb;
   *file = -1;
+  /* An unmatched shell pattern reaches us as itself. */
+  KQSVD_CHECK(stat(path, &sb) == 0 || !strpbrk(path, "*?["), KQSVD_ERR_INPUT,
+              "%s: no file matches this pattern", path);
   KQSVD_CHECK(stat(path, &sb) == 0, KQSVD_ERR_INPUT, "%s: %s", path, strerror(errno));
   KQSVD_CHECK(S_ISREG(sb.st_mode), KQSVD_ERR_INPUT, "%s: not a regular file", path);
   htri_t is = H5Fis_hdf5(path);

@@ -35,7 +35,8 @@ static void usage(FILE *out) {
           "commands:\n");
   for (size_t i = 0; i < NCOMMANDS; i++)
     fprintf(out, "  %-10s %s\n", g_commands[i].name, g_commands[i].about);
-  fprintf(out, "\n'kqsvd COMMAND --help' describes each command; 'kqsvd --version' the build.\n"
+  fprintf(out, "\n'kqsvd help COMMAND' (or 'kqsvd COMMAND --help') describes each command;\n"
+               "'kqsvd --version' (-V, version) the build and the GPUs it sees.\n"
                "Files follow the kqsvd data contract (docs/formats.md).\n");
 }
 
@@ -55,6 +56,13 @@ int main(int argc, char **argv) {
 
   const char *cmd = argc > 1 ? argv[1] : NULL;
   command_fn fn = NULL;
+  /* `kqsvd help CMD` is `kqsvd CMD --help`. */
+  char help_opt[] = "--help";
+  char *help_argv[] = {argv[0], argc > 2 ? argv[2] : NULL, help_opt, NULL};
+  if (cmd && strcmp(cmd, "help") == 0 && argc == 3) {
+    cmd = argv[2];
+    argv = help_argv;
+  }
   for (size_t i = 0; cmd && i < NCOMMANDS; i++)
     if (strcmp(cmd, g_commands[i].name) == 0) fn = g_commands[i].fn;
   if (!cmd || strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
@@ -62,7 +70,7 @@ int main(int argc, char **argv) {
     code = cmd ? 0 : 2;
     goto finalize;
   }
-  if (strcmp(cmd, "--version") == 0) {
+  if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0 || strcmp(cmd, "version") == 0) {
     if (cli.rank == 0) {
       printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
       const int ndev = kqsvd_gpu_driver_devices();

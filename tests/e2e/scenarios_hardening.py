@@ -82,6 +82,16 @@ def options():
                   expect=None)
     refused(p, "--checkpoint", under_file, code=2)
     check(not os.path.exists(os.path.join(wd, "x.h5")), "output written despite the refusal")
+    # A shell pattern that matched nothing arrives as itself.
+    pattern = os.path.join(wd, "set", "nothing-*.h5")
+    refused(calibrate(model, out, [pattern], extra=["--force"], expect=None), pattern,
+            "no file matches", code=1)
+    # help CMD, -V and version.
+    p = run(["help", "evaluate"])
+    check("usage: [mpirun -np N] kqsvd evaluate" in p.stdout, f"help evaluate: {p.stdout[:200]}")
+    for v in ("-V", "version", "--version"):
+        p = run([v])
+        check(p.stdout.startswith("kqsvd "), f"kqsvd {v}: {p.stdout[:200]}")
     finish("options")
 
 
