@@ -27,6 +27,24 @@ typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;
 kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_proj_meta_t *meta,
                                  kqsvd_proj_writer_t **w);
 
+/* Not collective.  Bytes a projections file of these sizes takes: every
+ * dataset plus an allowance for HDF5's metadata. */
+int64_t kqsvd_proj_size_estimate(const kqsvd_dims_t *dims);
+
+/* Not collective; call on one rank, right after kqsvd_proj_create.  Makes
+ * the file system allocate kqsvd_proj_size_estimate bytes for it now, so
+ * that no write, and above all not the collective metadata flush inside
+ * the final close, can fail on a full disk (one rank failing inside
+ * H5Fclose leaves the others waiting there forever).  Errors:
+ * KQSVD_ERR_IO naming `final_path` (the name the user gave) and the space
+ * needed and free. */
+kqsvd_status_t kqsvd_proj_reserve(const kqsvd_proj_writer_t *w, const char *final_path);
+
+/* Not collective; call on one rank after a successful kqsvd_proj_close:
+ * gives back what the reservation held beyond the file's end.  Errors:
+ * KQSVD_ERR_IO, _HDF5. */
+kqsvd_status_t kqsvd_proj_trim(const char *path);
+
 /* Not collective (independent I/O): stores one item's solution. */
 kqsvd_status_t kqsvd_proj_write_item(kqsvd_proj_writer_t *w, int64_t layer, int64_t kv_head,
                                      const kqsvd_solution_t *sol);

@@ -1,9 +1,15 @@
 #include "kqsvd_proj.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
 enum { P_KEY_DOWN, P_QUERY_DOWN, P_VALUE_DOWN, P_VALUE_UP, P_SIGMA_K, P_SIGMA_V, P_RANK_K,
        P_RANK_V, P_N };
@@ -18,7 +24,7 @@ struct kqsvd_proj_writer {
   hid_t group[KQSVD_NMETHODS + 1];
   hid_t p[KQSVD_NMETHODS][P_N];
   hid_t s[S_N];
-  int64_t d, layers;
+  int64_t d, layers, kv_heads;
 };
 
 static kqsvd_status_t create_ds(hid_t loc, const char *name, hid_t type, int nd,
@@ -47,6 +53,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   const kqsvd_dims_t *dm = &meta->dims;
   w->d = dm->head_dim;
   w->layers = dm->layers;
+  w->kv_heads = dm->kv_heads;
   snprintf(w->path, sizeof w->path, "%s", path);
   KQSVD_H5_ID(fapl, H5Pcreate(H5P_FILE_ACCESS));
   KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
@@ -90,6 +97,54 @@ done:
   kqsvd_h5_close(&fapl);
   if (st != KQSVD_OK) kqsvd_error_context(path);
   if (w) kqsvd_proj_close(&w);
+  return st;
+}
+
+int64_t kqsvd_proj_size_estimate(const kqsvd_dims_t *dm) {
+  const int64_t items = dm->layers * dm->kv_heads, d = dm->head_dim;
+  /* Per method 4 matrices, 2 spectra and 2 rank vectors; 5 spectra. */
+  const int64_t raw = KQSVD_NMETHODS * (items * (4 * d * d + 2 * d) * 8 + 2 * dm->layers * 4) +
+                      5 * items * d * 8;
+  /* The metadata of the 32 datasets and their attributes takes ~20 KiB. */
+  return raw + 64 * 1024 + raw / 100;
+}
+
+kqsvd_status_t kqsvd_proj_reserve(const kqsvd_proj_writer_t *w, const char *final_path) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct statvfs vfs;
+  const int64_t need = kqsvd_proj_size_estimate(&(kqsvd_dims_t){.layers = w->layers,
+                                                                .kv_heads = w->kv_heads,
+                                                                .head_dim = w->d});
+  const int fd = open(w->path, O_WRONLY);
+  KQSVD_CHECK(fd >= 0, KQSVD_ERR_IO, "%s: cannot open %s to reserve its space: %s", final_path,
+              w->path, strerror(errno));
+  const int rc = posix_fallocate(fd, 0, (off_t)need);
+  close(fd);
+  if (rc != 0) {
+    const double free_mib =
+        statvfs(w->path, &vfs) == 0 ? (double)vfs.f_bavail * (double)vfs.f_frsize / 1048576.0
+                                    : -1.0;
+    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot reserve the %.1f MiB it needs (%s; %.1f MiB free)",
+               final_path, (double)need / 1048576.0, strerror(rc), free_mib);
+  }
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_trim(const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t file = -1;
+  haddr_t eoa = 0;
+  struct stat sb;
+  KQSVD_CALL(kqsvd_h5_open_read(path, MPI_COMM_NULL, &file));
+  KQSVD_H5(H5Fget_eoa(file, &eoa));
+  kqsvd_h5_close(&file);
+  KQSVD_CHECK(stat(path, &sb) == 0, KQSVD_ERR_IO, "%s: %s", path, strerror(errno));
+  if ((haddr_t)sb.st_size > eoa)
+    KQSVD_CHECK(truncate(path, (off_t)eoa) == 0, KQSVD_ERR_IO, "%s: cannot trim it: %s", path,
+                strerror(errno));
+done:
+  kqsvd_h5_close(&file);
   return st;
 }
 

@@ -129,6 +129,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
                             c->inputs_hash};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
+  /* Every byte is claimed now, while a failure can still be agreed on. */
+  KQSVD_CALL(kqsvd_mpi_agree(comm, root ? kqsvd_proj_reserve(w, c->out_path) : KQSVD_OK));
   if (sig_at && root) raise(atoi(sig_at));
 
   const size_t nsig = (size_t)(SIG_N * c->nitems * c->d);
@@ -144,8 +146,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
   }
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
-  local = KQSVD_OK;
-  if (root && rename(tmp, c->out_path) != 0)
+  local = root ? kqsvd_proj_trim(tmp) : KQSVD_OK;
+  if (local == KQSVD_OK && root && rename(tmp, c->out_path) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
                             "cannot rename %s to %s: %s", tmp, c->out_path, strerror(errno));
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));

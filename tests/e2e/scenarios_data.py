@@ -10,7 +10,7 @@ import time
 import h5py
 import numpy as np
 
-from harness import (calibrate, check, finish, load_proj, small_set, synth, workdir, MPIEXEC,
+from harness import (calibrate, check, finish, load_proj, run, small_set, synth, workdir, MPIEXEC,
                      NPFLAG, PREFLAGS, KQSVD)
 
 ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
@@ -369,6 +369,38 @@ def disk_full():
             check("Segmentation" not in p.stderr and p.returncode != 139, f"np {np_}: crashed")
             check(out in p.stderr and "kqsvd calibrate: error" in p.stderr, f"np {np_}: {p.stderr}")
             check(not os.listdir(tiny), f"np {np_}: left {os.listdir(tiny)}")
+    finally:
+        subprocess.run(["umount", tiny])
+    # Room for the file to be created but not for all of it: the space is
+    # claimed before any data is written, so no rank can fail inside the
+    # collective close (2 ranks hung there).
+    full = os.path.join(wd, "full.h5")
+    calibrate(model, full, files, np_=2)
+    size = os.path.getsize(full)
+    for np_, room in ((1, size // 2), (2, size // 2), (2, size - 4096), (2, size - 3 * 4096)):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room // 4096 * 4096}", "tmpfs", tiny],
+                       check=True)
+        try:
+            out = os.path.join(tiny, "proj.h5")
+            try:
+                p = run(["calibrate", "--progress", "off", "--model", model, "--out", out, *files],
+                        np_=np_, expect=1, timeout=60)
+                check(out in p.stderr and "No space left" in p.stderr,
+                      f"{room} bytes free, np {np_}: {p.stderr[:600]}")
+            except subprocess.TimeoutExpired:
+                check(False, f"{room} bytes free, np {np_}: hung")
+            check(not os.listdir(tiny), f"{room} bytes free, np {np_}: left {os.listdir(tiny)}")
+        finally:
+            subprocess.run(["umount", tiny])
+    # Enough room: the reservation is given back, the file is as before.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={2 * size // 4096 * 4096}", "tmpfs", tiny],
+                   check=True)
+    try:
+        out = os.path.join(tiny, "proj.h5")
+        calibrate(model, out, files, np_=2)
+        check(os.path.getsize(out) == size, f"{os.path.getsize(out)} bytes, expected {size}")
+        a, b = load_proj(full), load_proj(out)
+        check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"), "results differ")
     finally:
         subprocess.run(["umount", tiny])
     finish("disk_full")
