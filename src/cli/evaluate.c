@@ -32,6 +32,9 @@ static void evaluate_help(void) {
       "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
       "                      [256, fewer if --mem-limit requires]\n"
       "  --mem-limit MIB     memory bound per rank [1024]\n"
+      "  --allow-model-mismatch\n"
+      "                      evaluate projections whose 'model' attribute differs from\n"
+      "                      MODEL's (an error otherwise)\n"
       "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
       "  --progress MODE     auto, bar, lines or off [auto]\n"
       "  -v, --verbose       print a trace with errors\n"
@@ -40,12 +43,13 @@ static void evaluate_help(void) {
 
 static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK };
+  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK, O_ALLOW };
   static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
                                            {"proj", required_argument, NULL, O_PROJ},
                                            {"json", required_argument, NULL, O_JSON},
                                            {"ranks", required_argument, NULL, O_RANKS},
                                            {"block-rows", required_argument, NULL, O_BLOCK},
+                                           {"allow-model-mismatch", no_argument, NULL, O_ALLOW},
                                            KQSVD_RUN_LONGOPTS,
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
@@ -65,6 +69,7 @@ static kqsvd_status_t parse(evaluation_t *e, int argc, char **argv) {
       KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &e->ranks));
       e->ranks_set = 1;
       break;
+    case O_ALLOW: e->allow_mismatch = 1; break;
     case O_BLOCK:
       KQSVD_CALL(kqsvd_opt_int("--block-rows", optarg, 1, 1 << 20, &e->block_rows));
       e->block_set = 1;
@@ -107,9 +112,18 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
     kqsvd_dims_t pd = *kqsvd_proj_dims(e->proj);
     pd.causal = e->dims.causal; /* not part of a projections file */
     local = kqsvd_dims_match(&pd, e->proj_path, &e->dims, e->model_path);
-    if (local == KQSVD_OK && e->cli->rank == 0 && strcmp(pd.model, e->dims.model) != 0)
-      fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
-              e->proj_path, pd.model, e->model_path, e->dims.model);
+    /* Projections of another model with the same shapes give numbers that
+     * look fine and mean nothing. */
+    if (local == KQSVD_OK && strcmp(pd.model, e->dims.model) != 0) {
+      if (!e->allow_mismatch)
+        local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                                "%s: attribute 'model' is \"%s\", but %s says \"%s\"; give "
+                                "--allow-model-mismatch to evaluate them anyway",
+                                e->proj_path, pd.model, e->model_path, e->dims.model);
+      else if (e->cli->rank == 0)
+        fprintf(stderr, "kqsvd evaluate: warning: %s is from model \"%s\", %s says \"%s\"\n",
+                e->proj_path, pd.model, e->model_path, e->dims.model);
+    }
   }
   KQSVD_CALL(kqsvd_mpi_agree(e->cli->comm, local));
   e->d = e->dims.head_dim;

@@ -16,7 +16,7 @@ typedef struct evaluation {
   /* options */
   const char *model_path, *proj_path, *json_path;
   kqsvd_rank_policy_t ranks;
-  int ranks_set, block_set, nshards, help;
+  int ranks_set, block_set, nshards, help, allow_mismatch;
   int64_t block_rows;
   kqsvd_run_opts_t run;
   char **shards;

@@ -86,6 +86,16 @@ def options():
     pattern = os.path.join(wd, "set", "nothing-*.h5")
     refused(calibrate(model, out, [pattern], extra=["--force"], expect=None), pattern,
             "no file matches", code=1)
+    # Projections of another model with the same shapes: an error unless
+    # asked for.
+    other = os.path.join(wd, "other-model.h5")
+    shutil.copy(model, other)
+    with h5py.File(other, "r+") as f:
+        f.attrs["model"] = "another/model"
+    ev = ["evaluate", "--progress", "off", "--model", other, "--proj", out, *shards]
+    refused(run(ev, expect=None), out, "another/model", "--allow-model-mismatch", code=1)
+    p = run(ev + ["--allow-model-mismatch"])
+    check("warning" in p.stderr, f"no warning with --allow-model-mismatch: {p.stderr[:300]}")
     # help CMD, -V and version.
     p = run(["help", "evaluate"])
     check("usage: [mpirun -np N] kqsvd evaluate" in p.stdout, f"help evaluate: {p.stdout[:200]}")
