@@ -1,4 +1,5 @@
 #include "kqsvd_cache.h"
+#include "kqsvd_signal.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -72,6 +73,7 @@ static kqsvd_status_t tensor_read(tensor_t *t, const char *path, const char *nam
   hsize_t n = 1;
   for (int i = 0; i < nd; i++) n *= count[i];
   if (n == 0) return KQSVD_OK;
+  kqsvd_signal_context(path);
   KQSVD_H5_ID(fspace, H5Dget_space(t->dset));
   KQSVD_H5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, start, NULL, count, NULL));
   KQSVD_H5_ID(mspace, H5Screate_simple(1, &n, NULL));

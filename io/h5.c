@@ -1,4 +1,5 @@
 #include "kqsvd_h5.h"
+#include "kqsvd_signal.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -50,6 +51,7 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file) 
   hid_t fapl = -1;
   struct stat sb;
   *file = -1;
+  kqsvd_signal_context(path);
   /* An unmatched shell pattern reaches us as itself. */
   KQSVD_CHECK(stat(path, &sb) == 0 || !strpbrk(path, "*?["), KQSVD_ERR_INPUT,
               "%s: no file matches this pattern", path);

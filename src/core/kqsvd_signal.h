@@ -28,6 +28,12 @@ void kqsvd_signal_defer(int on);
 /* The signal recorded while deferred (0: none). */
 int kqsvd_signal_pending(void);
 
+/* Names the file being read, for the one line printed if the process
+ * crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT: e.g. inside libhdf5 on
+ * a damaged file) before it ends as the signal would; the launcher then
+ * ends the other ranks.  Not async-signal-safe: main flow only. */
+void kqsvd_signal_context(const char *path);
+
 /* Registers a temporary file to remove when a signal ends the process, and
  * forgets it again (after its rename or removal).  Up to 8 at a time;
  * further ones are not tracked.  Not async-signal-safe: call from the main

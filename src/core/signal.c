@@ -18,6 +18,36 @@ static volatile sig_atomic_t g_defer, g_pending;
 static pid_t g_owner;
 
 static const int g_signals[] = {SIGTERM, SIGINT, SIGUSR1};
+static const int g_fatal[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+static char g_context[PATH_MAX];
+static volatile sig_atomic_t g_have_context;
+
+static void say(const char *s) {
+  ssize_t left = (ssize_t)strlen(s);
+  while (left > 0) {
+    const ssize_t w = write(STDERR_FILENO, s, (size_t)left);
+    if (w <= 0) return;
+    s += w, left -= w;
+  }
+}
+
+static void fatal(int sig) {
+  if (getpid() == g_owner) {
+    say("kqsvd: fatal signal ");
+    say(sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE"
+        : sig == SIGILL ? "SIGILL" : "SIGABRT");
+    if (g_have_context) {
+      say("; the last file opened or read was ");
+      say(g_context);
+      say(" (damaged?)");
+    }
+    say("\n");
+    for (int k = 0; k < NTRACK; k++)
+      if (g_used[k]) unlink(g_paths[k]);
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
 
 static void handler(int sig) {
   if (getpid() == g_owner) {
@@ -42,6 +72,18 @@ void kqsvd_signal_install(void) {
   g_owner = getpid();
   for (size_t i = 0; i < sizeof g_signals / sizeof g_signals[0]; i++)
     sigaction(g_signals[i], &sa, NULL);
+#if !defined(__SANITIZE_ADDRESS__)
+  /* Sanitizer builds keep their own, more telling, crash reports. */
+  sa.sa_handler = fatal;
+  sa.sa_flags = SA_RESETHAND;
+  for (size_t i = 0; i < sizeof g_fatal / sizeof g_fatal[0]; i++) sigaction(g_fatal[i], &sa, NULL);
+#endif
+}
+
+void kqsvd_signal_context(const char *path) {
+  g_have_context = 0;
+  snprintf(g_context, sizeof g_context, "%s", path);
+  g_have_context = 1;
 }
 
 void kqsvd_signal_defer(int on) { g_defer = on; }

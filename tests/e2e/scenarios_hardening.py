@@ -319,6 +319,22 @@ def signals():
         check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"),
               f"{tag}: the resumed run differs from the uninterrupted one")
     interrupted("no-checkpoint", lambda p: p.send_signal(signal.SIGUSR1), ckpt=False)
+    # A rank that crashes (as libhdf5 can on a damaged file) names the file
+    # it was reading, and the launcher ends the job: no hang.
+    out = os.path.join(wd, "crash.h5")
+    p = subprocess.Popen([MPIEXEC, NPFLAG, "2", *PREFLAGS, KQSVD, "calibrate", "--progress", "off",
+                          "--model", model, "--out", out, *blocks, *shards], env=slow,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    os.kill(ranks_of(p)[-1], signal.SIGSEGV)
+    try:
+        _, err = p.communicate(timeout=60)
+        check(p.returncode != 0 and "fatal signal SIGSEGV" in err and "shard-" in err,
+              f"crash: exit {p.returncode}: {err[:600]}")
+    except subprocess.TimeoutExpired:
+        p.kill()
+        check(False, "crash: the other rank hung")
+    check(not os.path.exists(out) and not leftovers(wd), "crash: output or leftovers")
     # SIGTERM while proj.h5 is written: no OUT.tmp-PID left behind.
     out = os.path.join(wd, "writing.h5")
     p = calibrate(model, out, shards, np_=2, env={"KQSVD_TEST_SIGNAL_WRITING": "15"},
