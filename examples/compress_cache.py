@@ -10,8 +10,9 @@ python3-torch).  Usage errors exit 2, bad input 1, each with one line.
 """
 import argparse
 import os
-import shutil
 import sys
+
+from _python import rerun_elsewhere
 
 PROG = "compress_cache.py"
 
@@ -48,12 +49,7 @@ def import_modules():
         import torch
         return h5py, numpy, torch
     except ImportError as e:
-        if not os.environ.get("KQSVD_EXAMPLES_REEXEC"):
-            for cand in (os.environ.get("KQSVD_PYTHON"), "/usr/bin/python3"):
-                path = cand and shutil.which(cand)
-                if path and os.path.abspath(path) != sys.executable:
-                    os.environ["KQSVD_EXAMPLES_REEXEC"] = "1"
-                    os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
+        rerun_elsewhere(__file__)
         fail(f"needs numpy, h5py and PyTorch ({e}); Debian: apt-get install python3-numpy "
              "python3-h5py python3-torch")
 

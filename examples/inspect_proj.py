@@ -9,23 +9,15 @@ products V W^O (all heads of the layer together): the two quantities KQ-SVD
 minimises.  On calibration data kqsvd's columns are never worse; on other
 shards they show how well the projections generalise.
 """
-import os
-import shutil
 import sys
+
+from _python import rerun_elsewhere
 
 try:
     import h5py
     import numpy as np
 except ImportError as e:
-    # python3 first on PATH (pyenv, a venv) may lack Debian's python3-numpy and
-    # python3-h5py: run again with $KQSVD_PYTHON or /usr/bin/python3 (as
-    # scripts/env.sh picks) before giving up.
-    if not os.environ.get("KQSVD_EXAMPLES_REEXEC"):
-        for cand in (os.environ.get("KQSVD_PYTHON"), "/usr/bin/python3"):
-            path = cand and shutil.which(cand)
-            if path and os.path.abspath(path) != sys.executable:
-                os.environ["KQSVD_EXAMPLES_REEXEC"] = "1"
-                os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
+    rerun_elsewhere(__file__)
     raise SystemExit(f"inspect_proj.py: needs numpy and h5py ({e}); Debian: apt-get install "
                      "python3-numpy python3-h5py")
 

@@ -17,8 +17,9 @@ PATH (pyenv, a venv) lacks it, the script runs again with $KQSVD_PYTHON or
 import argparse
 import json
 import os
-import shutil
 import sys
+
+from _python import rerun_elsewhere
 
 METHODS = ("kqsvd", "ksvd", "eigen")
 LABELS = {"kqsvd": "KQ-SVD", "ksvd": "K-SVD", "eigen": "Eigen"}
@@ -111,12 +112,7 @@ def main():
         import matplotlib.pyplot as plt
         import matplotlib.ticker as ticker
     except ImportError:
-        if not os.environ.get("KQSVD_EXAMPLES_REEXEC"):
-            for cand in (os.environ.get("KQSVD_PYTHON"), "/usr/bin/python3"):
-                path = cand and shutil.which(cand)
-                if path and os.path.abspath(path) != sys.executable:
-                    os.environ["KQSVD_EXAMPLES_REEXEC"] = "1"
-                    os.execv(path, [path, os.path.abspath(__file__)] + sys.argv[1:])
+        rerun_elsewhere(__file__)
         raise SystemExit("plot_reports: needs matplotlib (Debian: apt-get install python3-matplotlib)")
     os.makedirs(a.out, exist_ok=True)
     written = [os.path.join(a.out, "figure1.png")]
