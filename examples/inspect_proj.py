@@ -75,4 +75,8 @@ if __name__ == "__main__":
     if len(sys.argv) != 4:
         print(__doc__.strip(), file=sys.stderr)
         sys.exit(2)
-    main(*sys.argv[1:])
+    try:
+        main(*sys.argv[1:])
+    except (OSError, KeyError, ValueError, IndexError) as e:
+        # A missing or foreign file: one line naming it, not a traceback.
+        raise SystemExit(f"inspect_proj.py: {e}")
