@@ -161,21 +161,15 @@ def hostile_files():
     p = run(["evaluate", "--progress", "off", "--model", model, "--proj", out, sl], expect=None)
     refused(p, sl, "seq_lens", code=1)
     os.remove(out)
-    # bf16 bit patterns in an IEEE half dataset, tagged bfloat16.
-    half = copy_to(shards[0], wd, "half")
-    with h5py.File(half, "r+") as f:
-        bits = f["keys"][...]
-        del f["keys"]
-        f["keys"] = bits.view(np.float16)
-        f["keys"].attrs["dtype"] = "bfloat16"
-    refused_file(cal([half, shards[1]]), half, "keys", "bfloat16", "unsigned")
-    signed = copy_to(shards[0], wd, "signed")
-    with h5py.File(signed, "r+") as f:
-        bits = f["values"][...]
-        del f["values"]
-        f["values"] = bits.view(np.int16)
-        f["values"].attrs["dtype"] = "bfloat16"
-    refused_file(cal([signed, shards[1]]), signed, "values", "unsigned")
+    # bf16 bit patterns in an IEEE half (or int16) dataset, tagged bfloat16.
+    for tag, name, kind in (("half", "keys", np.float16), ("signed", "values", np.int16)):
+        bad = copy_to(shards[0], wd, tag)
+        with h5py.File(bad, "r+") as f:
+            bits = f[name][...]
+            del f[name]
+            f[name] = bits.view(kind)
+            f[name].attrs["dtype"] = "bfloat16"
+        refused_file(cal([bad, shards[1]]), bad, name, "bfloat16", "unsigned")
     # Virtual datasets: refused up front on every rank count (a missing
     # source read as zeros; a valid one failed only once split over ranks).
     src = copy_to(shards[0], wd, "source")
