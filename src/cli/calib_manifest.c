@@ -69,7 +69,8 @@ kqsvd_status_t calib_manifest(calib_t *base) {
   int done_models = 0, skipped = 0;
   memset(&m, 0, sizeof m);
   /* Every rank reads it: the same file, and agreement on the outcome. */
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_manifest_read(base->manifest_path, &m)));
+  KQSVD_CALL(kqsvd_mpi_agree(
+      cli->comm, kqsvd_manifest_read_report(base->manifest_path, cli->rank == 0 ? stderr : NULL, &m)));
   /* Every output's folder before any work, so a typo in the last line does
    * not surface hours later. */
   for (int i = 0; i < m.n; i++) {

@@ -2,7 +2,6 @@
  * line, for scripts (slurm/kqsvd-submit) that must refuse a bad manifest
  * before submitting anything. */
 #include <errno.h>
-#include <glob.h>
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
@@ -11,18 +10,28 @@
 #include "kqsvd_manifest.h"
 #include "kqsvd_mpi.h"
 
-/* One path per line into DIR/NAME.KIND, for job scripts (paths may hold
- * blanks; the order is the one calibrate --manifest uses). */
+/* DIR/NAME.KIND: the paths, each ended by a NUL byte, in the order
+ * calibrate --manifest uses.  NUL is the one byte no path can hold, so no
+ * file name can shift the list a job script reads back (mapfile -d ''). */
 static kqsvd_status_t write_list(const char *dir, const char *name, const char *kind,
-                                 char **paths, size_t n) {
+                                 char **paths, int n) {
   kqsvd_status_t st = KQSVD_OK;
   char file[PATH_MAX];
-  snprintf(file, sizeof file, "%s/%s.%s", dir, name, kind);
-  FILE *f = fopen(file, "w");
+  FILE *f = NULL;
+  KQSVD_CHECK(snprintf(file, sizeof file, "%s/%s.%s", dir, name, kind) < (int)sizeof file,
+              KQSVD_ERR_USAGE, "--lists %s: path too long", dir);
+  f = fopen(file, "w");
   KQSVD_CHECK(f, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
-  for (size_t k = 0; k < n; k++) fprintf(f, "%s\n", paths[k]);
-  KQSVD_CHECK(fclose(f) == 0, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
+  for (int k = 0; k < n; k++) {
+    fputs(paths[k], f);
+    fputc('\0', f);
+  }
+  const int failed = ferror(f);
+  const int closed = fclose(f);
+  f = NULL;
+  KQSVD_CHECK(!failed && closed == 0, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
 done:
+  if (f) fclose(f);
   return st;
 }
 
@@ -42,9 +51,12 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
              "'#' comments, paths relative to its folder) and prints one line per model,\n"
              "fields separated by tabs: NAME, MODEL_H5, OUTPUT_H5, the rank policy ('-' for\n"
              "the default), the number of shards, SHARD_GLOB and VALID_GLOB ('-' if none),\n"
-             "with absolute paths.  A bad line is reported as MANIFEST:LINE: reason.\n"
+             "with absolute, normalised paths.  Every bad line is reported, as\n"
+             "MANIFEST:LINE: reason; paths holding control characters (tabs, newlines)\n"
+             "are refused, so the fields cannot shift.\n"
              "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid, the matching\n"
-             "files one per line, in the order calibrate uses.\n");
+             "files in the order calibrate uses, each path followed by a NUL byte\n"
+             "(bash: mapfile -d '' files < DIR/NAME.shards).\n");
     return KQSVD_OK;
   }
   if (argc != 2) {
@@ -53,22 +65,20 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
         kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
                         "expected MANIFEST [--lists DIR]")));
   }
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_manifest_read(argv[1], &m)));
+  KQSVD_CALL(kqsvd_mpi_agree(
+      cli->comm, kqsvd_manifest_read_report(argv[1], cli->rank == 0 ? stderr : NULL, &m)));
+  /* The lists first: a table on stdout means every list was written. */
+  for (int i = 0; lists && cli->rank == 0 && i < m.n; i++) {
+    const kqsvd_manifest_entry_t *e = &m.e[i];
+    KQSVD_CALL(write_list(lists, e->name, "shards", e->shards, e->nshards));
+    if (e->valid_glob) KQSVD_CALL(write_list(lists, e->name, "valid", e->valid, e->nvalid));
+  }
   for (int i = 0; cli->rank == 0 && i < m.n; i++) {
     const kqsvd_manifest_entry_t *e = &m.e[i];
     char policy[64] = "-";
     if (e->has_policy) kqsvd_rank_policy_format(&e->policy, policy, sizeof policy);
     printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\n", e->name, e->model, e->output, policy, e->nshards,
            e->shard_glob, e->valid_glob ? e->valid_glob : "-");
-    if (!lists) continue;
-    KQSVD_CALL(write_list(lists, e->name, "shards", e->shards, (size_t)e->nshards));
-    if (e->valid_glob) {
-      glob_t g;
-      if (glob(e->valid_glob, 0, NULL, &g) == 0)
-        st = write_list(lists, e->name, "valid", g.gl_pathv, g.gl_pathc);
-      globfree(&g);
-      KQSVD_CALL(st);
-    }
   }
 done:
   kqsvd_manifest_free(&m);
