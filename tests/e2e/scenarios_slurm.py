@@ -1,6 +1,9 @@
 """Many models and clusters: `calibrate --manifest` under mpirun, manifest
-errors, and slurm/kqsvd-submit on a real single-node SLURM with a job
-killed half-way (scancel, and kill -9 of one rank) and resubmitted."""
+errors, the job scripts against stand-ins for sbatch, squeue, scontrol and
+the launcher (slurm_scripts: arguments, NUL-separated file lists, signals
+passed on, requeueing), and slurm/kqsvd-submit on a real single-node SLURM
+with a job killed half-way (scancel, and kill -9 of one rank) and
+resubmitted, and one stopped by the time-limit signal that requeues itself."""
 import glob
 import os
 import shutil
@@ -105,6 +108,150 @@ def manifest():
     finish("manifest")
 
 
+# ---- the job scripts, SLURM stood in for -------------------------------------
+
+STUBS = {
+    # Each records its arguments, one per line, a blank line after a call.
+    "sbatch": 'printf "%s\\n" "$@" "" >> "$STUB_DIR/sbatch.calls"; echo 4242',
+    "scontrol": 'printf "%s\\n" "$@" "" >> "$STUB_DIR/scontrol.calls"',
+    # Lists the jobs for the first STUB_LIVE calls, as for a requeued task.
+    "squeue": 'echo x >> "$STUB_DIR/squeue.calls"\n'
+              '[ "$(wc -l < "$STUB_DIR/squeue.calls")" -gt "${STUB_LIVE:-0}" ] || echo 4242_0',
+    # The launcher: its arguments NUL-separated; with STUB_SIGNAL, waits
+    # for USR1 and exits 75 as kqsvd calibrate does after its checkpoint.
+    "launch": 'printf "%s\\0" "$@" > "$STUB_DIR/launch.args"\n'
+              'if [ -n "${STUB_SIGNAL:-}" ]; then\n'
+              '  trap \'echo USR1 > "$STUB_DIR/launch.signal"; exit 75\' USR1\n'
+              '  touch "$STUB_DIR/launch.ready"\n'
+              '  while :; do sleep 0.05; done\n'
+              'fi',
+}
+
+
+def stubs(wd):
+    d = os.path.join(wd, "bin")
+    os.makedirs(d)
+    for name, body in STUBS.items():
+        with open(os.path.join(d, name), "w") as f:
+            f.write("#!/usr/bin/env bash\n" + body + "\n")
+        os.chmod(os.path.join(d, name), 0o755)
+    return d
+
+
+def calls(path):
+    """The recorded calls: a list of argument lists."""
+    if not os.path.exists(path):
+        return []
+    return [c.split("\n") for c in open(path).read().split("\n\n") if c]
+
+
+def run_job(env, template, signal_=None, timeout=30):
+    """A template run by bash as SLURM would, signalled once the launcher runs."""
+    p = subprocess.Popen(["bash", os.path.join(ROOT, "slurm", template)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if signal_:
+        ready = os.path.join(env["STUB_DIR"], "launch.ready")
+        t0 = time.time()
+        while not os.path.exists(ready) and time.time() - t0 < 10:
+            time.sleep(0.02)
+        os.remove(ready)
+        p.send_signal(signal_)
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def slurm_scripts():
+    """kqsvd-submit's sbatch options (--requeue, --signal-lead), --wait
+    through a requeue, refusals; calibrate.sbatch and evaluate.sbatch in
+    array mode: every file name reaches kqsvd as one argument, USR1 and TERM
+    reach the launcher as USR1, and an exit code of 75 after USR1 requeues
+    the job when asked to.  No SLURM needed."""
+    wd = workdir("slurm_scripts")
+    stub = stubs(wd)
+    for n in ("a/model.h5", "a/s 0 --force.h5", "a/s-1.h5", "v/-v 0.h5"):
+        os.makedirs(os.path.dirname(os.path.join(wd, n)), exist_ok=True)
+        open(os.path.join(wd, n), "w").close()
+    os.makedirs(os.path.join(wd, "out"))
+    mpath = os.path.join(wd, "m.txt")
+    with open(mpath, "w") as f:
+        f.write("x a/model.h5 out/x.h5 a/s*.h5 0.2 v/*.h5\n")
+    env = dict(os.environ, PATH=stub + ":" + os.environ["PATH"], STUB_DIR=wd, KQSVD_POLL="1")
+    real = os.path.realpath(wd)
+
+    submit_cmd = [os.path.join(ROOT, "slurm", "kqsvd-submit"), mpath]
+    t0 = time.time()
+    p = subprocess.run(submit_cmd + ["--requeue", "--signal-lead", "240", "--evaluate", "--wait"],
+                       capture_output=True, text=True, env=dict(env, STUB_LIVE="2"), timeout=60)
+    took = time.time() - t0
+    cal, ev = (calls(os.path.join(wd, "sbatch.calls")) + [[], []])[:2]
+    check("--requeue" in cal and "--signal=B:USR1@240" in cal and cal[-1].endswith("calibrate.sbatch")
+          and any(a.startswith("--export=") and "KQSVD_REQUEUE=1" in a for a in cal),
+          f"calibrate's sbatch: {cal}")
+    check("--requeue" in ev and not any(a.startswith("--signal") for a in ev)
+          and "--dependency=aftercorr:4242" in ev, f"evaluate's sbatch: {ev}")
+    # squeue listed the task twice (a requeued task is pending again), then
+    # not; no job wrote a status, so both read as never run.
+    sq = os.path.join(wd, "squeue.calls")
+    polls = open(sq).read().count("x\n") if os.path.exists(sq) else 0
+    check(polls == 3 and took >= 2, f"--wait polled squeue {polls} times in {took:.1f} s")
+    check(p.returncode == 1 and "FAILED (never ran)" in p.stdout, f"--wait: {p.returncode} {p.stdout}")
+    for args, needle in ((["--poll", "0"], "'0' is not a positive whole number"),
+                         (["--signal-lead", "70000"], "at most 65535"),
+                         (["--signal-lead", "x"], "'x' is not a positive")):
+        p = subprocess.run(submit_cmd + args, capture_output=True, text=True, env=env, timeout=30)
+        check(p.returncode == 2 and needle in p.stderr, f"{args}: {p.returncode} {p.stderr}")
+    p = subprocess.run(submit_cmd[:1] + ["--help"], capture_output=True, text=True, timeout=30)
+    check("--requeue" in p.stderr and "--poll S" in p.stderr and "set -e" not in p.stderr,
+          f"--help: {p.stderr}")
+    fifo = os.path.join(wd, "fifo.txt")
+    os.mkfifo(fifo)
+    p = subprocess.run(submit_cmd[:1] + [fifo], capture_output=True, text=True, env=env, timeout=30)
+    check(p.returncode == 2 and "is not a regular file" in p.stderr, f"FIFO manifest: {p.stderr}")
+    check(len(calls(os.path.join(wd, "sbatch.calls"))) == 2, "a refused submission called sbatch")
+
+    # The templates in array mode, as kqsvd-submit sets them up.
+    sub, logs = os.path.join(wd, "sub"), os.path.join(wd, "logs")
+    os.makedirs(sub)
+    os.makedirs(logs)
+    with open(os.path.join(sub, "manifest.tsv"), "w") as f:
+        f.write(run(["manifest", mpath, "--lists", sub]).stdout)
+    job = dict(env, KQSVD_SUBMISSION=sub, KQSVD_LOGDIR=logs, KQSVD_CKPT_DIR=os.path.join(wd, "ck"),
+               KQSVD_ROOT=ROOT, KQSVD_LAUNCH=os.path.join(stub, "launch"), SLURM_ARRAY_JOB_ID="77",
+               SLURM_ARRAY_TASK_ID="0", SLURM_JOB_ID="78", KQSVD_REQUEUE="0")
+    status = os.path.join(logs, "x.calibrate.status")
+    largs = os.path.join(wd, "launch.args")
+    rc, out = run_job(job, "calibrate.sbatch")
+    got = open(largs).read().split("\0")[:-1]
+    want = [os.environ["KQSVD"], "calibrate", "--progress", "lines", "--model", f"{real}/a/model.h5",
+            "--out", f"{real}/out/x.h5", "--checkpoint", os.path.join(wd, "ck", "x"), "--skip-done",
+            "--ranks", "eps:0.2", f"{real}/a/s 0 --force.h5", f"{real}/a/s-1.h5"]
+    check(rc == 0 and got == want, f"calibrate.sbatch: {rc} {out}\n{got}\nvs {want}")
+    check(open(status).read().strip() == "0", "calibrate status")
+    rc, out = run_job(job, "evaluate.sbatch")
+    got = open(largs).read().split("\0")[:-1]
+    check(rc == 0 and got[-1] == f"{real}/v/-v 0.h5" and "--json" in got, f"evaluate.sbatch: {got}")
+
+    # Signals: USR1 (the time-limit warning) and TERM (scancel, preemption).
+    for sig, requeue, want_status, want_requeue in (
+            (signal.SIGUSR1, "0", "75", False), (signal.SIGUSR1, "1", "requeued", True),
+            (signal.SIGTERM, "1", "75", False)):
+        name = f"{signal.Signals(sig).name} with KQSVD_REQUEUE={requeue}"
+        for f in ("launch.signal", "scontrol.calls"):
+            if os.path.exists(os.path.join(wd, f)):
+                os.remove(os.path.join(wd, f))
+        rc, _ = run_job(dict(job, STUB_SIGNAL="1", KQSVD_REQUEUE=requeue), "calibrate.sbatch", sig)
+        check(rc == 75, f"{name}: exit code {rc}")
+        check(os.path.exists(os.path.join(wd, "launch.signal")), f"{name}: the launcher got no USR1")
+        st = open(status).read()
+        check(st.startswith(want_status), f"{name}: status {st!r}")
+        sc = calls(os.path.join(wd, "scontrol.calls"))
+        check(sc == ([["requeue", "78"]] if want_requeue else []), f"{name}: scontrol {sc}")
+    log = open(os.path.join(logs, "x.calibrate.log")).read()
+    check("SIGUSR1: passing it on" in log and "requeueing job 78" in log and
+          "exit code 75 (after SIGTERM)" in log, f"calibrate log:\n{log}")
+    finish("slurm_scripts")
+
+
 # ---- SLURM ------------------------------------------------------------------
 
 def slurm_up(env):
@@ -175,6 +322,75 @@ def kill_and_resume(env, wd, how, model, shards, ref):
     print(f"{how}: resumed, identical to the uninterrupted run", flush=True)
 
 
+# The model of the kill-and-resume tests: a few seconds on 2 ranks.
+BIG = dict(layers=2, heads=8, kv_heads=2, head_dim=128, seq_len=2048, min_seq_len=2048,
+           dtype="bf16", seed=23)
+
+
+def requeue_on_signal(env, wd, model, shards, ref):
+    """The time-limit warning (USR1 to the batch shell, as --signal=B:USR1@LEAD
+    sends it; here from scancel) stops calibrate at a checkpoint with exit
+    code 75 (the C side's contract); with --requeue the job requeues itself,
+    resumes, and ends with an uninterrupted run's output; --wait and the
+    evaluation after it wait through the requeue."""
+    sub = os.path.join(wd, "requeue")
+    os.makedirs(os.path.join(sub, "out"))
+    # One sequence after the calibration set's, to evaluate on in seconds.
+    synth(os.path.join(sub, "valid"), seqs=1, shards=1, skip_seqs=48, **BIG)
+    mpath = os.path.join(sub, "m.txt")
+    with open(mpath, "w") as f:
+        f.write(f"big {model} out/big.h5 {os.path.dirname(shards[0])}/shard-*.h5 0.1 valid/shard-*.h5\n")
+    e = dict(env, KQSVD_CALIBRATE_ARGS="--checkpoint-every 0")
+    p = subprocess.Popen([os.path.join(ROOT, "slurm", "kqsvd-submit"), mpath, "--ntasks-per-node", "2",
+                          "--requeue", "--signal-lead", "120", "--evaluate", "--wait"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
+    first = p.stdout.readline()
+    job = first.split("job array ")[1].split(",")[0] + "_0" if "job array " in first else None
+    check(job, f"requeue: submission: {first}")
+    ckdir = os.path.join(sub, "kqsvd-checkpoints", "big")
+    t0 = time.time()
+    while job and time.time() - t0 < 120 and not glob.glob(os.path.join(ckdir, "rank-*.h5")):
+        time.sleep(0.05)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job or "0"], env=env)
+    # SLURM holds a requeued job back for two minutes (its BeginTime); the
+    # test lets it start after 2 s (a node refuses a job whose credential
+    # was revoked within the same second).
+    t0, requeued = time.time(), False
+    while job and time.time() - t0 < 60:
+        q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True,
+                           env=env).stdout.strip()
+        if q == "PENDING":
+            time.sleep(2)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env)
+            requeued = True
+            break
+        if not q:
+            break
+        time.sleep(0.1)
+    log_path = os.path.join(sub, "kqsvd-logs", "big.calibrate.log")
+    log = lambda: open(log_path).read() if os.path.exists(log_path) else ""  # noqa: E731
+    check(requeued, "requeue: the job was not requeued after USR1 (kqsvd calibrate must exit with "
+                    f"75 after saving its checkpoint on SIGUSR1):\n{log()[-3000:]}")
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    check(p.returncode == 0 and "FAILED" not in out, f"requeue: --wait: {p.returncode}\n{out}\n{err}")
+    text = log()
+    check("exit code 75" not in text.split("requeueing job")[-1] and "requeueing job" in text and
+          "run 2" in text and "resuming" in text, f"requeue: log:\n{text[-3000:]}")
+    show = subprocess.run(["scontrol", "show", "job", job or "0"], capture_output=True, text=True,
+                          env=env).stdout
+    check("Restarts=1" in show, f"requeue: scontrol show job: {show}")
+    out_h5 = os.path.join(sub, "out", "big.h5")
+    check(os.path.exists(os.path.join(sub, "out", "big.report.json")), "requeue: no evaluation")
+    if check(os.path.exists(out_h5), "requeue: no output"):
+        worst, where = max_rel_diff(load_proj(ref), load_proj(out_h5))
+        check(worst == 0.0, f"requeue: output differs from an uninterrupted run: {worst} at {where}")
+    print("requeue: stopped by USR1, requeued, resumed, identical to the uninterrupted run", flush=True)
+
+
 def slurm():
     """kqsvd-submit on a real SLURM: two models with --evaluate --wait, a
     refused manifest, and kill-and-resume.  Uses the cluster of SLURM_CONF
@@ -191,6 +407,7 @@ def slurm():
         env["SLURM_CONF"] = os.path.join(own, "slurm.conf")
     env["PATH"] = env["PATH"] + ":/usr/sbin"
     env["KQSVD"] = os.environ["KQSVD"]
+    env["KQSVD_POLL"] = "1"
     try:
         if own:
             p = subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "start", own],
@@ -233,13 +450,12 @@ def slurm():
         p = submit(env, fail, "--wait")
         check(p.returncode != 0 and "FAILED" in p.stdout, f"failing job: {p.returncode} {p.stdout}")
         # Big enough to take a few seconds on 2 ranks.
-        model, shards = synth(os.path.join(wd, "big"), layers=2, heads=8, kv_heads=2,
-                              head_dim=128, seqs=48, seq_len=2048, min_seq_len=2048, shards=4,
-                              dtype="bf16", seed=23)
+        model, shards = synth(os.path.join(wd, "big"), seqs=48, shards=4, **BIG)
         ref = os.path.join(wd, "ref.h5")
         calibrate(model, ref, shards, np_=2)
         for how in ("scancel", "kill9"):
             kill_and_resume(env, wd, how, model, shards, ref)
+        requeue_on_signal(env, wd, model, shards, ref)
     finally:
         if own:
             subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "stop", own])
