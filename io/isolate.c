@@ -22,8 +22,16 @@ typedef struct {
   char message[1024];
 } verdict_t;
 
-/* A header check is milliseconds; a minute means HDF5 is looping. */
-#define CHILD_SECONDS 60
+/* A header check takes milliseconds, even on a busy parallel file system;
+ * damaged B-trees can make HDF5 loop forever.  KQSVD_HEADER_TIMEOUT (in
+ * seconds) changes the limit. */
+#define CHILD_SECONDS 15
+
+static unsigned child_seconds(void) {
+  const char *s = getenv("KQSVD_HEADER_TIMEOUT");
+  const long v = s ? strtol(s, NULL, 10) : 0;
+  return v > 0 && v < 86400 ? (unsigned)v : CHILD_SECONDS;
+}
 
 static void child(int fd, kqsvd_status_t (*fn)(void *), void *ctx) {
   verdict_t v;
@@ -34,7 +42,7 @@ static void child(int fd, kqsvd_status_t (*fn)(void *), void *ctx) {
   setrlimit(RLIMIT_CORE, &none);
   const int devnull = open("/dev/null", O_WRONLY);
   if (devnull >= 0) dup2(devnull, STDERR_FILENO);
-  alarm(CHILD_SECONDS);
+  alarm(child_seconds());
   kqsvd_error_clear();
   v.code = (int)fn(ctx);
   snprintf(v.message, sizeof v.message, "%s", kqsvd_error_message());
@@ -78,9 +86,9 @@ kqsvd_status_t kqsvd_h5_isolate(const char *path, kqsvd_status_t (*fn)(void *), 
   }
   if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM)
     KQSVD_FAIL(KQSVD_ERR_INPUT,
-               "%s: the HDF5 library did not finish reading its headers within %d s: the file "
-               "is damaged",
-               path, CHILD_SECONDS);
+               "%s: the HDF5 library did not finish reading its headers within %u s: the file "
+               "is damaged (KQSVD_HEADER_TIMEOUT sets the limit)",
+               path, child_seconds());
   if (WIFSIGNALED(status))
     KQSVD_FAIL(KQSVD_ERR_INPUT,
                "%s: the HDF5 library crashed (%s) reading its headers: the file is damaged",

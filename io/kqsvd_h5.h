@@ -45,7 +45,8 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file);
 
 /* Not collective.  Runs fn(ctx), which must only read `path` with the
  * default driver, in a forked child first, so that a crash or a hang of
- * libhdf5 on a damaged file becomes KQSVD_ERR_INPUT naming `path`; the
+ * libhdf5 on a damaged file becomes KQSVD_ERR_INPUT naming `path` (a
+ * hang: after 15 s, or KQSVD_HEADER_TIMEOUT seconds); the
  * child's own error comes back as it is.  Returns KQSVD_OK when fn
  * succeeded there (the caller then reads the file itself).  Setting
  * KQSVD_NO_ISOLATION=1 runs fn here instead (for MPI stacks that forbid
