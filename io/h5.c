@@ -148,10 +148,18 @@ kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, 
                 "%s: attribute '%s' is %zu bytes long; at most %d are accepted", path, name, len,
                 KQSVD_H5_STR_MAX);
     KQSVD_MALLOC(tmp, len + 1, "a string attribute");
-    KQSVD_H5(H5Tset_size(mtype, len + 1));
-    KQSVD_H5(H5Tset_strpad(mtype, H5T_STR_NULLTERM));
+    /* The file's own type: the bytes as stored, which a conversion to a
+     * NUL-terminated string would cut at the first NUL. */
+    kqsvd_h5_close(&mtype);
+    KQSVD_H5_ID(mtype, H5Tcopy(ftype));
     if (H5Aread(attr, mtype, tmp) < 0) KQSVD_CALL(attr_unreadable(path, name));
     tmp[len] = '\0';
+    /* "cache\0model" would read as "cache" here but not elsewhere. */
+    for (size_t k = strlen(tmp); k < len; k++)
+      KQSVD_CHECK(tmp[k] == '\0', KQSVD_ERR_INPUT,
+                  "%s: attribute '%s' holds a NUL byte before its end", path, name);
+    if (H5Tget_strpad(ftype) == H5T_STR_SPACEPAD)
+      for (size_t k = strlen(tmp); k > 0 && tmp[k - 1] == ' '; k--) tmp[k - 1] = '\0';
     snprintf(buf, n, "%s", tmp);
   }
 done:
@@ -197,6 +205,35 @@ done:
   return st;
 }
 
+/* Storage never written reads as fill values: 2^26 rows of zeros from a
+ * file of a few kilobytes.  For chunked data every chunk must exist (the
+ * space status says "part" for any compressed dataset, so chunks are
+ * counted instead). */
+static kqsvd_status_t check_written(hid_t dset, hid_t dcpl, hid_t space, int nd,
+                                    const hsize_t *dims, const char *path, const char *name) {
+  kqsvd_status_t st = KQSVD_OK;
+  hsize_t chunk[H5S_MAX_RANK], want = 1, have = 0;
+  if (H5Sget_simple_extent_npoints(space) == 0) return KQSVD_OK;
+  const H5D_layout_t layout = H5Pget_layout(dcpl);
+  if (layout == H5D_CHUNKED) {
+    KQSVD_CHECK(H5Pget_chunk(dcpl, nd, chunk) == nd, KQSVD_ERR_INPUT,
+                "%s: dataset '%s' has a damaged chunk layout", path, name);
+    for (int k = 0; k < nd; k++) want *= (dims[k] + chunk[k] - 1) / chunk[k];
+    KQSVD_H5(H5Dget_num_chunks(dset, space, &have));
+  } else if (layout == H5D_CONTIGUOUS) {
+    H5D_space_status_t alloc = H5D_SPACE_STATUS_ERROR;
+    KQSVD_H5(H5Dget_space_status(dset, &alloc));
+    have = alloc == H5D_SPACE_STATUS_ALLOCATED;
+  } else {
+    have = want; /* compact data lives in the object header */
+  }
+  KQSVD_CHECK(have >= want, KQSVD_ERR_INPUT,
+              "%s: dataset '%s' has %s of its data written (the file is incomplete)", path, name,
+              have > 0 ? "only part" : "none");
+done:
+  return st;
+}
+
 kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, int ndims,
                                 hsize_t *dims, hid_t *dset) {
   kqsvd_status_t st = KQSVD_OK;
@@ -223,6 +260,7 @@ kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, 
   KQSVD_CHECK(nd == ndims, KQSVD_ERR_INPUT, "%s: dataset '%s' has %d dimensions, expected %d",
               path, name, nd, ndims);
   KQSVD_H5(H5Sget_simple_extent_dims(space, dims, NULL));
+  KQSVD_CALL(check_written(*dset, dcpl, space, ndims, dims, path, name));
 done:
   kqsvd_h5_close(&dcpl);
   kqsvd_h5_close(&space);

@@ -357,6 +357,11 @@ kqsvd_status_t kqsvd_proj_read(kqsvd_proj_reader_t *r, const char *group, const 
     KQSVD_CHECK(isfinite(buf[k]), KQSVD_ERR_DATA, "%s: dataset '%s': NaN or Inf at layer %lld",
                 r->path, full, (long long)(layer >= 0 ? layer : (int64_t)(k / per_layer)));
 done:
+  /* A damaged chunk ("inflate() failed") must name the file and dataset. */
+  if (st != KQSVD_OK) {
+    kqsvd_error_context(full);
+    kqsvd_error_context(r->path);
+  }
   kqsvd_h5_close(&mspace);
   kqsvd_h5_close(&fspace);
   kqsvd_h5_close(&ds);
@@ -380,6 +385,7 @@ kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, i
                   r->path, full, (long long)l, v[l], (long long)r->dims.head_dim);
   }
 done:
+  if (st != KQSVD_OK) kqsvd_error_context(r->path);
   kqsvd_h5_close(&ds);
   return st;
 }
