@@ -18,9 +18,29 @@ static volatile sig_atomic_t g_defer, g_pending;
 static pid_t g_owner;
 
 static const int g_signals[] = {SIGTERM, SIGINT, SIGUSR1};
-static const int g_fatal[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 static char g_context[PATH_MAX];
 static volatile sig_atomic_t g_have_context;
+
+/* Ends the process as `sig` would, without the temporary files. */
+static void remove_and_reraise(int sig) {
+  if (getpid() == g_owner)
+    for (int k = 0; k < NTRACK; k++)
+      if (g_used[k]) unlink(g_paths[k]);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static void handler(int sig) {
+  if (getpid() == g_owner && g_defer && !g_pending) {
+    g_pending = sig;
+    return;
+  }
+  remove_and_reraise(sig);
+}
+
+/* Sanitizer builds keep their own, more telling, crash reports. */
+#if !defined(__SANITIZE_ADDRESS__)
+static const int g_fatal[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 
 static void say(const char *s) {
   ssize_t left = (ssize_t)strlen(s);
@@ -42,25 +62,10 @@ static void fatal(int sig) {
       say(" (damaged?)");
     }
     say("\n");
-    for (int k = 0; k < NTRACK; k++)
-      if (g_used[k]) unlink(g_paths[k]);
   }
-  signal(sig, SIG_DFL);
-  raise(sig);
+  remove_and_reraise(sig);
 }
-
-static void handler(int sig) {
-  if (getpid() == g_owner) {
-    if (g_defer && !g_pending) {
-      g_pending = sig;
-      return;
-    }
-    for (int k = 0; k < NTRACK; k++)
-      if (g_used[k]) unlink(g_paths[k]);
-  }
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
+#endif
 
 void kqsvd_signal_install(void) {
   struct sigaction sa;
@@ -73,7 +78,6 @@ void kqsvd_signal_install(void) {
   for (size_t i = 0; i < sizeof g_signals / sizeof g_signals[0]; i++)
     sigaction(g_signals[i], &sa, NULL);
 #if !defined(__SANITIZE_ADDRESS__)
-  /* Sanitizer builds keep their own, more telling, crash reports. */
   sa.sa_handler = fatal;
   sa.sa_flags = SA_RESETHAND;
   for (size_t i = 0; i < sizeof g_fatal / sizeof g_fatal[0]; i++) sigaction(g_fatal[i], &sa, NULL);
