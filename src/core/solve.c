@@ -74,6 +74,45 @@ static void fix_column_signs(int d, double *ref, double *alt) {
   }
 }
 
+/* Singular vectors of (numerically) zero singular values span a subspace,
+ * and any orthonormal basis of it is a right answer; LAPACK's choice
+ * depends on round-off, so results from other rank counts or shard splits
+ * (fewer rows than d, an all-zero head) would differ completely there.
+ * Columns r..d-1 of the orthonormal column-major Q are replaced by a basis
+ * of the complement of columns 0..r-1 that depends only on that subspace:
+ * Gram-Schmidt (two passes) of e_1, e_2, ... in order, each kept when what
+ * is left of it has squared norm above tau (1/2, then lower if a pass ends
+ * short).  v holds d doubles. */
+static void canonical_null_basis(int d, int r, double *Q, double *v) {
+  int have = r;
+  for (double tau = 0.5; have < d; tau /= 4)
+    for (int j = 0; j < d && have < d; j++) {
+      for (int i = 0; i < d; i++) v[i] = i == j;
+      for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < have; k++) {
+          const double *q = Q + (size_t)k * d;
+          double dot = 0.0;
+          for (int i = 0; i < d; i++) dot += q[i] * v[i];
+          for (int i = 0; i < d; i++) v[i] -= dot * q[i];
+        }
+      double nrm2 = 0.0;
+      for (int i = 0; i < d; i++) nrm2 += v[i] * v[i];
+      if (nrm2 <= tau) continue;
+      const double inv = 1.0 / sqrt(nrm2);
+      for (int i = 0; i < d; i++) Q[(size_t)have * d + i] = v[i] * inv;
+      have++;
+    }
+}
+
+/* How many of the (descending) singular values s count as non-zero: the
+ * same cut as the pseudo-inverse's. */
+static int numerical_rank(int d, const double *s) {
+  const double tol = (double)d * DBL_EPSILON * s[0];
+  int r = 0;
+  while (r < d && s[r] > tol) r++;
+  return r;
+}
+
 /* SVD of a copy of the d x d factor R: s, U and Vt (column-major). */
 static kqsvd_status_t svd_of(int d, const double *R, double *tmp, double *s, double *U,
                              double *Vt) {
@@ -92,6 +131,7 @@ static kqsvd_status_t optimal_pair(int d, const double *RX, const double *RY, co
   double *core = scratch, *U = scratch + dd, *tmp = scratch + 2 * dd;
   kqsvd_gemm('N', 'T', d, d, d, 1.0, RX, d, RY, d, 0.0, core, d);
   KQSVD_CALL(kqsvd_svd(d, d, core, d, sigma, U, d, NULL, d));
+  canonical_null_basis(d, numerical_rank(d, sigma), U, tmp);
   kqsvd_gemm('T', 'N', d, d, d, 1.0, RX, d, U, d, 0.0, B, d);
   kqsvd_gemm('T', 'N', d, d, d, 1.0, UX, d, U, d, 0.0, tmp, d);
   const double tol = (double)d * DBL_EPSILON * sX[0];
@@ -105,10 +145,13 @@ done:
   return st;
 }
 
-/* Right singular vectors (rows of Vt) as the columns of A, sign-fixed. */
-static void right_vectors(int d, const double *Vt, int ldvt, double *A) {
+/* Right singular vectors (rows of Vt) of singular values s as the columns
+ * of A, with the canonical null basis, sign-fixed.  v: d doubles. */
+static void right_vectors(int d, const double *Vt, int ldvt, const double *s, double *A,
+                          double *v) {
   for (int j = 0; j < d; j++)
     for (int i = 0; i < d; i++) A[(size_t)j * d + i] = Vt[(size_t)i * ldvt + j];
+  canonical_null_basis(d, numerical_rank(d, s), A, v);
   fix_column_signs(d, A, NULL);
 }
 
@@ -129,10 +172,10 @@ kqsvd_status_t kqsvd_solve(int d, const double *R_K, const double *R_Q, const do
 
   /* ksvd: the dominant right singular subspaces of K and V themselves. */
   kqsvd_projection_t *ks = &out->method[KQSVD_METHOD_KSVD];
-  right_vectors(d, VtK, d, A);
+  right_vectors(d, VtK, d, out->spec_K, A, M);
   store_rowmajor(d, A, ks->key_down);
   store_rowmajor(d, A, ks->query_down);
-  right_vectors(d, VtV, d, A);
+  right_vectors(d, VtV, d, out->spec_V, A, M);
   store_rowmajor(d, A, ks->value_down);
   store_rowmajor(d, A, ks->value_up);
   memcpy(ks->sigma_k, out->spec_K, (size_t)d * sizeof(double));
@@ -146,7 +189,7 @@ kqsvd_status_t kqsvd_solve(int d, const double *R_K, const double *R_Q, const do
       M[(size_t)j * 2 * d + d + i] = R_Q[(size_t)j * d + i] / beta;
     }
   KQSVD_CALL(kqsvd_svd(2 * d, d, M, 2 * d, sE, NULL, 2 * d, tmp, d));
-  right_vectors(d, tmp, d, A);
+  right_vectors(d, tmp, d, sE, A, M);
   store_rowmajor(d, A, ei->key_down);
   store_rowmajor(d, A, ei->query_down);
   memcpy(ei->value_down, ks->value_down, dd * sizeof(double));
