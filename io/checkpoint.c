@@ -110,6 +110,7 @@ typedef struct {
   int64_t nvals;
   double *state;
   kqsvd_checkpoint_pos_t *pos;
+  int headers_only; /* the isolated check: the state is read once, here */
 } load_t;
 
 static kqsvd_status_t load_here(void *ctx) {
@@ -140,6 +141,7 @@ static kqsvd_status_t load_here(void *ctx) {
   KQSVD_CHECK((int64_t)n == a->nvals, KQSVD_ERR_INPUT,
               "%s: state holds %llu values, expected %lld", path, (unsigned long long)n,
               (long long)a->nvals);
+  if (a->headers_only) goto done;
   KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, a->state));
   /* Resuming from damaged factors would end in a wrong proj.h5 that
    * nothing downstream could tell from a right one. */
@@ -163,12 +165,13 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
                                      int *found) {
   kqsvd_status_t st = KQSVD_OK;
   char path[PATH_MAX];
-  load_t a = {path, fingerprint, nvals, state, pos};
+  load_t a = {path, fingerprint, nvals, state, pos, 1};
   *found = 0;
   ckpt_path(path, sizeof path, dir, rank, nranks);
   KQSVD_CALL(check_rank_count(dir, nranks));
   if (access(path, F_OK) != 0) return KQSVD_OK;
   KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));
+  a.headers_only = 0;
   KQSVD_CALL(load_here(&a));
   *found = 1;
 done:

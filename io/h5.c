@@ -52,10 +52,11 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file) 
   struct stat sb;
   *file = -1;
   kqsvd_signal_context(path);
-  /* An unmatched shell pattern reaches us as itself. */
-  KQSVD_CHECK(stat(path, &sb) == 0 || !strpbrk(path, "*?["), KQSVD_ERR_INPUT,
-              "%s: no file matches this pattern", path);
-  KQSVD_CHECK(stat(path, &sb) == 0, KQSVD_ERR_INPUT, "%s: %s", path, strerror(errno));
+  if (stat(path, &sb) != 0) {
+    /* An unmatched shell pattern reaches us as itself. */
+    KQSVD_CHECK(!strpbrk(path, "*?["), KQSVD_ERR_INPUT, "%s: no file matches this pattern", path);
+    KQSVD_FAIL(KQSVD_ERR_INPUT, "%s: %s", path, strerror(errno));
+  }
   KQSVD_CHECK(S_ISREG(sb.st_mode), KQSVD_ERR_INPUT, "%s: not a regular file", path);
   htri_t is = H5Fis_hdf5(path);
   H5Eclear2(H5E_DEFAULT);
@@ -130,10 +131,10 @@ kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, 
   KQSVD_CHECK(cls == H5T_STRING, KQSVD_ERR_INPUT, "%s: attribute '%s' must be a string", path,
               name);
   KQSVD_H5_ID(ftype, H5Aget_type(attr));
-  KQSVD_H5_ID(mtype, H5Tcopy(H5T_C_S1));
-  KQSVD_H5(H5Tset_cset(mtype, H5Tget_cset(ftype)));
   if (H5Tis_variable_str(ftype) > 0) {
     /* h5py writes Python str attributes as variable-length strings. */
+    KQSVD_H5_ID(mtype, H5Tcopy(H5T_C_S1));
+    KQSVD_H5(H5Tset_cset(mtype, H5Tget_cset(ftype)));
     KQSVD_H5(H5Tset_size(mtype, H5T_VARIABLE));
     if (H5Aread(attr, mtype, &vstr) < 0) KQSVD_CALL(attr_unreadable(path, name));
     const size_t len = vstr ? strlen(vstr) : 0;
@@ -150,7 +151,6 @@ kqsvd_status_t kqsvd_h5_attr_str(hid_t obj, const char *path, const char *name, 
     KQSVD_MALLOC(tmp, len + 1, "a string attribute");
     /* The file's own type: the bytes as stored, which a conversion to a
      * NUL-terminated string would cut at the first NUL. */
-    kqsvd_h5_close(&mtype);
     KQSVD_H5_ID(mtype, H5Tcopy(ftype));
     if (H5Aread(attr, mtype, tmp) < 0) KQSVD_CALL(attr_unreadable(path, name));
     tmp[len] = '\0';

@@ -187,18 +187,18 @@ static kqsvd_status_t stream_segments(stream_t *s) {
   int stop = 0;
   int64_t k = c->pos.segment, i = 0;
   const kqsvd_segment_t *segs = c->segs + c->seg_first[c->cli->rank];
-  for (; k < s->nseg && !stop; k++) {
+  for (; k < s->nseg; k++) {
     kqsvd_shard_t *sh = s->shared[k].sh;
     if (!sh) {
       KQSVD_CALL(kqsvd_shard_open(c->shards[segs[k].shard], MPI_COMM_NULL, &own));
       sh = own;
     }
-    for (i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems && !stop; i++) {
+    for (i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems; i++) {
       KQSVD_CALL(stream_item(s, sh, &segs[k], i, &stop));
       if (stop) break;
       /* Every finished segment is kept; long ones also on a timer. */
       const int last = i + 1 == c->nitems;
-      if (!stop && c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
+      if (c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
         KQSVD_CALL(save_checkpoint(s, k, i + 1));
     }
     /* A NaN met on the GPU is named while its shard is still open. */
@@ -206,6 +206,8 @@ static kqsvd_status_t stream_segments(stream_t *s) {
     kqsvd_shard_close(&own);
     if (stop) break;
   }
+  /* One that came after the last block still stops the run here. */
+  if (!stop && kqsvd_signal_pending()) s->signal = kqsvd_signal_pending(), stop = 1;
   /* Stopped by a signal here or by another rank: keep what is done.  On a
    * GPU the factors of the stopped item are already changed, so the last
    * regular checkpoint stands. */
@@ -289,12 +291,6 @@ kqsvd_status_t calib_stream(calib_t *c) {
   /* A signal now stops every rank at its next block, with a checkpoint. */
   kqsvd_signal_defer(1);
   local = stream_segments(&s);
-  /* One that came after the last block still stops the run here. */
-  if (local == KQSVD_OK && kqsvd_signal_pending() && kqsvd_monitor_raise(s.mon) == KQSVD_OK)
-    local = kqsvd_error_set(KQSVD_ERR_INTERRUPTED, __FILE__, __LINE__, __func__,
-                            "interrupted by %s%s%s", strsignal(kqsvd_signal_pending()),
-                            c->ckpt_dir ? "; checkpoint saved in " : "",
-                            c->ckpt_dir ? c->ckpt_dir : "");
   kqsvd_signal_defer(0);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(s.mon));
   c->t_stream = kqsvd_now() - t0;

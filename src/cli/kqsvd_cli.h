@@ -31,15 +31,11 @@ kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, doubl
 
 /* Checks file arguments before any work: no input given twice (its rows
  * would count twice) and no output that is one of the inputs (the final
- * rename would replace it).  roles[i] names in[i] in messages ("--model",
- * "shard 3"); `out` may be NULL; files that do not exist are left for the
- * readers to report.  Not collective.  Errors: KQSVD_ERR_USAGE naming the
- * options that collide. */
-kqsvd_status_t kqsvd_check_files(const char *out_opt, const char *out, const char *const *in,
-                                 const char *const *roles, int nin);
-
-/* kqsvd_check_files for named inputs (named_opts[i] gives the option of
- * named[i]) followed by shard arguments ("shard N" in messages). */
+ * rename would replace it).  The inputs are `named` (named_opts[i] gives
+ * the option of named[i]) and shard arguments ("shard N" in messages);
+ * `out` may be NULL; files that do not exist are left for the readers to
+ * report.  Not collective.  Errors: KQSVD_ERR_USAGE naming the options
+ * that collide. */
 kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int nnamed,
                                      const char *const *named, const char *const *named_opts,
                                      char **shards, int nshards);

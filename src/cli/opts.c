@@ -111,8 +111,9 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_check_files(const char *out_opt, const char *out, const char *const *in,
-                                 const char *const *roles, int nin) {
+/* roles[i] names in[i] in messages ("--model", "shard 3"). */
+static kqsvd_status_t check_files(const char *out_opt, const char *out, const char *const *in,
+                                  const char *const *roles, int nin) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat o;
   const int out_exists = out && stat(out, &o) == 0;
@@ -149,7 +150,7 @@ kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int n
     in[nnamed + i] = shards[i];
     roles[nnamed + i] = labels + (size_t)i * lab;
   }
-  KQSVD_CALL(kqsvd_check_files(out_opt, out, in, roles, (int)n));
+  KQSVD_CALL(check_files(out_opt, out, in, roles, (int)n));
 done:
   free(in);
   free(roles);
