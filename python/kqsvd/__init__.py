@@ -1,0 +1,30 @@
+"""kqsvd: apply low-rank KV-cache projections (proj.h5, written by
+`kqsvd calibrate`) in transformers models and measure their cost.
+
+    import kqsvd
+    proj = kqsvd.load_projections("proj.h5", "kqsvd", ranks="budget:0.25")
+    kqsvd.compress(model, proj)          # Llama, Mistral, Qwen2 (eager attention)
+    out = model.generate(ids, max_new_tokens=20)
+
+numpy and h5py suffice for load_projections; compress and
+export_safetensors need torch (and transformers' models)."""
+from .errors import KqsvdError, UsageError
+from .projections import METHODS, Projections, load_projections, policy_ranks
+
+__version__ = "0.4.0"
+__all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
+           "policy_ranks", "compress", "fold_o_proj", "cache_bytes", "probe_errors",
+           "export_safetensors", "read_dataset"]
+
+
+def __getattr__(name):  # torch-dependent parts load on first use
+    if name in ("compress", "fold_o_proj", "cache_bytes", "probe_errors"):
+        from . import attention
+        return getattr(attention, name)
+    if name == "export_safetensors":
+        from .export import export_safetensors
+        return export_safetensors
+    if name == "read_dataset":
+        from .h5io import read
+        return read
+    raise AttributeError(name)
