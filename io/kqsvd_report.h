@@ -3,6 +3,7 @@
 #ifndef KQSVD_REPORT_H
 #define KQSVD_REPORT_H
 
+#include <stdio.h>
 #include <stdint.h>
 
 #include "kqsvd_error.h"
@@ -30,5 +31,9 @@ double kqsvd_report_mean(const kqsvd_report_t *r, int method, int metric);
  * significant digits (they read back exactly).  Errors: KQSVD_ERR_IO
  * naming the path. */
 kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r);
+
+/* Writes s to f as a JSON string: quotes, backslashes and control
+ * characters escaped.  Not collective; no errors (f's error flag tells). */
+void kqsvd_json_put_string(FILE *f, const char *s);
 
 #endif

@@ -15,7 +15,7 @@ double kqsvd_report_mean(const kqsvd_report_t *r, int method, int metric) {
 }
 
 /* A JSON string: quotes, backslashes and control characters escaped. */
-static void put_string(FILE *f, const char *s) {
+void kqsvd_json_put_string(FILE *f, const char *s) {
   fputc('"', f);
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
     if (*p == '"' || *p == '\\')
@@ -35,13 +35,13 @@ static void put_metrics(FILE *f, const double *v) {
 
 static void put_report(FILE *f, const kqsvd_report_t *r) {
   fprintf(f, "{\n  \"model\": ");
-  put_string(f, r->model);
+  kqsvd_json_put_string(f, r->model);
   fprintf(f, ", \"tokens\": %lld, \"sequences\": %lld,\n", (long long)r->tokens,
           (long long)r->sequences);
   fprintf(f, "  \"proj\": ");
-  put_string(f, r->proj ? r->proj : "");
+  kqsvd_json_put_string(f, r->proj ? r->proj : "");
   fprintf(f, ", \"rank_policy\": ");
-  put_string(f, r->rank_policy ? r->rank_policy : "");
+  kqsvd_json_put_string(f, r->rank_policy ? r->rank_policy : "");
   fprintf(f, ", \"beta\": %.17g, \"causal\": %d, \"calibration_tokens\": %lld,\n", r->beta,
           r->causal, (long long)r->calib_tokens);
   fprintf(f, "  \"methods\": {\n");

@@ -157,45 +157,17 @@ done:
   return st;
 }
 
-/* The stored ranks, or those of --ranks from the stored spectra.  Every
- * rank computes the same (deterministic, from the same file). */
+/* The stored ranks, or those of --ranks from the stored spectra
+ * (kqsvd_proj_choose_ranks, shared with `kqsvd ranks`).  Every rank
+ * computes the same (deterministic, from the same file). */
 static kqsvd_status_t choose_ranks(evaluation_t *e) {
   kqsvd_status_t st = KQSVD_OK;
-  const int L = (int)e->dims.layers, H = (int)e->dims.kv_heads, d = (int)e->d;
-  const size_t n = (size_t)L * (size_t)H * (size_t)d;
-  double *sig = NULL;
-  KQSVD_MALLOC(e->rank_k, (size_t)(KQSVD_NMETHODS * L), "ranks");
-  KQSVD_MALLOC(e->rank_v, (size_t)(KQSVD_NMETHODS * L), "ranks");
-  if (!e->ranks_set) {
-    for (int m = 0; m < KQSVD_NMETHODS; m++)
-      KQSVD_CALL(kqsvd_proj_read_ranks(e->proj, (kqsvd_method_t)m, e->rank_k + m * L,
-                                       e->rank_v + m * L));
-    const char *stored = kqsvd_proj_policy(e->proj);
-    if (*stored)
-      snprintf(e->policy, sizeof e->policy, "%s", stored);
-    else if (isfinite(kqsvd_proj_eps(e->proj)))
-      snprintf(e->policy, sizeof e->policy, "eps:%g", kqsvd_proj_eps(e->proj));
-    else
-      snprintf(e->policy, sizeof e->policy, "stored");
-    goto done;
-  }
-  KQSVD_CALL(kqsvd_rank_policy_check(&e->ranks, L, d));
-  KQSVD_MALLOC(sig, (2 * KQSVD_NMETHODS + 2) * n, "spectra");
-  const double *sk[KQSVD_NMETHODS], *sv[KQSVD_NMETHODS];
-  for (int m = 0; m < KQSVD_NMETHODS; m++) {
-    const char *g = kqsvd_method_name((kqsvd_method_t)m);
-    KQSVD_CALL(kqsvd_proj_read(e->proj, g, "sigma_k", -1, sig + 2 * m * n));
-    KQSVD_CALL(kqsvd_proj_read(e->proj, g, "sigma_v", -1, sig + (2 * m + 1) * n));
-    sk[m] = sig + 2 * m * n, sv[m] = sig + (2 * m + 1) * n;
-  }
-  double *spec_K = sig + 2 * KQSVD_NMETHODS * n, *spec_V = spec_K + n;
-  KQSVD_CALL(kqsvd_proj_read(e->proj, "spectra", "K", -1, spec_K));
-  KQSVD_CALL(kqsvd_proj_read(e->proj, "spectra", "V", -1, spec_V));
-  KQSVD_CALL(kqsvd_rank_choose(&e->ranks, L, H, d, sk, sv, spec_K, spec_V, e->rank_k,
-                               e->rank_v));
-  kqsvd_rank_policy_format(&e->ranks, e->policy, sizeof e->policy);
+  const size_t n = (size_t)KQSVD_NMETHODS * (size_t)e->dims.layers;
+  KQSVD_MALLOC(e->rank_k, n, "ranks");
+  KQSVD_MALLOC(e->rank_v, n, "ranks");
+  KQSVD_CALL(kqsvd_proj_choose_ranks(e->proj, e->ranks_set ? &e->ranks : NULL, e->rank_k,
+                                     e->rank_v, e->policy, sizeof e->policy));
 done:
-  free(sig);
   return st;
 }
 

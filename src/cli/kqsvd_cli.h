@@ -8,6 +8,8 @@
 
 #include "kqsvd_error.h"
 #include "kqsvd_h5.h"
+#include "kqsvd_proj.h"
+#include "kqsvd_rank.h"
 
 /* What every subcommand gets from main(). */
 typedef struct kqsvd_cli {
@@ -22,6 +24,22 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv);
+kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv);
+
+/* The per-layer ranks of all three methods for the projections `proj`
+ * (ranks.c; `evaluate` and `ranks` both use it).  policy == NULL: those
+ * stored in the file, and its policy string (the rank_policy attribute,
+ * else "eps:E" from a finite eps, else "stored").  Otherwise those the
+ * policy chooses from the stored spectra (sigma_k, sigma_v of each method,
+ * spectra/K and spectra/V) by kqsvd_rank_choose, exactly as calibrate
+ * chooses them, and the policy as kqsvd_rank_policy_format writes it.
+ * rank_k, rank_v: [KQSVD_NMETHODS][L]; policy_buf: n bytes.  Not
+ * collective.  Errors: KQSVD_ERR_USAGE naming --ranks when the policy
+ * cannot be met at this head_dim; those of kqsvd_proj_read_ranks and
+ * kqsvd_proj_read (KQSVD_ERR_INPUT, _DATA naming the file), _NOMEM. */
+kqsvd_status_t kqsvd_proj_choose_ranks(kqsvd_proj_reader_t *proj, const kqsvd_rank_policy_t *policy,
+                                       int32_t *rank_k, int32_t *rank_v, char *policy_buf,
+                                       size_t n);
 
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */

@@ -23,6 +23,7 @@ static const struct {
     {"calibrate", kqsvd_cmd_calibrate, "compute kqsvd, ksvd and eigen projections from caches"},
     {"evaluate", kqsvd_cmd_evaluate, "measure attention fidelity of projections on validation caches"},
     {"manifest", kqsvd_cmd_manifest, "check a manifest of models and print it resolved"},
+    {"ranks", kqsvd_cmd_ranks, "print the per-layer ranks a rank policy gives for projections"},
     {"synth", kqsvd_cmd_synth, "write a synthetic cache set and model file"},
 };
 #define NCOMMANDS (sizeof g_commands / sizeof g_commands[0])

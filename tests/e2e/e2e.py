@@ -30,6 +30,7 @@ examples_usage  compress_cache.py's usage errors and one-line bad-input errors
 manifest_reader hostile and large manifests: special files, control characters, every bad line
 slurm_scripts   the SLURM job scripts against stand-ins: requeue on exit 75, NUL-separated lists
 gpu             calibrate --device cuda against --device cpu (needs a GPU and -DKQSVD_CUDA=ON)
+ranks_cmd       kqsvd ranks: stored and policy ranks equal calibrate's and evaluate's; errors
 """
 import os
 import sys
@@ -46,6 +47,7 @@ from scenarios_hardening import (checkpoints, few_rows, hostile_files, options, 
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
+from scenarios_ranks import ranks_cmd  # noqa: E402
 from scenarios_slurm import manifest, slurm, slurm_scripts  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
@@ -53,7 +55,7 @@ SCENARIOS = {f.__name__: f for f in
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
               eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
-              signals, examples_usage, manifest_reader, slurm_scripts)}
+              signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
