@@ -100,10 +100,7 @@ def load(name, dtype=None, device="cpu", lm_head=True):
         from . import gguf_loader
         if not gguf_loader.is_gguf(path):
             raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
-        try:
-            model, tok = gguf_loader.load_gguf(path, dtype=dtype, device=device)
-        except gguf_loader.GGUFError as e:
-            raise KqsvdError(str(e)) from None
+        model, tok = gguf_loader.load_gguf(path, dtype=dtype, device=device)
         info = info_of(path, model.config)
         return (model if lm_head else model.model), tok, info
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
