@@ -1,0 +1,189 @@
+"""Compressed attention for transformers' Llama, Mistral and Qwen2.
+
+`compress(model, proj)` replaces every layer's attention forward (eager
+attention) by one that keeps only the compressed cache: K A and V A_v, r
+columns wide per KV head.  Queries go through B before the scores, so the
+scores are (q B)(K A)^T ~ q K^T; the attention weights multiply the
+compressed values, and B_v^T returns them to the heads' space before W^O,
+or is folded into o_proj (`fold=True`: one [D, Hq r_v] matrix, see
+fold_o_proj).  `compress(model, None)` restores the full attention
+without re-patching, so one patched model serves many (method, rank)
+configurations.  Works with model(...) and generate(); the cache
+(transformers' DynamicCache) then holds r-wide tensors, and cache_bytes()
+measures them.
+
+Probe mode (`probe=True`) measures instead of compressing: each layer
+computes the exact and the compressed scores and outputs, records their
+relative squared errors per sequence (the data contract's err_kq and
+err_out, as `kqsvd evaluate` defines them), and passes the exact output on,
+so every layer sees the full model's inputs.
+"""
+import inspect
+import math
+import sys
+
+import torch
+
+from .errors import KqsvdError
+from .projections import check_sizes
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+class LayerProjection:
+    """One layer's matrices as tensors of the model's dtype and device."""
+
+    def __init__(self, proj, layer, heads, dtype, device, o_weight=None, fold=False):
+        g = heads // proj.num_kv_heads
+        t = lambda a: torch.as_tensor(a, dtype=dtype, device=device)  # noqa: E731
+        self.A = t(proj.key_down[layer])                                     # [Hkv, d, rk]
+        self.Bq = t(proj.query_down[layer]).repeat_interleave(g, 0)          # [Hq, d, rk]
+        self.Av = t(proj.value_down[layer])                                  # [Hkv, d, rv]
+        self.BvT = t(proj.value_up[layer]).transpose(1, 2).repeat_interleave(g, 0)  # [Hq, rv, d]
+        self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads) if fold else None
+        if self.o_folded is not None:
+            self.o_folded = self.o_folded.to(dtype=dtype, device=device)
+
+
+def fold_o_proj(o_weight, value_up, num_heads):
+    """The o_proj weight that takes the compressed head outputs directly.
+
+    o_weight: [D, Hq d] (torch Linear layout); value_up: [Hkv, d, r_v] (B_v
+    of one layer).  Returns [D, Hq r_v]: head h's block W_h B_v[g(h)], so
+    softmax(.) (V A_v) times it equals softmax(.) (V A_v B_v^T) W_h^T."""
+    w = torch.as_tensor(o_weight, dtype=torch.float64)
+    bv = torch.as_tensor(value_up, dtype=torch.float64)
+    D, hd = w.shape
+    hkv, d, r = bv.shape
+    if hd != num_heads * d or num_heads % hkv:
+        raise KqsvdError(f"fold_o_proj: o_proj is [{D}, {hd}], which does not match {num_heads} "
+                         f"heads of d = {d} in {hkv} KV groups")
+    blocks = w.view(D, num_heads, d).transpose(0, 1)                      # [Hq, D, d]
+    folded = blocks @ bv.repeat_interleave(num_heads // hkv, 0)           # [Hq, D, r]
+    return folded.transpose(0, 1).reshape(D, num_heads * r)
+
+
+def _layers(model):
+    base = getattr(model, "model", model)
+    mtype = getattr(model.config, "model_type", None)
+    if mtype not in SUPPORTED or not hasattr(base, "layers"):
+        raise KqsvdError(f"compressed attention supports {', '.join(SUPPORTED)} decoders, "
+                         f"not '{mtype}'")
+    return list(base.layers)
+
+
+def _rope(attn, q, k, v, position_ids, position_embeddings, past, seq_len):
+    """The family's own rotary embedding, called as its attention does."""
+    module = sys.modules[type(attn).__module__]
+    params = inspect.signature(attn.rotary_emb.forward).parameters
+    if "seq_len" in params and "position_ids" not in params:  # Qwen2 in transformers 4.44
+        total = seq_len + (past.get_usable_length(seq_len, attn.layer_idx) if past is not None else 0)
+        cos, sin = attn.rotary_emb(v, seq_len=total)
+        return module.apply_rotary_pos_emb(q, k, cos, sin, position_ids)
+    cos, sin = position_embeddings if position_embeddings is not None else \
+        attn.rotary_emb(v, position_ids)
+    return module.apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+             output_attentions=False, use_cache=False, cache_position=None,
+             position_embeddings=None, **kwargs):
+    P = self._kqsvd
+    if P is None:
+        return self._kqsvd_forward(hidden_states, attention_mask=attention_mask,
+                                   position_ids=position_ids, past_key_value=past_key_value,
+                                   output_attentions=output_attentions, use_cache=use_cache,
+                                   cache_position=cache_position,
+                                   **({"position_embeddings": position_embeddings}
+                                      if position_embeddings is not None else {}), **kwargs)
+    b, T, _ = hidden_states.shape
+    hq, hkv, d = self.num_heads, self.num_key_value_heads, self.head_dim
+    q = self.q_proj(hidden_states).view(b, T, hq, d).transpose(1, 2)
+    k = self.k_proj(hidden_states).view(b, T, hkv, d).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(b, T, hkv, d).transpose(1, 2)
+    q, k = _rope(self, q, k, v, position_ids, position_embeddings, past_key_value, T)
+    g = hq // hkv
+    kc, vc = k @ P.A, v @ P.Av                      # what the cache holds: [b, Hkv, T, r]
+    if past_key_value is not None:
+        kc, vc = past_key_value.update(kc, vc, self.layer_idx, {"cache_position": cache_position})
+    qc = q @ P.Bq                                   # [b, Hq, T, rk]
+    mask = attention_mask[:, :, :, :kc.shape[-2]] if attention_mask is not None else None
+
+    def attend(qq, kk, vv):
+        s = qq @ kk.repeat_interleave(g, 1).transpose(2, 3)
+        w = s / math.sqrt(d)
+        if mask is not None:
+            w = w + mask
+        w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(qq.dtype)
+        return s, w, w @ vv.repeat_interleave(g, 1)
+
+    s_c, w, oc = attend(qc, kc, vc)                 # oc: [b, Hq, T, rv]
+    if P.o_folded is not None:
+        out = oc.transpose(1, 2).reshape(b, T, -1) @ P.o_folded.T
+        if self.o_proj.bias is not None:
+            out = out + self.o_proj.bias
+    else:
+        heads = oc @ P.BvT                          # back to [b, Hq, T, d]
+        out = self.o_proj(heads.transpose(1, 2).reshape(b, T, hq * d))
+    if self._kqsvd_probe is not None:
+        if past_key_value is not None and kc.shape[-2] != T:
+            raise KqsvdError("probe mode measures whole sequences; call the model without a cache")
+        s, _, exact = attend(q, k, v)
+        wo = self.o_proj.weight
+        y = exact.transpose(1, 2).reshape(b, T, hq * d) @ wo.T
+        y_c = (oc @ P.BvT).transpose(1, 2).reshape(b, T, hq * d) @ wo.T
+        for i in range(b):
+            self._kqsvd_probe.append((
+                float(((s[i] - s_c[i]) ** 2).sum() / (s[i] ** 2).sum()),
+                float(((y[i] - y_c[i]) ** 2).sum() / (y[i] ** 2).sum())))
+        out = self.o_proj(exact.transpose(1, 2).reshape(b, T, hq * d))
+        w = None
+    return out, (w if output_attentions else None), past_key_value
+
+
+def compress(model, proj, fold=False, probe=False):
+    """Installs `proj` (a Projections, see load_projections) in every layer's
+    attention, or the full attention again when proj is None.  Not
+    collective; not thread-safe.  fold: fold B_v into o_proj.  probe:
+    measure (see the module's doc) instead of compressing; read the result
+    with probe_errors().  Raises KqsvdError for an unsupported model or
+    projections of another shape."""
+    layers = _layers(model)
+    cfg = model.config
+    if proj is not None:
+        hq = cfg.num_attention_heads
+        check_sizes(proj.sizes(), proj.path, dict(
+            num_layers=len(layers), num_heads=hq,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or hq,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
+            hidden_size=cfg.hidden_size))
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        cfg.pretraining_tp = 1  # the same function computed in one piece
+    # The decoder builds an explicit 4-D causal mask only for eager attention;
+    # sdpa may pass none and rely on is_causal, which this forward does not see.
+    cfg._attn_implementation = "eager"
+    p = next(model.parameters())
+    for l, layer in enumerate(layers):
+        attn = layer.self_attn
+        if not hasattr(attn, "_kqsvd_forward"):
+            attn._kqsvd_forward = attn.forward
+            attn.forward = _forward.__get__(attn)
+        attn._kqsvd = None if proj is None else LayerProjection(
+            proj, l, attn.num_heads, p.dtype, p.device, attn.o_proj.weight.detach(), fold)
+        attn._kqsvd_probe = [] if (probe and proj is not None) else None
+    return model
+
+
+def probe_errors(model):
+    """After a probe run: per layer, the list of (err_kq, err_out) of each
+    sequence seen since compress(..., probe=True)."""
+    return [list(layer.self_attn._kqsvd_probe or []) for layer in _layers(model)]
+
+
+def cache_bytes(cache):
+    """Bytes held by a transformers cache (DynamicCache or legacy tuples)."""
+    if hasattr(cache, "key_cache"):
+        tensors = list(cache.key_cache) + list(cache.value_cache)
+    else:
+        tensors = [t for kv in cache for t in kv]
+    return sum(t.numel() * t.element_size() for t in tensors)

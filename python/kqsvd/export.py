@@ -1,0 +1,55 @@
+"""Projections for programs outside Python's HDF5 stack: safetensors files."""
+import json
+import os
+
+import numpy as np
+
+from .errors import UsageError
+from .projections import load_projections
+
+DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
+
+
+def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", o_proj=None):
+    """Writes one method's per-layer matrices, cut at `ranks` (as
+    load_projections takes them), to a safetensors file:
+
+        layers.{l}.key_down [Hkv, d, rank_k[l]]   (A)
+        layers.{l}.query_down [Hkv, d, rank_k[l]] (B)
+        layers.{l}.value_down [Hkv, d, rank_v[l]] (A_v)
+        layers.{l}.value_up [Hkv, d, rank_v[l]]   (B_v)
+        layers.{l}.o_proj_folded [D, Hq rank_v[l]]  (with o_proj)
+
+    proj: a path to proj.h5 or a Projections.  o_proj: optional list of each
+    layer's o_proj weight [D, Hq d] (torch Linear layout), to store the
+    folded weights (see attention.fold_o_proj).  The metadata holds the
+    method, the policy, the ranks and the model's sizes (JSON strings).
+    Written under a temporary name and renamed.  Raises UsageError for an
+    unknown dtype, KqsvdError for a bad file."""
+    import torch
+    from safetensors.torch import save_file
+    from .attention import fold_o_proj
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    p = proj if hasattr(proj, "key_down") else load_projections(proj, method, ranks)
+    tdtype = getattr(torch, dtype)
+    out = {}
+    for l in range(p.num_layers):
+        for n in ("key_down", "query_down", "value_down", "value_up"):
+            out[f"layers.{l}.{n}"] = torch.from_numpy(getattr(p, n)[l]).to(tdtype).contiguous()
+        if o_proj is not None:
+            out[f"layers.{l}.o_proj_folded"] = fold_o_proj(
+                o_proj[l], p.value_up[l], p.num_heads).to(tdtype).contiguous()
+    meta = {"kqsvd_format": "projections-safetensors", "method": p.method, "policy": p.policy,
+            "source": os.path.basename(p.path), "model": p.model,
+            "rank_k": json.dumps(p.rank_k.tolist()), "rank_v": json.dumps(p.rank_v.tolist()),
+            "sizes": json.dumps({k: getattr(p, k) for k in ("num_layers", "num_heads",
+                                 "num_kv_heads", "head_dim", "hidden_size")})}
+    tmp = path + ".tmp"
+    try:
+        save_file(out, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path

@@ -1,0 +1,266 @@
+"""What a rank costs the model: perplexity, KL and top-1 agreement of the
+compressed model against the full one, per rank policy and method.
+
+    python -m kqsvd.quality --model M --text FILE --proj PROJ.h5 --ranks POLICY[,POLICY...]
+        [--split validation] [--seq-len 256] [--num-seqs 8] [--methods kqsvd,ksvd,eigen]
+        [--dtype float32|float64] [--device cpu] [--fold] [--score-errors]
+        --json OUT [--plot PNG]
+
+The policies are `kqsvd calibrate`'s (eps:E, fixed:R, budget:F), resolved by
+`kqsvd ranks` from the file's spectra, so the ranks are exactly the C tool's.
+The full model runs once per sequence; every (policy, method) pair then runs
+on the same tokens.  Usage errors exit 2, bad input 1, each with one line
+naming the file and field; outputs are written under a temporary name and
+renamed, so an error or an interruption leaves none.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+from .errors import KqsvdError, UsageError
+from .projections import METHODS, load_projections, policy_ranks
+
+PROG = "python -m kqsvd.quality"
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="The JSON report is described in docs/formats.md, section 8.")
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
+    ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
+                    "fixed:R, budget:F, or 'stored'")
+    ap.add_argument("--split", choices=("train", "validation"), default="validation",
+                    help="windows from the text's start (train) or end (validation) [validation]")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence [256]")
+    ap.add_argument("--num-seqs", type=int, default=8, help="sequences [8]")
+    ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    ap.add_argument("--fold", action="store_true", help="fold B_v into o_proj")
+    ap.add_argument("--score-errors", action="store_true",
+                    help="also measure err_kq and err_out in the model (kqsvd evaluate's "
+                    "definitions, on the full model's activations): one more pass per pair")
+    ap.add_argument("--json", required=True, help="the report")
+    ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
+    a = ap.parse_args(argv)
+    for k in ("seq_len", "num_seqs"):
+        if getattr(a, k) < (2 if k == "seq_len" else 1):
+            ap.error(f"--{k.replace('_', '-')} must be at least {2 if k == 'seq_len' else 1}")
+    a.policies = [p.strip() for p in a.ranks.split(",") if p.strip()]
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not a.policies:
+        ap.error("--ranks: give at least one policy")
+    bad = [m for m in a.methods if m not in METHODS]
+    if bad or not a.methods:
+        ap.error(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
+                 f"{', '.join(METHODS)})")
+    for opt, path in (("--json", a.json), ("--plot", a.plot)):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            ap.error(f"{opt} {path}: is a folder")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            ap.error(f"{opt} {path}: the folder {folder} does not exist or is not writable")
+    if a.plot and not a.plot.lower().endswith(".png"):
+        ap.error(f"--plot {a.plot}: expected a .png file name")
+    return a
+
+
+def resolve_policies(a, L):
+    """[(policy, method, Projections)] for every pair; UsageError on a bad policy."""
+    pairs = []
+    for pol in a.policies:
+        got = policy_ranks(a.proj, None if pol == "stored" else pol)
+        for m in a.methods:
+            r = got["methods"][m]
+            if len(r["rank_k"]) != L:
+                raise KqsvdError(f"{a.proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
+            pairs.append((got["policy"] if pol == "stored" else pol, m,
+                          load_projections(a.proj, m, (r["rank_k"], r["rank_v"]))))
+    return pairs
+
+
+class Tally:
+    """Sums over the scored tokens of one configuration."""
+
+    def __init__(self):
+        self.nll = self.kl = self.top1 = self.tokens = 0.0
+        self.cache_bytes = 0
+        self.probe = None
+
+    def add(self, logp, targets, ref=None):
+        self.nll -= float(logp.gather(1, targets[:, None]).sum())
+        self.tokens += targets.numel()
+        if ref is not None:
+            self.kl += float((ref.exp() * (ref - logp)).sum())
+            self.top1 += float((ref.argmax(1) == logp.argmax(1)).sum())
+
+    def add_probe(self, errs):
+        if self.probe is None:
+            self.probe = [[] for _ in errs]
+        for l, e in enumerate(errs):
+            self.probe[l].extend(e)
+
+    def result(self):
+        n = max(self.tokens, 1)
+        out = {"perplexity": math.exp(self.nll / n), "nll": self.nll / n,
+               "kl": self.kl / n, "top1": self.top1 / n, "cache_bytes": self.cache_bytes}
+        if self.probe:
+            for i, k in enumerate(("err_kq", "err_out")):
+                per = [sum(e[i] for e in errs) / len(errs) for errs in self.probe]
+                out[k] = {"layers": per, "mean": sum(per) / len(per)}
+        return out
+
+
+def measure(a, model, seqs, pairs):
+    import torch
+    from transformers import DynamicCache
+    from .attention import cache_bytes, compress, probe_errors
+    from .progress import Progress
+    full, tallies = Tally(), [Tally() for _ in pairs]
+    bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + a.score_errors)), "passes")
+    compress(model, None)
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        for row in seqs:
+            ids = torch.from_numpy(row[None]).to(dev)
+            targets = ids[0, 1:]
+            compress(model, None)
+            out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
+            ref = torch.log_softmax(out.logits[0, :-1].double(), dim=-1)
+            full.add(ref, targets)
+            full.cache_bytes = max(full.cache_bytes, cache_bytes(out.past_key_values))
+            bar.advance()
+            for (pol, m, proj), t in zip(pairs, tallies):
+                compress(model, proj, fold=a.fold)
+                out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
+                t.add(torch.log_softmax(out.logits[0, :-1].double(), dim=-1), targets, ref)
+                t.cache_bytes = max(t.cache_bytes, cache_bytes(out.past_key_values))
+                bar.advance()
+                if a.score_errors:
+                    compress(model, proj, probe=True)
+                    model(input_ids=ids, use_cache=False)
+                    t.add_probe(probe_errors(model))
+                    bar.advance()
+    compress(model, None)
+    return full.result(), [t.result() for t in tallies]
+
+
+def write_atomic(path, write):
+    tmp = path + ".tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def plot(report, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for m in METHODS:
+        pts = sorted((r["cache_kept"], r["kl"], r["perplexity"]) for r in report["results"]
+                     if r["method"] == m)
+        if not pts:
+            continue
+        x = [100 * p[0] for p in pts]
+        axes[0].plot(x, [max(p[1], 1e-12) for p in pts], "o-", label=m)
+        axes[1].plot(x, [p[2] for p in pts], "o-", label=m)
+    axes[1].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
+    axes[0].set_yscale("log")
+    for ax, y in zip(axes, ("mean KL(full || compressed) per token", "perplexity")):
+        ax.set_xlabel("KV cache kept (%)")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
+                 f"({report['split']})", fontsize=10)
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    plt.close(fig)
+
+
+def table(report):
+    f = report["full"]
+    print(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
+          f"({report['split']} split), full model: perplexity {f['perplexity']:.3f}")
+    probe = any("err_kq" in r for r in report["results"])
+    print(f"{'policy':<14}{'method':<8}{'kept':>8}{'perplexity':>12}{'KL/token':>11}{'top-1':>8}" +
+          (f"{'err_kq':>11}{'err_out':>11}" if probe else ""))
+    for r in report["results"]:
+        line = (f"{r['policy']:<14}{r['method']:<8}{100 * r['cache_kept']:>7.1f}%"
+                f"{r['perplexity']:>12.3f}{r['kl']:>11.4f}{100 * r['top1']:>7.1f}%")
+        if "err_kq" in r:
+            line += f"{r['err_kq']['mean']:>11.3e}{r['err_out']['mean']:>11.3e}"
+        print(line)
+
+
+def run(a):
+    import torch
+    from . import h5io, models
+    from .projections import check_sizes
+    t0 = time.time()
+    with h5io.open_file(a.proj, "projections") as f:
+        psizes = h5io.sizes(f, a.proj)
+    dtype = getattr(torch, a.dtype)
+    model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
+    if not info.causal:
+        raise KqsvdError(f"{a.model}: the quality command needs a causal decoder "
+                         f"({', '.join(models.DECODERS)}), not '{info.model_type}'")
+    check_sizes(psizes, a.proj, info.sizes(), a.model)
+    models.check_positions(info, model.config, a.seq_len)
+    pairs = resolve_policies(a, info.num_layers)
+    seqs, ntok, start = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split)
+    print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
+          f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
+          f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
+    full, results = measure(a, model, seqs, pairs)
+    report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
+              "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
+              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "token_range": [start, start + seqs.size],
+              "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
+              "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
+              "full": full, "results": []}
+    for (pol, m, p), r in zip(pairs, results):
+        r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
+                 cache_kept=p.cache_kept(), cache_bytes_ratio=r["cache_bytes"] / full["cache_bytes"])
+        report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
+                                 {k: v for k, v in r.items() if k not in ("policy", "method")})
+    report["elapsed_s"] = time.time() - t0
+    write_atomic(a.json, lambda tmp: json.dump(report, open(tmp, "w"), indent=1))
+    if a.plot:
+        plot(report, a.plot)
+    table(report)
+    print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
+          file=sys.stderr)
+    return report
+
+
+def main(argv=None):
+    a = parse(argv)
+    try:
+        run(a)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KqsvdError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted; no report written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Compressed attention in transformers' models, tied to the C tool.
+
+On tiny random GQA decoders whose caches went through export_hf.py and
+`kqsvd calibrate`:
+- at full rank the compressed model's logits are the full model's;
+- the cached path (generate, a token at a time) equals the uncached one,
+  and the cache holds r-wide tensors;
+- folding B_v into o_proj changes nothing;
+- in float64, the score and output errors the patched attention measures
+  equal `kqsvd evaluate`'s err_kq and err_out;
+- an independent re-implementation of the compressed Llama (written here
+  from the weights, not through transformers) gives the same perplexity.
+"""
+import math
+import os
+import unittest
+
+import numpy as np
+import torch
+
+from common import Calibrated, evaluate
+
+import kqsvd
+from kqsvd import models
+from kqsvd.errors import KqsvdError, UsageError
+
+
+def load_lm(path, dtype=torch.float32):
+    model, tok, info = models.load(path, dtype=dtype)
+    return model, tok, info
+
+
+def windows(tok, n, seq_len, split="validation"):
+    from common import TEXT
+    return models.token_windows(tok, TEXT, seq_len, n, split)[0]
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+class FullRank(unittest.TestCase):
+    def test_logits_equal_at_full_rank(self):
+        for kind in ("llama", "mistral", "qwen2"):
+            c = Calibrated.get(kind)
+            model, tok, info = load_lm(c.model)
+            ids = torch.from_numpy(windows(tok, 2, 64))
+            with torch.no_grad():
+                full = model(input_ids=ids).logits
+                for m in kqsvd.METHODS:
+                    for fold in (False, True):
+                        kqsvd.compress(model, kqsvd.load_projections(c.proj, m, info.head_dim),
+                                       fold=fold)
+                        got = model(input_ids=ids).logits
+                        self.assertLess(rel(got, full), 1e-5, f"{kind} {m} fold={fold}")
+                kqsvd.compress(model, None)
+                self.assertEqual(rel(model(input_ids=ids).logits, full), 0.0, f"{kind} restored")
+
+    def test_low_rank_changes_logits(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        ids = torch.from_numpy(windows(tok, 1, 64))
+        with torch.no_grad():
+            full = model(input_ids=ids).logits
+            kqsvd.compress(model, kqsvd.load_projections(c.proj, "kqsvd", 4))
+            self.assertGreater(rel(model(input_ids=ids).logits, full), 1e-3)
+
+
+class Cache(unittest.TestCase):
+    def test_generate_and_cache_bytes(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        proj = kqsvd.load_projections(c.proj, "kqsvd", "fixed:6")
+        kqsvd.compress(model, proj)
+        ids = torch.from_numpy(windows(tok, 1, 20))
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=8, do_sample=False,
+                                 return_dict_in_generate=True, pad_token_id=0)
+            seq = out.sequences
+            # The same tokens from whole-sequence passes without a cache.
+            for t in range(ids.shape[1], seq.shape[1]):
+                logits = model(input_ids=seq[:, :t], use_cache=False).logits[0, -1]
+                self.assertEqual(int(logits.argmax()), int(seq[0, t]), f"token {t}")
+            # Incremental logits equal the uncached ones.
+            step = model(input_ids=seq[:, :-1], use_cache=True)
+            nxt = model(input_ids=seq[:, -1:], past_key_values=step.past_key_values,
+                        use_cache=True)
+            whole = model(input_ids=seq, use_cache=False).logits[0, -1]
+            self.assertLess(rel(nxt.logits[0, -1], whole), 1e-5)
+            T = seq.shape[1]
+            got = kqsvd.cache_bytes(nxt.past_key_values)
+            want = 4 * T * info.num_kv_heads * (proj.rank_k.sum() + proj.rank_v.sum())
+            self.assertEqual(got, want)
+            kqsvd.compress(model, None)
+            fullc = model(input_ids=seq, use_cache=True).past_key_values
+            self.assertEqual(kqsvd.cache_bytes(fullc),
+                             4 * T * info.num_kv_heads * 2 * info.head_dim * info.num_layers)
+            self.assertAlmostEqual(got / kqsvd.cache_bytes(fullc), proj.cache_kept())
+
+
+class TiedToEvaluate(unittest.TestCase):
+    def test_probe_equals_kqsvd_evaluate(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model, torch.float64)
+        ids = windows(tok, c.num_valid, c.seq_len)
+        for policy in ("fixed:5", "eps:0.1"):
+            rep = evaluate(c.valid[0], c.proj, c.valid[1], policy,
+                           os.path.join(c.wd, "report.json"))
+            for m in kqsvd.METHODS:
+                kqsvd.compress(model, kqsvd.load_projections(c.proj, m, policy), probe=True)
+                with torch.no_grad():
+                    for row in ids:
+                        model(input_ids=torch.from_numpy(row[None]), use_cache=False)
+                errs = kqsvd.probe_errors(model)
+                for l, e in enumerate(errs):
+                    self.assertEqual(len(e), c.num_valid)
+                    for i, key in enumerate(("err_kq", "err_out")):
+                        want = rep["methods"][m]["layers"][l][key]
+                        got = float(np.mean([x[i] for x in e]))
+                        self.assertLess(abs(got - want) / want, 1e-6,
+                                        f"{policy} {m} layer {l} {key}: {got} vs {want}")
+
+
+def reference_nll(sd, cfg, proj, ids):
+    """An independent compressed Llama, written from the weights: RMSNorm,
+    RoPE (rotate-half), GQA attention on K A and V A_v with q B scores and
+    B_v^T before W^O, SwiGLU MLP.  Returns the summed next-token NLL."""
+    x = sd["model.embed_tokens.weight"][ids].double()
+    T, d = len(ids), cfg.hidden_size // cfg.num_attention_heads
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+
+    def norm(h, w):
+        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    def rot(u):
+        return u * cos + torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1) * sin
+
+    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        W = lambda n: sd[p + n].double()  # noqa: E731
+        h = norm(x, sd[p + "input_layernorm.weight"])
+        q, k, v = h @ W("self_attn.q_proj.weight").T, h @ W("self_attn.k_proj.weight").T, \
+            h @ W("self_attn.v_proj.weight").T
+        out = torch.zeros(T, hq * d, dtype=torch.float64)
+        for head in range(hq):
+            g = head // (hq // hkv)
+            A, B = (torch.from_numpy(m[l][g]) for m in (proj.key_down, proj.query_down))
+            Av, Bv = (torch.from_numpy(m[l][g]) for m in (proj.value_down, proj.value_up))
+            qh = rot(q[:, head * d:(head + 1) * d]) @ B
+            kh = rot(k[:, g * d:(g + 1) * d]) @ A
+            w = torch.softmax(qh @ kh.T / math.sqrt(d) + mask, -1)
+            out[:, head * d:(head + 1) * d] = w @ (v[:, g * d:(g + 1) * d] @ Av) @ Bv.T
+        x = x + out @ W("self_attn.o_proj.weight").T
+        h = norm(x, sd[p + "post_attention_layernorm.weight"])
+        gate = h @ W("mlp.gate_proj.weight").T
+        x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
+            W("mlp.down_proj.weight").T
+    logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
+    logp = torch.log_softmax(logits[:-1], -1)
+    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+
+
+class Reference(unittest.TestCase):
+    def test_independent_perplexity(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        ids = windows(tok, 2, 64)
+        proj = kqsvd.load_projections(c.proj, "kqsvd", "fixed:5")
+        sd = model.state_dict()
+        ref = sum(reference_nll(sd, model.config, proj, row) for row in ids)
+        kqsvd.compress(model, proj)
+        got = 0.0
+        with torch.no_grad():
+            for row in ids:
+                logp = torch.log_softmax(model(input_ids=torch.from_numpy(row[None])).logits[0, :-1]
+                                         .double(), -1)
+                got -= float(logp.gather(1, torch.from_numpy(row[1:])[:, None]).sum())
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        self.assertLess(abs(math.exp(got / n) / math.exp(ref / n) - 1), 1e-4)
+        # and the compression mattered
+        kqsvd.compress(model, None)
+        self.assertGreater(abs(reference_nll(sd, model.config, proj, ids[0]) -
+                               reference_nll(sd, model.config, kqsvd.load_projections(
+                                   c.proj, "kqsvd", info.head_dim), ids[0])), 1e-3)
+
+
+class Errors(unittest.TestCase):
+    def test_refusals(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        other = Calibrated.get("qwen2")  # same sizes: compatible, so build a mismatch by hand
+        proj = kqsvd.load_projections(other.proj, "ksvd", 3)
+        proj.num_layers = 3
+        with self.assertRaisesRegex(KqsvdError, "num_layers = 3.*another model"):
+            kqsvd.compress(model, proj)
+        with self.assertRaisesRegex(UsageError, "outside 0..head_dim = 16"):
+            kqsvd.load_projections(c.proj, "kqsvd", 17)
+        with self.assertRaisesRegex(UsageError, "unknown method 'svd'"):
+            kqsvd.load_projections(c.proj, "svd")
+        with self.assertRaisesRegex(UsageError, "foo"):
+            kqsvd.load_projections(c.proj, "kqsvd", "foo:1")
+        with self.assertRaisesRegex(KqsvdError, "not a kqsvd projections file"):
+            kqsvd.load_projections(c.valid[0], "kqsvd")
+
+
+class Fold(unittest.TestCase):
+    def test_fold_matches_blocks(self):
+        g = torch.Generator().manual_seed(0)
+        W = torch.randn(10, 4 * 3, generator=g, dtype=torch.float64)
+        Bv = torch.randn(2, 3, 2, generator=g, dtype=torch.float64)
+        F = kqsvd.fold_o_proj(W, Bv, 4)
+        self.assertEqual(tuple(F.shape), (10, 8))
+        o = torch.randn(5, 4, 2, generator=g, dtype=torch.float64)  # [T, Hq, r]
+        heads = torch.einsum("thr,hdr->thd", o, Bv.repeat_interleave(2, 0)).reshape(5, 12)
+        self.assertLess(rel(o.reshape(5, 8) @ F.T, heads @ W.T), 1e-14)
+
+
+if __name__ == "__main__":
+    unittest.main()
