@@ -14,6 +14,9 @@ import sys
 
 from _python import rerun_elsewhere
 
+# The kqsvd package of this repository decodes the contract's element types.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "python"))
+
 PROG = "compress_cache.py"
 
 
@@ -96,11 +99,9 @@ def check_inputs(proj, shard, layer):
         fail(f"LAYER {layer} is out of range: {proj} has {layers} layers, 0 to {layers - 1}")
 
 
-def cache(ds):  # bf16 is stored as uint16 bit patterns
-    a = ds[...]
-    if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16"):
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).double()
-    return torch.from_numpy(a.astype(np.float64))
+def cache(ds):  # float64, bf16 bit patterns decoded (kqsvd.read_dataset)
+    from kqsvd.h5io import read
+    return torch.from_numpy(read(ds))
 
 
 args = parse_args()

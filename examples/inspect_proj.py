@@ -9,26 +9,24 @@ products V W^O (all heads of the layer together): the two quantities KQ-SVD
 minimises.  On calibration data kqsvd's columns are never worse; on other
 shards they show how well the projections generalise.
 """
+import os
 import sys
 
 from _python import rerun_elsewhere
 
+# The kqsvd package of this repository decodes the contract's element types.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "python"))
+
 try:
     import h5py
     import numpy as np
+    from kqsvd.h5io import read as f64
 except ImportError as e:
     rerun_elsewhere(__file__)
     raise SystemExit(f"inspect_proj.py: needs numpy and h5py ({e}); Debian: apt-get install "
                      "python3-numpy python3-h5py")
 
 METHODS = ("kqsvd", "ksvd", "eigen")
-
-
-def f64(ds):
-    a = ds[...]
-    if ds.attrs.get("dtype") in ("bfloat16", b"bfloat16"):
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
 
 
 def rel_err(G_left, G_right, A, B):

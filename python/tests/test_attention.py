@@ -207,6 +207,32 @@ class Errors(unittest.TestCase):
             kqsvd.load_projections(c.valid[0], "kqsvd")
 
 
+class Safetensors(unittest.TestCase):
+    def test_export(self):
+        from safetensors import safe_open
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        proj = kqsvd.load_projections(c.proj, "eigen", "eps:0.1")
+        path = os.path.join(c.wd, "eigen.safetensors")
+        o = [lay.self_attn.o_proj.weight.detach() for lay in model.model.layers]
+        kqsvd.export_safetensors(c.proj, path, "eigen", "eps:0.1", "float64", o_proj=o)
+        self.assertFalse(os.path.exists(path + ".tmp"))
+        with safe_open(path, "pt") as f:
+            meta = f.metadata()
+            self.assertEqual((meta["method"], meta["policy"]), ("eigen", "eps:0.1"))
+            for l in range(info.num_layers):
+                for n in ("key_down", "query_down", "value_down", "value_up"):
+                    got = f.get_tensor(f"layers.{l}.{n}").numpy()
+                    self.assertTrue(np.array_equal(got, getattr(proj, n)[l]), f"{l} {n}")
+                F = f.get_tensor(f"layers.{l}.o_proj_folded")
+                self.assertEqual(tuple(F.shape), (info.hidden_size,
+                                                  info.num_heads * int(proj.rank_v[l])))
+                self.assertLess(rel(F, kqsvd.fold_o_proj(o[l], proj.value_up[l], info.num_heads)),
+                                1e-15)
+        with self.assertRaisesRegex(UsageError, "dtype 'int8'"):
+            kqsvd.export_safetensors(c.proj, path, "eigen", None, "int8")
+
+
 class Fold(unittest.TestCase):
     def test_fold_matches_blocks(self):
         g = torch.Generator().manual_seed(0)
