@@ -94,11 +94,13 @@ class Tally:
         self.nll = self.kl = self.top1 = self.tokens = 0.0
         self.cache_bytes = 0
         self.probe = None
+        self.compared = False
 
     def add(self, logp, targets, ref=None):
         self.nll -= float(logp.gather(1, targets[:, None]).sum())
         self.tokens += targets.numel()
         if ref is not None:
+            self.compared = True
             self.kl += float((ref.exp() * (ref - logp)).sum())
             self.top1 += float((ref.argmax(1) == logp.argmax(1)).sum())
 
@@ -111,7 +113,9 @@ class Tally:
     def result(self):
         n = max(self.tokens, 1)
         out = {"perplexity": math.exp(self.nll / n), "nll": self.nll / n,
-               "kl": self.kl / n, "top1": self.top1 / n, "cache_bytes": self.cache_bytes}
+               "cache_bytes": self.cache_bytes}
+        if self.compared:  # KL and top-1 against the full model
+            out.update(kl=self.kl / n, top1=self.top1 / n)
         if self.probe:
             for i, k in enumerate(("err_kq", "err_out")):
                 per = [sum(e[i] for e in errs) / len(errs) for errs in self.probe]
@@ -168,21 +172,26 @@ def plot(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    marks = {"fixed": "o-", "budget": "s--", "eps": "^:", "stored": "d:"}
+    colors = dict(zip(METHODS, ("C0", "C1", "C2")))
+    # One line per method and kind of policy (a fixed-rank sweep, a budget
+    # sweep), so points of different rules are not joined.
     for m in METHODS:
-        pts = sorted((r["cache_kept"], r["kl"], r["perplexity"]) for r in report["results"]
-                     if r["method"] == m)
-        if not pts:
-            continue
-        x = [100 * p[0] for p in pts]
-        axes[0].plot(x, [max(p[1], 1e-12) for p in pts], "o-", label=m)
-        axes[1].plot(x, [p[2] for p in pts], "o-", label=m)
+        for kind, style in marks.items():
+            pts = sorted((r["cache_kept"], r["kl"], r["perplexity"]) for r in report["results"]
+                         if r["method"] == m and r["policy"].split(":")[0] == kind)
+            if not pts:
+                continue
+            x = [100 * p[0] for p in pts]
+            for ax, y in zip(axes, ([max(p[1], 1e-12) for p in pts], [p[2] for p in pts])):
+                ax.plot(x, y, style, color=colors[m], label=f"{m} ({kind})")
     axes[1].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
     axes[0].set_yscale("log")
     for ax, y in zip(axes, ("mean KL(full || compressed) per token", "perplexity")):
         ax.set_xlabel("KV cache kept (%)")
         ax.set_ylabel(y)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
                  f"({report['split']})", fontsize=10)
     fig.tight_layout()
