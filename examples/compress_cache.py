@@ -3,8 +3,10 @@
 
     python3 examples/compress_cache.py PROJ.h5 SHARD.h5 [LAYER]
 
-The README's snippet (marked below) and a measurement of what it did: the
-share of the cache kept and the relative squared error of the scores.
+proj.h5 read by hand with h5py (marked below; the kqsvd package's
+load_projections and compress do this for a whole model) and a measurement
+of what it did: the share of the cache kept and the relative squared error
+of the scores.
 Needs numpy, h5py and PyTorch (Debian: python3-numpy python3-h5py
 python3-torch).  Usage errors exit 2, bad input 1, each with one line.
 """
@@ -109,7 +111,7 @@ h5py, np, torch = import_modules()
 proj, shard, layer = args.proj, args.shard, args.layer
 check_inputs(proj, shard, layer)
 
-# --- README snippet -----------------------------------------------------------
+# --- reading proj.h5 by hand ---------------------------------------------------
 with h5py.File(proj) as p, h5py.File(shard) as s:
     rk, rv = int(p["kqsvd/rank_k"][layer]), int(p["kqsvd/rank_v"][layer])
     A, B = (torch.from_numpy(p[f"kqsvd/{n}"][layer, :, :, :rk]) for n in ("key_down", "query_down"))

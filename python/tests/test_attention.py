@@ -68,7 +68,12 @@ class FullRank(unittest.TestCase):
 
 class Cache(unittest.TestCase):
     def test_generate_and_cache_bytes(self):
-        c = Calibrated.get("llama")
+        for kind in ("llama", "mistral", "qwen2"):
+            with self.subTest(kind):
+                self.generate(kind)
+
+    def generate(self, kind):
+        c = Calibrated.get(kind)
         model, tok, info = load_lm(c.model)
         proj = kqsvd.load_projections(c.proj, "kqsvd", "fixed:6")
         kqsvd.compress(model, proj)

@@ -8,7 +8,7 @@ theorems    the paper's theorems on the tool's output
 degenerate  all-zero and rank-deficient heads
 bad_input   one clear message, non-zero exit, no output, no hang
 checkpoint  a killed run resumes and ends with identical output
-examples    the README's PyTorch snippet and examples/inspect_proj.py
+examples    examples/compress_cache.py and examples/inspect_proj.py
 disk_full   a full disk while writing the output (needs root for a tmpfs)
 eval_reference  evaluate vs a brute-force reference (causal GQA, MHA, degenerate heads)
 eval_ranks      ... independent of rank count and row blocks

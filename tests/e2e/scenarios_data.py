@@ -323,7 +323,7 @@ def checkpoint():
 
 
 def examples():
-    """The README's PyTorch snippet and the inspection script, on a fresh set."""
+    """examples/compress_cache.py and the inspection script, on a fresh set."""
     import sys
     wd, model, files = small_set("examples", layers=2, heads=4, kv_heads=2, head_dim=16,
                                  seqs=6, seq_len=64, shards=2)

@@ -84,7 +84,7 @@ def examples_usage():
     expect(compress(proj, other[0]), 1, [other[0], "head_dim = 8", "16", "not the same model"],
            "with a shard of another model")
 
-    # And the good case still runs (the README's snippet).
+    # And the good case still runs.
     p = compress(proj, shard, 1)
     check(p.returncode == 0 and p.stdout.startswith("layer 1: rank_k"),
           f"compress_cache.py on good input: {p.returncode} {p.stdout} {p.stderr}")
