@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "kqsvd_gpu.h"
+#include "kqsvd_isa.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
@@ -464,6 +465,8 @@ kqsvd_status_t calib_model(calib_t *c) {
   KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
                "read buffer");
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
+  if (cli->verbose && cli->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
+    fprintf(stderr, "kqsvd calibrate: CPU QR kernels: %s\n", kqsvd_isa_name(kqsvd_isa_active()));
   kqsvd_model_close(&c->model);
   KQSVD_CALL(c->qr == CAL_QR_SCALAPACK ? calib_stream_pqr(c) : calib_stream(c));
   KQSVD_CALL(calib_finish(c));

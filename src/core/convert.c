@@ -1,4 +1,5 @@
 #include "kqsvd_convert.h"
+#include "kqsvd_isa.h"
 
 #include <math.h>
 #include <string.h>
@@ -154,10 +155,9 @@ typedef float tr_v8f __attribute__((vector_size(32)));
 typedef float tr_v16f __attribute__((vector_size(64)));
 typedef double tr_v8d __attribute__((vector_size(64)));
 
-static int bf16_avx512_ok(void) {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
+/* The one selection point (kqsvd_isa.h): KQSVD_ISA=avx2 or base also turns
+ * this path off, so every kernel of a run is of the set it names. */
+static int bf16_avx512_ok(void) { return kqsvd_isa_active() == KQSVD_ISA_AVX512; }
 
 /* Stores four transposed bf16 columns (8 each) as doubles: u16 k goes to
  * the top half of 32-bit lane k (bf16 is the top half of a float32), zeros

@@ -1,4 +1,5 @@
 #include "kqsvd_linalg.h"
+#include "kqsvd_isa.h"
 
 #include <cblas.h>
 #include <float.h>
@@ -41,6 +42,7 @@ kqsvd_status_t kqsvd_qr_ws_init(int d, int block_rows, kqsvd_qr_ws_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_qr_ws_t *ws = NULL;
   *out = NULL;
+  KQSVD_CALL(kqsvd_isa_select(NULL)); /* an invalid KQSVD_ISA fails here */
   KQSVD_CHECK(d >= 1 && block_rows >= 1, KQSVD_ERR_USAGE,
               "QR workspace needs d >= 1 and block rows >= 1 (got %d, %d)", d, block_rows);
   ws = calloc(1, sizeof *ws);

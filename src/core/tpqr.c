@@ -17,10 +17,13 @@
  * row-major.  The hot loops exist twice, with GCC vector types for AVX-512
  * (where V^T B2 and B2 -= V W are register-tiled loops too) and as plain
  * loops built for AVX2 and baseline x86-64 (products by dgemm); the path is
- * chosen at run time, so the build flags stay generic.  A machine always
- * takes the same path, and the order of every sum depends only on m and n,
- * so results are reproducible (they may differ in the last bits between
- * machines, as OpenBLAS's do). */
+ * chosen at run time (kqsvd_isa_active in isa.c: the CPU's best, or the
+ * set the environment variable KQSVD_ISA names), so the build flags stay
+ * generic.  A process takes one path throughout, a machine the same one
+ * unless KQSVD_ISA differs, and the order of every sum depends only on m,
+ * n and the path, so results are reproducible (they differ in the last
+ * bits between paths, hence between machines, as OpenBLAS's do: FMA or
+ * not, dgemm or not).  test_qr runs once per path. */
 #include <cblas.h>
 #include <lapacke.h>
 #include <math.h>
@@ -28,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kqsvd_isa.h"
 #include "kqsvd_linalg.h"
 
 #define PANEL 8     /* unblocked panel width: one vector of doubles */
@@ -53,37 +57,34 @@ typedef uint16_t v8h __attribute__((vector_size(PANEL * sizeof(uint16_t))));
 #define FMA_CONTRACT
 #endif
 
+#define UNPAREN(...) __VA_ARGS__
+
 /* GCC only: the vector code relies on __builtin_shuffle. */
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
+#ifdef KQSVD_ISA_X86_CLONES
 #define HAVE_X86_CLONES 1
-/* x86-64-v4: what every AVX-512 server core has. */
+/* x86-64-v4: what every AVX-512 server core has (kqsvd_isa_supported
+ * checks these features). */
 #define AVX512_FN __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512cd,fma")))
-static int have_avx512(void) {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512cd");
-}
-static int have_avx2(void) {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-/* Defines `static void name params`: name##_vec (GCC vectors of 8 doubles)
- * on AVX-512, name##_plain (scalar loops the compiler may vectorize) built
- * for AVX2 or baseline x86-64 elsewhere; 8-lane vectors split into halves
- * compile badly. */
+/* Defines `static void name(kqsvd_isa_t isa, params...)`: name##_vec (GCC
+ * vectors of 8 doubles) on AVX-512, name##_plain (scalar loops the compiler
+ * may vectorize) built for AVX2 or baseline x86-64 otherwise; 8-lane
+ * vectors split into halves compile badly. */
 #define MULTIVERSION(name, params, args)                                                 \
   AVX512_FN FMA_CONTRACT static void name##_avx512 params { name##_vec args; }          \
   __attribute__((target("avx2,fma"))) FMA_CONTRACT static void name##_avx2 params {      \
     name##_plain args;                                                                    \
   }                                                                                       \
   static void name##_base params { name##_plain args; }                                  \
-  static void name params {                                                               \
-    if (have_avx512()) name##_avx512 args;                                                \
-    else if (have_avx2()) name##_avx2 args;                                               \
-    else name##_base args;                                                                \
+  static void name(kqsvd_isa_t isa, UNPAREN params) {                                    \
+    switch (isa) {                                                                        \
+    case KQSVD_ISA_AVX512: name##_avx512 args; break;                                     \
+    case KQSVD_ISA_AVX2: name##_avx2 args; break;                                         \
+    default: name##_base args; break;                                                     \
+    }                                                                                     \
   }
 #else
 #define MULTIVERSION(name, params, args)                                                 \
-  FMA_CONTRACT static void name params { name##_plain args; }
+  FMA_CONTRACT static void name(kqsvd_isa_t isa, UNPAREN params) { name##_plain args; }
 #endif
 
 /* ---- loading a block ----------------------------------------------------- */
@@ -196,12 +197,14 @@ MULTIVERSION(load, (kqsvd_dtype_t type, const void *src, int m, int d, double *B
              (type, src, m, d, B, ldb, bad))
 
 int64_t kqsvd_tpqr_load(kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb) {
+  const kqsvd_isa_t isa = kqsvd_isa_active();
   int bad = 0;
-  load(type, src, m, d, B, ldb, &bad);
+  load(isa, type, src, m, d, B, ldb, &bad);
   if (!bad) return -1;
   const size_t row_bytes = (size_t)d * kqsvd_dtype_size(type);
   for (int r = 0; r < m; r++) {
-    load(type, (const char *)src + (size_t)r * row_bytes, 1, d, B + (size_t)r * ldb, ldb, &bad);
+    load(isa, type, (const char *)src + (size_t)r * row_bytes, 1, d, B + (size_t)r * ldb, ldb,
+         &bad);
     if (bad) return r;
   }
   return -1;
@@ -384,11 +387,11 @@ AVX512_FN FMA_CONTRACT static void update_avx512(int m, int p, int qv, const dou
 
 /* G (p x q row-major, ldg) = A^T C.  dgemm sees row-major blocks as their
  * column-major transposes. */
-static void gram(int m, int p, int q, const double *A, const double *C, int ld, double *G,
-                 int ldg) {
+static void gram(kqsvd_isa_t isa, int m, int p, int q, const double *A, const double *C, int ld,
+                 double *G, int ldg) {
   const int qv = (q + PANEL - 1) / PANEL;
 #ifdef HAVE_X86_CLONES
-  if (have_avx512()) {
+  if (isa == KQSVD_ISA_AVX512) {
     gram_avx512(m, p, qv, A, C, ld, G, ldg);
     return;
   }
@@ -398,11 +401,11 @@ static void gram(int m, int p, int q, const double *A, const double *C, int ld, 
 }
 
 /* C -= A W, W p x q row-major (ldw) with zero pad columns. */
-static void update(int m, int p, int q, const double *A, int ld, const double *W, int ldw,
-                   double *C) {
+static void update(kqsvd_isa_t isa, int m, int p, int q, const double *A, int ld, const double *W,
+                   int ldw, double *C) {
   const int qv = (q + PANEL - 1) / PANEL;
 #ifdef HAVE_X86_CLONES
-  if (have_avx512()) {
+  if (isa == KQSVD_ISA_AVX512) {
     update_avx512(m, p, qv, A, ld, W, ldw, C);
     return;
   }
@@ -416,26 +419,26 @@ static void update(int m, int p, int q, const double *A, int ld, const double *W
 /* Reflector i when the sums of squares are unsafe (near underflow or
  * overflow): LAPACK's dlarfg on a copy, leaving column i scaled, then the
  * dot products with it. */
-static double slow_reflector(int m, double *B, int ldb, int i, double *alpha, double *tmp,
-                             double *acc) {
+static double slow_reflector(kqsvd_isa_t isa, int m, double *B, int ldb, int i, double *alpha,
+                             double *tmp, double *acc) {
   static const double unused[PANEL] = {0};
   double tau = 0.0;
   for (int r = 0; r < m; r++) tmp[r] = B[(size_t)r * ldb + i];
   LAPACKE_dlarfg_work(m + 1, alpha, tmp, 1, &tau);
   for (int r = 0; r < m; r++) B[(size_t)r * ldb + i] = tmp[r];
-  sweep(m, B, ldb, -1, unused, i, acc);
+  sweep(isa, m, B, ldb, -1, unused, i, acc);
   return tau;
 }
 
 /* Unblocked QR of nb <= PANEL columns (B row-major; lanes beyond nb are
  * read but never changed).  Reflector i is [e_i; sv[i] u_i], u_i left in
  * lane i until the final scaling; its tau and scale follow dlarfg. */
-static void panel(int m, int nb, double *R, int ldr, double *B, int ldb, double *T, int ldt,
-                  double *tmp) {
+static void panel(kqsvd_isa_t isa, int m, int nb, double *R, int ldr, double *B, int ldb,
+                  double *T, int ldt, double *tmp) {
   double acc[PANEL], coef[PANEL] = {0}, y[PANEL], sv[PANEL];
   for (int k = 0; k < PANEL; k++) sv[k] = 1.0;
   for (int i = 0; i < nb; i++) {
-    sweep(m, B, ldb, i - 1, coef, i, acc);
+    sweep(isa, m, B, ldb, i - 1, coef, i, acc);
     double *alpha = R + (size_t)i * ldr + i, tau = 0.0, f = 1.0;
     const double sq = acc[i], a = *alpha;
     int finite = 1;
@@ -450,7 +453,7 @@ static void panel(int m, int nb, double *R, int ldr, double *B, int ldb, double 
       f = 1.0 / (a - beta);
       *alpha = beta;
     } else {
-      tau = slow_reflector(m, B, ldb, i, alpha, tmp, acc);
+      tau = slow_reflector(isa, m, B, ldb, i, alpha, tmp, acc);
     }
     /* y = v_i^T [v_0 .. v_{i-1}, x_i .. x_{nb-1}] */
     sv[i] = f;
@@ -472,16 +475,16 @@ static void panel(int m, int nb, double *R, int ldr, double *B, int ldb, double 
     }
     T[(size_t)i * ldt + i] = tau;
   }
-  scale_rows(m, B, ldb, sv);
+  scale_rows(isa, m, B, ldb, sv);
 }
 
 /* Factors columns 0..n-1 of [R; B]; T (row-major, upper) gets the block
  * reflector factor when want_t.  Left parts are multiples of PANEL wide, so
  * a vector that crosses column n ends in the matrix's own zero pad. */
-static void rec(int m, int n, double *R, int ldr, double *B, int ldb, double *T, int ldt,
-                int want_t, double *W, double *tmp) {
+static void rec(kqsvd_isa_t isa, int m, int n, double *R, int ldr, double *B, int ldb, double *T,
+                int ldt, int want_t, double *W, double *tmp) {
   if (n <= PANEL) {
-    panel(m, n, R, ldr, B, ldb, T, ldt, tmp);
+    panel(isa, m, n, R, ldr, B, ldb, T, ldt, tmp);
     return;
   }
   int n1 = (n / 2) / PANEL * PANEL;
@@ -490,20 +493,20 @@ static void rec(int m, int n, double *R, int ldr, double *B, int ldb, double *T,
   const int n2 = n - n1, ldw = (n2 + PANEL - 1) / PANEL * PANEL;
   double *R12 = R + (size_t)n1 * ldr, *R22 = R12 + n1, *B2 = B + n1;
   double *T12 = T + n1, *T22 = T + (size_t)n1 * ldt + n1;
-  rec(m, n1, R, ldr, B, ldb, T, ldt, 1, W, tmp);
+  rec(isa, m, n1, R, ldr, B, ldb, T, ldt, 1, W, tmp);
   /* W = T1^T (R12 + V1^T B2); dtrmm sees row-major W and T transposed. */
-  gram(m, n1, n2, B, B2, ldb, W, ldw);
+  gram(isa, m, n1, n2, B, B2, ldb, W, ldw);
   for (int j = 0; j < n2; j++)
     for (int i = 0; i < n1; i++) W[(size_t)i * ldw + j] += R12[(size_t)j * ldr + i];
   cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit, n2, n1, 1.0, T,
               ldt, W, ldw);
   for (int j = 0; j < n2; j++)
     for (int i = 0; i < n1; i++) R12[(size_t)j * ldr + i] -= W[(size_t)i * ldw + j];
-  update(m, n1, n2, B, ldb, W, ldw, B2);
-  rec(m, n2, R22, ldr, B2, ldb, T22, ldt, want_t, W, tmp);
+  update(isa, m, n1, n2, B, ldb, W, ldw, B2);
+  rec(isa, m, n2, R22, ldr, B2, ldb, T22, ldt, want_t, W, tmp);
   if (want_t) {
     /* T12 = -T1 (V1^T V2) T2 */
-    gram(m, n1, n2, B, B2, ldb, T12, ldt);
+    gram(isa, m, n1, n2, B, B2, ldb, T12, ldt);
     cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, -1.0,
                 T, ldt, T12, ldt);
     cblas_dtrmm(CblasColMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, 1.0,
@@ -524,8 +527,13 @@ size_t kqsvd_tpqr_work_size(int m, int n) {
   return 2 * (size_t)n * (size_t)kqsvd_tpqr_ld(n) + (size_t)m;
 }
 
-void kqsvd_tpqr(int m, int n, double *R, int ldr, double *B, int ldb, double *work) {
+void kqsvd_tpqr_isa(kqsvd_isa_t isa, int m, int n, double *R, int ldr, double *B, int ldb,
+                    double *work) {
   const int ld = kqsvd_tpqr_ld(n);
   double *T = work, *W = T + (size_t)n * ld, *tmp = W + (size_t)n * ld;
-  rec(m, n, R, ldr, B, ldb, T, ld, 0, W, tmp);
+  rec(isa, m, n, R, ldr, B, ldb, T, ld, 0, W, tmp);
+}
+
+void kqsvd_tpqr(int m, int n, double *R, int ldr, double *B, int ldb, double *work) {
+  kqsvd_tpqr_isa(kqsvd_isa_active(), m, n, R, ldr, B, ldb, work);
 }
