@@ -1,3 +1,5 @@
+/* The module's device queries (count, description, bandwidth) and its
+ * function table, the one symbol it exports (kqsvd_gpu.h). */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <cusolverDn.h>
@@ -60,4 +62,17 @@ done:
   cudaFree(dev);
   cudaFreeHost(host);
   return st;
+}
+
+/* The module's one exported symbol (the link keeps every other symbol
+ * local: gpu/CMakeLists.txt).  Positional, as C++17 has no designated
+ * initializers; every function has its own signature, so a slip in the
+ * order does not compile. */
+extern "C" const kqsvd_gpu_api_t *kqsvd_gpu_module_table(void) {
+  static const kqsvd_gpu_api_t table = {
+      KQSVD_GPU_ABI_VERSION, kqsvd_gpu_device_count, kqsvd_gpu_describe,
+      kqsvd_gpu_fold_init,   kqsvd_gpu_fold_free,    kqsvd_gpu_fold_load,
+      kqsvd_gpu_fold_rows,   kqsvd_gpu_fold_sync,    kqsvd_gpu_last_error,
+      kqsvd_gpu_h2d_bandwidth};
+  return &table;
 }

@@ -2,9 +2,10 @@
  * The CUDA code is a module, libkqsvd_gpu.so (built with -DKQSVD_CUDA=ON,
  * the default where CMake finds nvcc), loaded with dlopen only when a GPU
  * is there: linking cuSOLVER would cost every process some 240 MB of
- * memory at start, GPU or not.  The first part of this header is what the
- * module exports; the loader at the end lives in every kqsvd.  Nothing here
- * is collective. */
+ * memory at start, GPU or not.  The first part of this header is the
+ * module's code; it exports one symbol, kqsvd_gpu_module_table, whose
+ * versioned table (kqsvd_gpu_api_t) the loader at the end, in every kqsvd,
+ * checks before it calls anything else.  Nothing here is collective. */
 #ifndef KQSVD_GPU_H
 #define KQSVD_GPU_H
 
@@ -71,10 +72,21 @@ const char *kqsvd_gpu_last_error(void);
  * from pinned memory.  Errors: KQSVD_ERR_CUDA. */
 kqsvd_status_t kqsvd_gpu_h2d_bandwidth(int device, size_t bytes, int reps, double *gbps);
 
-/* ---- the loader (gpu/loader.c, in every build) ------------------------ */
+/* ---- the module's table ------------------------------------------------ */
 
-/* The module's functions, as loaded. */
+/* The version of kqsvd_gpu_api_t and of the meaning of its functions.
+ * Raise it with any change to the table or to a signature or contract
+ * above: a kqsvd refuses a module of another version (installed from
+ * another build) rather than call through a table it would misread.
+ * Version 1 was the module that exported its functions by name, without
+ * a table. */
+#define KQSVD_GPU_ABI_VERSION 2u
+
+/* The module's functions.  abi_version comes first and stays first in
+ * every version: it is the one field the loader reads before it knows the
+ * table's layout.  The module fills every pointer. */
 typedef struct kqsvd_gpu_api {
+  uint32_t abi_version; /* KQSVD_GPU_ABI_VERSION of the module's build */
   int (*device_count)(void);
   kqsvd_status_t (*describe)(int dev, char *buf, int n);
   kqsvd_status_t (*fold_init)(int device, int d, int64_t nfactors, int64_t max_rows,
@@ -89,17 +101,36 @@ typedef struct kqsvd_gpu_api {
   kqsvd_status_t (*h2d_bandwidth)(int device, size_t bytes, int reps, double *gbps);
 } kqsvd_gpu_api_t;
 
+/* The module's one exported symbol (gpu/device.cu): its table, static and
+ * filled at build time, so calling it runs no CUDA code.  Errors: none. */
+const kqsvd_gpu_api_t *kqsvd_gpu_module_table(void);
+#define KQSVD_GPU_MODULE_ENTRY "kqsvd_gpu_module_table"
+
+/* ---- the loader (gpu/loader.c, in every build) ------------------------ */
+
 /* GPUs the CUDA driver sees (through libcuda.so.1, without the module):
- * 0 when there is no driver or no device. */
+ * 0 when there is no driver or no device.  Under the test hook
+ * KQSVD_TEST_GPU_LOADER=1, at least 1, so that the callers (calibrate
+ * --device auto|cuda, kqsvd --version) go on to kqsvd_gpu_open on a machine
+ * without a GPU.  Errors: none. */
 int kqsvd_gpu_driver_devices(void);
 
-/* Where the module is looked for: $KQSVD_GPU_MODULE, else libkqsvd_gpu.so
- * next to the executable. */
+/* Where the module is looked for: $KQSVD_GPU_MODULE when set and not
+ * empty (tests point it at stand-in modules), else libkqsvd_gpu.so next to
+ * the executable.  Errors: none. */
 const char *kqsvd_gpu_module_path(void);
 
-/* Loads the module once and returns its functions.  Errors: KQSVD_ERR_CUDA
- * naming the module and the loader's reason (e.g. a kqsvd built without
- * -DKQSVD_CUDA=ON has no module). */
+/* Loads the module once and returns its table, after checking, before
+ * using anything else of it, that it exports kqsvd_gpu_module_table, that
+ * the table's abi_version is KQSVD_GPU_ABI_VERSION and that it fills every
+ * function.  A failure is remembered: later calls fail alike without
+ * loading again.  Under KQSVD_TEST_GPU_LOADER=1 a module that passes every
+ * check is still refused ("checked, not used"), so that no CUDA code runs:
+ * the hook lets CI run the checks, and calibrate's fallback to the CPU,
+ * without a GPU.  Errors: KQSVD_ERR_CUDA naming the module's path and the
+ * reason: dlopen's (e.g. a kqsvd built without -DKQSVD_CUDA=ON has no
+ * module), a missing entry point, "has ABI version M, this kqsvd needs
+ * version N", a missing function, or the test hook. */
 kqsvd_status_t kqsvd_gpu_open(const kqsvd_gpu_api_t **api);
 
 #ifdef __cplusplus

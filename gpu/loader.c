@@ -10,21 +10,30 @@
 
 #include "kqsvd_gpu.h"
 
+/* The test hook of kqsvd_gpu.h: a module is opened and checked without a
+ * GPU, and never used. */
+static int test_hook(void) {
+  const char *v = getenv("KQSVD_TEST_GPU_LOADER");
+  return v && strcmp(v, "1") == 0;
+}
+
 int kqsvd_gpu_driver_devices(void) {
   static int cached = -1;
   if (cached >= 0) return cached;
   cached = 0;
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!cuda) return cached;
-  int (*init)(unsigned) = NULL;
-  int (*count)(int *) = NULL;
-  void *a = dlsym(cuda, "cuInit"), *b = dlsym(cuda, "cuDeviceGetCount");
-  /* POSIX dlsym returns object pointers: copied, not cast (-Wpedantic). */
-  memcpy(&init, &a, sizeof init);
-  memcpy(&count, &b, sizeof count);
-  int n = 0;
-  if (init && count && init(0) == 0 && count(&n) == 0) cached = n;
-  /* Kept open: the module's runtime will want the driver anyway. */
+  if (cuda) {
+    int (*init)(unsigned) = NULL;
+    int (*count)(int *) = NULL;
+    void *a = dlsym(cuda, "cuInit"), *b = dlsym(cuda, "cuDeviceGetCount");
+    /* POSIX dlsym returns object pointers: copied, not cast (-Wpedantic). */
+    memcpy(&init, &a, sizeof init);
+    memcpy(&count, &b, sizeof count);
+    int n = 0;
+    if (init && count && init(0) == 0 && count(&n) == 0) cached = n;
+    /* Kept open: the module's runtime will want the driver anyway. */
+  }
+  if (cached == 0 && test_hook()) cached = 1;
   return cached;
 }
 
@@ -42,38 +51,67 @@ const char *kqsvd_gpu_module_path(void) {
   return path;
 }
 
+/* Every function of the table, by name, for the message when one is
+ * missing (a module built from a damaged or edited tree). */
+static const char *missing_function(const kqsvd_gpu_api_t *t) {
+  const struct {
+    const char *name;
+    int set;
+  } fns[] = {{"device_count", t->device_count != NULL}, {"describe", t->describe != NULL},
+             {"fold_init", t->fold_init != NULL},       {"fold_free", t->fold_free != NULL},
+             {"fold_load", t->fold_load != NULL},       {"fold_rows", t->fold_rows != NULL},
+             {"fold_sync", t->fold_sync != NULL},       {"last_error", t->last_error != NULL},
+             {"h2d_bandwidth", t->h2d_bandwidth != NULL}};
+  for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
+    if (!fns[i].set) return fns[i].name;
+  return NULL;
+}
+
+static kqsvd_status_t load(const char *path, const kqsvd_gpu_api_t **out) {
+  kqsvd_status_t st = KQSVD_OK;
+  /* A module that fails a check stays loaded: CUDA's libraries are not made
+   * to be unloaded, and the process goes on without them or exits. */
+  void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  KQSVD_CHECK(h, KQSVD_ERR_CUDA, "cannot load the CUDA module %s: %s (is this kqsvd built "
+              "with -DKQSVD_CUDA=ON?)", path, dlerror());
+  void *sym = dlsym(h, KQSVD_GPU_MODULE_ENTRY);
+  KQSVD_CHECK(sym, KQSVD_ERR_CUDA, "the CUDA module %s exports no %s: it is not a kqsvd CUDA "
+              "module, or one of ABI version 1 (older than this kqsvd's version %u); build the "
+              "two together", path, KQSVD_GPU_MODULE_ENTRY, KQSVD_GPU_ABI_VERSION);
+  const kqsvd_gpu_api_t *(*entry)(void) = NULL;
+  memcpy(&entry, &sym, sizeof entry); /* object pointer to function pointer, as above */
+  const kqsvd_gpu_api_t *t = entry();
+  KQSVD_CHECK(t, KQSVD_ERR_CUDA, "the CUDA module %s returned no function table", path);
+  /* The version first: nothing past it has a known layout until it matches. */
+  KQSVD_CHECK(t->abi_version == KQSVD_GPU_ABI_VERSION, KQSVD_ERR_CUDA,
+              "the CUDA module %s has ABI version %u, this kqsvd needs version %u: build the "
+              "two together (or point KQSVD_GPU_MODULE at a matching module)", path,
+              (unsigned)t->abi_version, KQSVD_GPU_ABI_VERSION);
+  const char *missing = missing_function(t);
+  KQSVD_CHECK(!missing, KQSVD_ERR_CUDA, "the CUDA module %s (ABI version %u) has no %s",
+              path, (unsigned)t->abi_version, missing);
+  KQSVD_CHECK(!test_hook(), KQSVD_ERR_CUDA, "KQSVD_TEST_GPU_LOADER=1: the CUDA module %s "
+              "(ABI version %u) was checked and is not used", path, (unsigned)t->abi_version);
+  *out = t;
+done:
+  return st;
+}
+
 kqsvd_status_t kqsvd_gpu_open(const kqsvd_gpu_api_t **out) {
   kqsvd_status_t st = KQSVD_OK;
-  static kqsvd_gpu_api_t api;
-  static int loaded = 0;
-  const char *path = kqsvd_gpu_module_path();
+  /* One attempt per process: the outcome, or the failure's message. */
+  static const kqsvd_gpu_api_t *api = NULL;
+  static char failed[1024] = "";
   *out = NULL;
-  if (!loaded) {
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    KQSVD_CHECK(h, KQSVD_ERR_CUDA, "cannot load the CUDA module %s: %s (is this kqsvd built "
-                "with -DKQSVD_CUDA=ON?)", path, dlerror());
-    /* Function pointers copied from dlsym's object pointers, as above. */
-    struct {
-      const char *name;
-      void *slot;
-      size_t size;
-    } syms[] = {{"kqsvd_gpu_device_count", &api.device_count, sizeof api.device_count},
-                {"kqsvd_gpu_describe", &api.describe, sizeof api.describe},
-                {"kqsvd_gpu_fold_init", &api.fold_init, sizeof api.fold_init},
-                {"kqsvd_gpu_fold_free", &api.fold_free, sizeof api.fold_free},
-                {"kqsvd_gpu_fold_load", &api.fold_load, sizeof api.fold_load},
-                {"kqsvd_gpu_fold_rows", &api.fold_rows, sizeof api.fold_rows},
-                {"kqsvd_gpu_fold_sync", &api.fold_sync, sizeof api.fold_sync},
-                {"kqsvd_gpu_last_error", &api.last_error, sizeof api.last_error},
-                {"kqsvd_gpu_h2d_bandwidth", &api.h2d_bandwidth, sizeof api.h2d_bandwidth}};
-    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
-      void *f = dlsym(h, syms[i].name);
-      KQSVD_CHECK(f, KQSVD_ERR_CUDA, "the CUDA module %s lacks %s", path, syms[i].name);
-      memcpy(syms[i].slot, &f, syms[i].size);
+  KQSVD_CHECK(!failed[0], KQSVD_ERR_CUDA, "%s", failed);
+  if (!api) {
+    st = load(kqsvd_gpu_module_path(), &api);
+    if (st != KQSVD_OK) {
+      snprintf(failed, sizeof failed, "%s", kqsvd_error_message());
+      goto done;
     }
-    loaded = 1;
   }
-  *out = &api;
+  *out = api;
 done:
   return st;
 }

@@ -14,6 +14,11 @@ kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int 
 kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local) {
   kqsvd_status_t st = KQSVD_OK;
   int rank = 0, size = 1;
+  /* One process without MPI (kqsvd manifest, ranks, help): it agrees alone. */
+  if (comm == MPI_COMM_NULL) {
+    if (local != KQSVD_OK) kqsvd_error_mark_collective(true);
+    return local;
+  }
   KQSVD_MPI(MPI_Comm_rank(comm, &rank));
   KQSVD_MPI(MPI_Comm_size(comm, &size));
   /* A rank that only stopped because another failed is not an origin. */

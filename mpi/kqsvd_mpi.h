@@ -17,6 +17,8 @@ kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int 
  * rank passed `local` == KQSVD_OK.  Otherwise every rank returns an error
  * marked collective; the lowest failing rank keeps its message and is the
  * one to print it, the others return their own status or KQSVD_ERR_REMOTE.
+ * comm == MPI_COMM_NULL (a command run without MPI): returns `local`, an
+ * error marked collective and reported here; no MPI call.
  * Errors: KQSVD_ERR_MPI (not collective: main() then aborts). */
 kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local);
 

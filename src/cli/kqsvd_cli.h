@@ -19,7 +19,9 @@ typedef struct kqsvd_cli {
 } kqsvd_cli_t;
 
 /* Subcommands: collective over cli->comm.  On failure every rank returns an
- * error; those marked collective let main() finalize, others make it abort. */
+ * error; those marked collective let main() finalize, others make it abort.
+ * manifest, ranks and every --help run without MPI: cli->comm is then
+ * MPI_COMM_NULL, size 1, and they make no MPI call. */
 kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);

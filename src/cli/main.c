@@ -1,7 +1,12 @@
 /* kqsvd: low-rank KV-cache projections by streaming TSQR over MPI.
  * main() is the only place that calls MPI_Abort: subcommands return errors
  * that every rank agreed on, and only an error that some rank could not
- * share (an MPI or HDF5 failure inside a collective) ends in an abort. */
+ * share (an MPI or HDF5 failure inside a collective) ends in an abort.
+ *
+ * Only the commands that need MPI start it: help, --version, `manifest` and
+ * `ranks` (one process reading small files) run without touching MPI, so
+ * that they work on login nodes that forbid it and where Open MPI's runtime
+ * cannot start (no mpirun or ssh on PATH). */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,13 +23,16 @@ typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
 static const struct {
   const char *name;
   command_fn fn;
+  int mpi; /* 0: runs as one process without MPI (cli.comm is MPI_COMM_NULL) */
+  int h5;  /* reads HDF5 files (whose library, initialised, asks MPI_Initialized) */
   const char *about;
 } g_commands[] = {
-    {"calibrate", kqsvd_cmd_calibrate, "compute kqsvd, ksvd and eigen projections from caches"},
-    {"evaluate", kqsvd_cmd_evaluate, "measure attention fidelity of projections on validation caches"},
-    {"manifest", kqsvd_cmd_manifest, "check a manifest of models and print it resolved"},
-    {"ranks", kqsvd_cmd_ranks, "print the per-layer ranks a rank policy gives for projections"},
-    {"synth", kqsvd_cmd_synth, "write a synthetic cache set and model file"},
+    {"calibrate", kqsvd_cmd_calibrate, 1, 1, "compute kqsvd, ksvd and eigen projections from caches"},
+    {"evaluate", kqsvd_cmd_evaluate, 1, 1,
+     "measure attention fidelity of projections on validation caches"},
+    {"manifest", kqsvd_cmd_manifest, 0, 0, "check a manifest of models and print it resolved"},
+    {"ranks", kqsvd_cmd_ranks, 0, 1, "print the per-layer ranks a rank policy gives for projections"},
+    {"synth", kqsvd_cmd_synth, 1, 1, "write a synthetic cache set and model file"},
 };
 #define NCOMMANDS (sizeof g_commands / sizeof g_commands[0])
 
@@ -38,81 +46,133 @@ static void usage(FILE *out) {
     fprintf(out, "  %-10s %s\n", g_commands[i].name, g_commands[i].about);
   fprintf(out, "\n'kqsvd help COMMAND' (or 'kqsvd COMMAND --help') describes each command;\n"
                "'kqsvd --version' (-V, version) the build and the GPUs it sees.\n"
+               "help, --version, manifest and ranks run without MPI.\n"
                "Files follow the kqsvd data contract (docs/formats.md).\n");
 }
 
+/* This process's rank as the launcher tells it, without MPI: under
+ * `mpirun -np N kqsvd manifest` (or srun) every process runs alone, and
+ * only the first prints, as rank 0 did when these commands started MPI. */
+static int launcher_rank(void) {
+  static const char *const vars[] = {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+                                     "SLURM_PROCID"};
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    const char *v = getenv(vars[i]);
+    if (v && *v) return atoi(v);
+  }
+  return 0;
+}
+
+/* -h or --help among a command's arguments (before a "--"): the command
+ * prints its help, which needs no MPI.  An option value spelled -h or
+ * --help is taken for the request too. */
+static int asks_help(int argc, char **argv) {
+  for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) return 1;
+  return 0;
+}
+
+static void version(void) {
+  printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
+  const int ndev = kqsvd_gpu_driver_devices();
+  const char *path = kqsvd_gpu_module_path();
+  if (access(path, R_OK) != 0) {
+    printf("CUDA module: not built (configure with -DKQSVD_CUDA=ON); %d GPU%s visible\n", ndev,
+           ndev == 1 ? "" : "s");
+    return;
+  }
+  /* bench/gpu_calibrate.sh reads the GPU count from this line. */
+  printf("CUDA module: %s; %d GPU%s visible\n", path, ndev, ndev == 1 ? "" : "s");
+  if (ndev == 0) return; /* the module is loaded only when a GPU is there */
+  const kqsvd_gpu_api_t *api = NULL;
+  if (kqsvd_gpu_open(&api) != KQSVD_OK) {
+    printf("  not usable: %s\n", kqsvd_error_message());
+    kqsvd_error_clear();
+    return;
+  }
+  printf("  ABI version %u\n", (unsigned)api->abi_version);
+  for (int dev = 0; dev < ndev; dev++) {
+    char line[256];
+    if (api->describe(dev, line, sizeof line) == KQSVD_OK) printf("  %s\n", line);
+  }
+}
+
+/* Runs a subcommand and turns its status into the exit code, printing the
+ * error on the rank that reports it.  With MPI, an error that not every
+ * rank knows of (or a fatal one) ends in MPI_Abort. */
+static int run_command(kqsvd_cli_t *cli, const char *cmd, command_fn fn, int mpi, int argc,
+                       char **argv) {
+  const kqsvd_status_t st = fn(cli, argc, argv);
+  if (st == KQSVD_OK) return 0;
+  const kqsvd_status_t why = kqsvd_error_origin();
+  const int code = why == KQSVD_ERR_USAGE         ? 2
+                   : why == KQSVD_ERR_INTERRUPTED ? KQSVD_EXIT_INTERRUPTED
+                                                  : 1;
+  /* Without MPI each process is alone: the launcher's rank 0 speaks. */
+  const int speak = mpi ? kqsvd_error_report_here() && st != KQSVD_ERR_REMOTE : cli->rank == 0;
+  if (speak) {
+    if (cli->size > 1 && !kqsvd_error_is_collective())
+      fprintf(stderr, "kqsvd %s: error (rank %d): %s\n", cmd, cli->rank, kqsvd_error_message());
+    else
+      fprintf(stderr, "kqsvd %s: error: %s\n", cmd, kqsvd_error_message());
+    if (cli->verbose || getenv("KQSVD_TRACE")) fputs(kqsvd_error_trace_text(), stderr);
+  }
+  fflush(stderr);
+  if (mpi && (!kqsvd_error_is_collective() || kqsvd_error_is_fatal()))
+    MPI_Abort(MPI_COMM_WORLD, code);
+  return code;
+}
+
 int main(int argc, char **argv) {
-  kqsvd_cli_t cli = {MPI_COMM_WORLD, 0, 1, 0};
-  kqsvd_status_t st = KQSVD_OK;
-  int code = 0;
+  /* Until MPI starts (if it does): one process, no communicator. */
+  kqsvd_cli_t cli = {MPI_COMM_NULL, launcher_rank(), 1, 0};
+  const char *cmd = argc > 1 ? argv[1] : NULL;
+  const int quiet = cli.rank != 0;
+  if (!cmd || strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 ||
+      (strcmp(cmd, "help") == 0 && argc != 3)) {
+    if (!quiet) usage(cmd ? stdout : stderr);
+    return cmd ? 0 : 2;
+  }
+  if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0 || strcmp(cmd, "version") == 0) {
+    if (!quiet) version();
+    return 0;
+  }
+  /* `kqsvd help CMD` is `kqsvd CMD --help`. */
+  int help = 0;
+  if (strcmp(cmd, "help") == 0) cmd = argv[2], help = 1;
+  size_t k = 0;
+  while (k < NCOMMANDS && strcmp(cmd, g_commands[k].name) != 0) k++;
+  if (k == NCOMMANDS) {
+    if (!quiet) {
+      fprintf(stderr, "kqsvd: error: unknown command '%s'\n\n", cmd);
+      usage(stderr);
+    }
+    return 2;
+  }
+  if (help || asks_help(argc, argv)) {
+    char name[32], help_opt[] = "--help";
+    snprintf(name, sizeof name, "%s", g_commands[k].name);
+    char *help_argv[] = {name, help_opt, NULL};
+    return run_command(&cli, cmd, g_commands[k].fn, 0, 2, help_argv);
+  }
+  if (!g_commands[k].mpi) {
+    if (g_commands[k].h5) kqsvd_h5_init();
+    kqsvd_signal_install();
+    return run_command(&cli, cmd, g_commands[k].fn, 0, argc - 1, argv + 1);
+  }
+
   if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
     fprintf(stderr, "kqsvd: error: MPI_Init failed\n");
     return 1;
   }
+  cli.comm = MPI_COMM_WORLD;
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_rank(cli.comm, &cli.rank);
   MPI_Comm_size(cli.comm, &cli.size);
+  /* After MPI_Init: parallel HDF5 then closes itself inside MPI_Finalize. */
   kqsvd_h5_init();
   kqsvd_signal_install();
-
-  const char *cmd = argc > 1 ? argv[1] : NULL;
-  command_fn fn = NULL;
-  /* `kqsvd help CMD` is `kqsvd CMD --help`. */
-  char help_opt[] = "--help";
-  char *help_argv[] = {argv[0], argc > 2 ? argv[2] : NULL, help_opt, NULL};
-  if (cmd && strcmp(cmd, "help") == 0 && argc == 3) {
-    cmd = argv[2];
-    argv = help_argv;
-  }
-  for (size_t i = 0; cmd && i < NCOMMANDS; i++)
-    if (strcmp(cmd, g_commands[i].name) == 0) fn = g_commands[i].fn;
-  if (!cmd || strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
-    if (cli.rank == 0) usage(cmd ? stdout : stderr);
-    code = cmd ? 0 : 2;
-    goto finalize;
-  }
-  if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0 || strcmp(cmd, "version") == 0) {
-    if (cli.rank == 0) {
-      printf("kqsvd %s (data contract version 1)\n", KQSVD_VERSION);
-      const int ndev = kqsvd_gpu_driver_devices();
-      const kqsvd_gpu_api_t *api = NULL;
-      if (access(kqsvd_gpu_module_path(), R_OK) != 0)
-        printf("CUDA module: not built (configure with -DKQSVD_CUDA=ON); %d GPU%s visible\n", ndev,
-               ndev == 1 ? "" : "s");
-      else
-        printf("CUDA module: %s; %d GPU%s visible\n", kqsvd_gpu_module_path(), ndev,
-               ndev == 1 ? "" : "s");
-      for (int dev = 0; dev < ndev && kqsvd_gpu_open(&api) == KQSVD_OK; dev++) {
-        char line[256];
-        if (api->describe(dev, line, sizeof line) == KQSVD_OK) printf("  %s\n", line);
-      }
-    }
-    goto finalize;
-  }
-  if (!fn) {
-    if (cli.rank == 0) {
-      fprintf(stderr, "kqsvd: error: unknown command '%s'\n\n", cmd);
-      usage(stderr);
-    }
-    code = 2;
-    goto finalize;
-  }
-
-  st = fn(&cli, argc - 1, argv + 1);
-  if (st != KQSVD_OK) {
-    const kqsvd_status_t why = kqsvd_error_origin();
-    code = why == KQSVD_ERR_USAGE ? 2 : why == KQSVD_ERR_INTERRUPTED ? KQSVD_EXIT_INTERRUPTED : 1;
-    if (kqsvd_error_report_here() && st != KQSVD_ERR_REMOTE) {
-      if (cli.size > 1 && !kqsvd_error_is_collective())
-        fprintf(stderr, "kqsvd %s: error (rank %d): %s\n", cmd, cli.rank, kqsvd_error_message());
-      else
-        fprintf(stderr, "kqsvd %s: error: %s\n", cmd, kqsvd_error_message());
-      if (cli.verbose || getenv("KQSVD_TRACE")) fputs(kqsvd_error_trace_text(), stderr);
-    }
-    fflush(stderr);
-    if (!kqsvd_error_is_collective() || kqsvd_error_is_fatal()) MPI_Abort(MPI_COMM_WORLD, code);
-  }
-finalize:
+  const int code = run_command(&cli, cmd, g_commands[k].fn, 1, argc - 1, argv + 1);
   MPI_Finalize();
   return code;
 }

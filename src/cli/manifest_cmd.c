@@ -1,6 +1,8 @@
 /* kqsvd manifest: checks a manifest and prints it resolved, one model per
  * line, for scripts (slurm/kqsvd-submit) that must refuse a bad manifest
- * before submitting anything. */
+ * before submitting anything.  It runs as one process without MPI (main()
+ * passes cli->comm = MPI_COMM_NULL), so that it works on a login node
+ * where MPI cannot start; the reader (io/manifest.c) makes no MPI call. */
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
@@ -8,7 +10,6 @@
 
 #include "kqsvd_cli.h"
 #include "kqsvd_manifest.h"
-#include "kqsvd_mpi.h"
 
 /* DIR/NAME.KIND: the paths, each ended by a NUL byte, in the order
  * calibrate --manifest uses.  NUL is the one byte no path can hold, so no
@@ -65,8 +66,8 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
         kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
                         "expected MANIFEST [--lists DIR]")));
   }
-  KQSVD_CALL(kqsvd_mpi_agree(
-      cli->comm, kqsvd_manifest_read_report(argv[1], cli->rank == 0 ? stderr : NULL, &m)));
+  /* Under a launcher every process reads alone; the first one reports. */
+  KQSVD_CALL(kqsvd_manifest_read_report(argv[1], cli->rank == 0 ? stderr : NULL, &m));
   /* The lists first: a table on stdout means every list was written. */
   for (int i = 0; lists && cli->rank == 0 && i < m.n; i++) {
     const kqsvd_manifest_entry_t *e = &m.e[i];

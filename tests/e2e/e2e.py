@@ -31,6 +31,8 @@ manifest_reader hostile and large manifests: special files, control characters, 
 slurm_scripts   the SLURM job scripts against stand-ins: requeue on exit 75, NUL-separated lists
 gpu             calibrate --device cuda against --device cpu (needs a GPU and -DKQSVD_CUDA=ON)
 ranks_cmd       kqsvd ranks: stored and policy ranks equal calibrate's and evaluate's; errors
+nompi           help, --version, manifest and ranks where MPI cannot start; calibrate fails there
+gpu_abi         the CUDA module loader refuses stand-ins of another ABI version or without a table
 """
 import os
 import sys
@@ -47,11 +49,13 @@ from scenarios_hardening import (checkpoints, few_rows, hostile_files, options, 
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
+from scenarios_nompi import gpu_abi, nompi  # noqa: E402
 from scenarios_ranks import ranks_cmd  # noqa: E402
 from scenarios_slurm import manifest, slurm, slurm_scripts  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
+              nompi, gpu_abi,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
               eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
