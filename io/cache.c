@@ -6,10 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char *kqsvd_tensor_name(kqsvd_tensor_t t) {
-  return t == KQSVD_KEYS ? "keys" : t == KQSVD_VALUES ? "values" : "queries";
-}
-
 /* One numeric dataset: its handle, element type and the memory type that
  * reads its bits unchanged. */
 typedef struct {

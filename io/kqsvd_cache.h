@@ -9,9 +9,6 @@
 #include "kqsvd_error.h"
 #include "kqsvd_h5.h"
 
-typedef enum kqsvd_tensor { KQSVD_KEYS = 0, KQSVD_VALUES = 1, KQSVD_QUERIES = 2 } kqsvd_tensor_t;
-/* "keys", "values", "queries": the dataset names. */
-const char *kqsvd_tensor_name(kqsvd_tensor_t t);
 
 typedef struct kqsvd_shard kqsvd_shard_t;
 

@@ -58,6 +58,10 @@ void kqsvd_partition_items(int64_t n, int nranks, int p, int64_t *first, int64_t
  * _LAPACK, _NOMEM (not collective). */
 kqsvd_status_t kqsvd_tsqr_reduce(MPI_Comm comm, int d, int per_item, int64_t nitems,
                                  double *packed);
+/* The same with every item merged onto `root` (the accumulator's reduce).
+ * Collective.  Errors as kqsvd_tsqr_reduce. */
+kqsvd_status_t kqsvd_tsqr_reduce_root(MPI_Comm comm, int d, int per_item, int64_t nitems,
+                                      double *packed, int root);
 
 /* Collective.  Like kqsvd_tsqr_reduce, but items of `item_doubles` doubles
  * are summed (Gram matrices of `calibrate --qr gram`).  Errors: _MPI;

@@ -5,6 +5,10 @@
 #include <string.h>
 #include <threads.h>
 
+const char *kqsvd_tensor_name(kqsvd_tensor_t t) {
+  return t == KQSVD_KEYS ? "keys" : t == KQSVD_VALUES ? "values" : "queries";
+}
+
 size_t kqsvd_dtype_size(kqsvd_dtype_t t) {
   switch (t) {
   case KQSVD_F16:

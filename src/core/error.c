@@ -6,8 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* kqsvd is single-threaded around its error paths, so one record suffices. */
-static struct {
+/* One record per thread: library users may run independent handles on
+ * several threads, and each must see its own failure. */
+static _Thread_local struct {
   kqsvd_status_t code;
   char message[1024];
   char trace[2048];
@@ -66,7 +67,25 @@ void kqsvd_error_context(const char *context) {
   g_err.message[lc + 1] = ' ';
 }
 
+/* Set once before any work (kqsvd/error.h), read by failing API calls. */
+static kqsvd_error_handler_t g_handler;
+static void *g_handler_ctx;
+
 const char *kqsvd_error_message(void) { return g_err.message; }
+const char *kqsvd_last_error(void) { return g_err.message; }
+kqsvd_status_t kqsvd_last_status(void) { return g_err.code; }
+const char *kqsvd_last_error_trace(void) { return g_err.trace; }
+void kqsvd_clear_error(void) { kqsvd_error_clear(); }
+
+void kqsvd_set_error_handler(kqsvd_error_handler_t handler, void *ctx) {
+  g_handler = handler;
+  g_handler_ctx = ctx;
+}
+
+kqsvd_status_t kqsvd_api_return(kqsvd_status_t st) {
+  if (st != KQSVD_OK && g_handler) g_handler(st, g_err.message, g_handler_ctx);
+  return st;
+}
 const char *kqsvd_error_trace_text(void) { return g_err.trace; }
 
 void kqsvd_error_clear(void) {

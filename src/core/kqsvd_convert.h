@@ -8,10 +8,7 @@
 
 #include "kqsvd_error.h"
 
-typedef enum kqsvd_dtype { KQSVD_F16 = 0, KQSVD_BF16, KQSVD_F32, KQSVD_F64 } kqsvd_dtype_t;
 
-size_t kqsvd_dtype_size(kqsvd_dtype_t t);
-const char *kqsvd_dtype_name(kqsvd_dtype_t t);
 /* Parses "f16", "bf16", "f32" or "f64"; KQSVD_ERR_USAGE otherwise. */
 kqsvd_status_t kqsvd_dtype_parse(const char *s, kqsvd_dtype_t *t);
 

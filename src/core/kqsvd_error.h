@@ -12,25 +12,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kqsvd/error.h"
+#include "kqsvd/types.h"
+#include "kqsvd/version.h" /* KQSVD_VERSION, for every part */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef enum kqsvd_status {
-  KQSVD_OK = 0,
-  KQSVD_ERR_USAGE,   /* impossible option or command line */
-  KQSVD_ERR_INPUT,   /* malformed, missing or inconsistent input file */
-  KQSVD_ERR_DATA,    /* NaN/Inf or otherwise unusable numbers in an input */
-  KQSVD_ERR_IO,      /* operating-system file error */
-  KQSVD_ERR_HDF5,    /* unexpected HDF5 library failure */
-  KQSVD_ERR_MPI,     /* MPI library failure */
-  KQSVD_ERR_LAPACK,  /* LAPACK numerical failure (info > 0) */
-  KQSVD_ERR_CUDA,    /* CUDA, cuBLAS or cuSOLVER failure */
-  KQSVD_ERR_NOMEM,   /* allocation failed or exceeds the memory limit */
-  KQSVD_ERR_BUG,     /* broken internal invariant, e.g. LAPACK info < 0 */
-  KQSVD_ERR_REMOTE,  /* another MPI rank failed and reports it */
-  KQSVD_ERR_INTERRUPTED /* stopped by a signal at a safe point (kqsvd_signal.h) */
-} kqsvd_status_t;
+
 
 /* Records a new error (the first one wins while one is pending) and returns
  * `code`.  printf-style message; file/line/func locate the failure. */
@@ -45,6 +35,10 @@ kqsvd_status_t kqsvd_error_trace(kqsvd_status_t code, const char *file, int line
 /* Makes the pending message start with "<context>: " unless it already
  * names `context` (readers use it so every failure names the file). */
 void kqsvd_error_context(const char *context);
+
+/* What every public function (include/kqsvd) returns through: calls the
+ * error handler of kqsvd_set_error_handler when st is a failure. */
+kqsvd_status_t kqsvd_api_return(kqsvd_status_t st);
 
 /* The pending error's message ("" when none), its trace, and a reset. */
 const char *kqsvd_error_message(void);
@@ -69,7 +63,6 @@ void kqsvd_error_set_origin(kqsvd_status_t code);
 kqsvd_status_t kqsvd_error_origin(void);
 bool kqsvd_error_report_here(void);
 
-const char *kqsvd_status_name(kqsvd_status_t st);
 
 /* Checked narrowing for LAPACK/MPI/HDF5 `int` arguments (row counts are
  * 64-bit everywhere else). */

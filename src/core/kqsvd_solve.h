@@ -5,15 +5,7 @@
 
 #include "kqsvd_error.h"
 
-typedef enum kqsvd_method {
-  KQSVD_METHOD_KQSVD = 0,
-  KQSVD_METHOD_KSVD = 1,
-  KQSVD_METHOD_EIGEN = 2,
-  KQSVD_NMETHODS = 3
-} kqsvd_method_t;
-
-/* "kqsvd", "ksvd", "eigen": the group names of proj.h5. */
-const char *kqsvd_method_name(kqsvd_method_t m);
+/* kqsvd_method_t and kqsvd_method_name: kqsvd/types.h. */
 
 /* One method's output for one (layer, KV group).  Matrices are d x d in C
  * order (row-major), columns ordered most important first, exactly as in

@@ -1,4 +1,5 @@
 #include "kqsvd_util.h"
+#include "kqsvd/version.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -82,3 +83,5 @@ int kqsvd_mkdir_p(const char *path) {
   if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
   return 0;
 }
+
+const char *kqsvd_version(void) { return KQSVD_VERSION; }
