@@ -39,14 +39,26 @@ kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint
                                      const char *about, kqsvd_checkpoint_pos_t pos,
                                      int64_t nvals, const double *state) {
   kqsvd_status_t st = KQSVD_OK;
-  char path[PATH_MAX], tmp[PATH_MAX + 8], fp[32], sum[32];
-  hid_t file = -1, space = -1, ds = -1;
+  char path[PATH_MAX];
   ckpt_path(path, sizeof path, dir, rank, nranks);
+  if (kqsvd_mkdir_p(dir) != 0)
+    KQSVD_FAIL(KQSVD_ERR_IO, "cannot create checkpoint folder %s: %s", dir, strerror(errno));
+  KQSVD_CALL(kqsvd_checkpoint_save_file(path, fingerprint, about, pos, nvals, state));
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint,
+                                          const char *about, kqsvd_checkpoint_pos_t pos,
+                                          int64_t nvals, const double *state) {
+  kqsvd_status_t st = KQSVD_OK;
+  char tmp[PATH_MAX + 8], fp[32], sum[32];
+  hid_t file = -1, space = -1, ds = -1;
+  KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "checkpoint path too long: %.64s...",
+              path);
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
   checksum(fp, pos, nvals, state, sum);
-  if (kqsvd_mkdir_p(dir) != 0)
-    KQSVD_FAIL(KQSVD_ERR_IO, "cannot create checkpoint folder %s: %s", dir, strerror(errno));
   kqsvd_signal_track(tmp);
   file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   KQSVD_CHECK(file >= 0, KQSVD_ERR_IO, "%s: cannot create checkpoint file", tmp);
@@ -111,6 +123,7 @@ typedef struct {
   double *state;
   kqsvd_checkpoint_pos_t *pos;
   int headers_only; /* the isolated check: the state is read once, here */
+  const char *hint; /* what to do about a checkpoint of other inputs */
 } load_t;
 
 static kqsvd_status_t load_here(void *ctx) {
@@ -127,9 +140,7 @@ static kqsvd_status_t load_here(void *ctx) {
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "fingerprint", have, sizeof have));
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "about", about, sizeof about));
   KQSVD_CHECK(strcmp(have, fp) == 0, KQSVD_ERR_INPUT,
-              "%s was written for other inputs or options (%s); remove the folder or use "
-              "another --checkpoint folder",
-              path, about);
+              "%s was written for other inputs or options (%s); %s", path, about, a->hint);
   KQSVD_CHECK(H5Aexists(file, "checksum") > 0, KQSVD_ERR_INPUT,
               "%s has no checksum (written by an older kqsvd, or damaged); remove it to start "
               "over", path);
@@ -165,7 +176,8 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
                                      int *found) {
   kqsvd_status_t st = KQSVD_OK;
   char path[PATH_MAX];
-  load_t a = {path, fingerprint, nvals, state, pos, 1};
+  load_t a = {path, fingerprint, nvals, state, pos, 1,
+              "remove the folder or use another --checkpoint folder"};
   *found = 0;
   ckpt_path(path, sizeof path, dir, rank, nranks);
   KQSVD_CALL(check_rank_count(dir, nranks));
@@ -174,6 +186,19 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
   a.headers_only = 0;
   KQSVD_CALL(load_here(&a));
   *found = 1;
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
+                                          double *state, kqsvd_checkpoint_pos_t *pos) {
+  kqsvd_status_t st = KQSVD_OK;
+  load_t a = {path, fingerprint, nvals, state, pos, 1,
+              "load it into an accumulator of the shape and options that saved it"};
+  KQSVD_CHECK(access(path, F_OK) == 0, KQSVD_ERR_INPUT, "%s: no such file", path);
+  KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));
+  a.headers_only = 0;
+  KQSVD_CALL(load_here(&a));
 done:
   return st;
 }

@@ -30,6 +30,15 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
                                      int64_t nvals, double *state, kqsvd_checkpoint_pos_t *pos,
                                      int *found);
 
+/* The same for one file at `path` (the accumulator's save and load): save
+ * does not create folders; load fails with KQSVD_ERR_INPUT naming the file
+ * when it does not exist.  Not collective. */
+kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint,
+                                          const char *about, kqsvd_checkpoint_pos_t pos,
+                                          int64_t nvals, const double *state);
+kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
+                                          double *state, kqsvd_checkpoint_pos_t *pos);
+
 /* Deletes this rank's checkpoint file (after a successful run). */
 void kqsvd_checkpoint_remove(const char *dir, int rank, int nranks);
 

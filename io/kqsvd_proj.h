@@ -21,7 +21,8 @@ typedef struct kqsvd_proj_meta {
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;
 
 /* Collective over comm.  Creates `path` (the caller's temporary name) with
- * the MPI-IO driver: root attributes, the groups /kqsvd, /ksvd, /eigen and
+ * the MPI-IO driver (or, for comm == MPI_COMM_NULL, HDF5's default one, by
+ * one process without MPI): root attributes, the groups /kqsvd, /ksvd, /eigen and
  * /spectra and all their datasets.  Errors: KQSVD_ERR_IO naming the path,
  * _HDF5 (not collective: main() aborts). */
 kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_proj_meta_t *meta,

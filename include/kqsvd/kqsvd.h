@@ -3,12 +3,15 @@
  *
  *     #include <kqsvd/kqsvd.h>
  *
- * The library is C11 and uses MPI and HDF5. */
+ * and link kqsvd::kqsvd (CMake: find_package(kqsvd)) or `pkg-config
+ * --cflags --libs kqsvd`.  The library is C11 and uses MPI (only for
+ * kqsvd_acc_reduce: a single process needs no MPI_Init) and HDF5. */
 #ifndef KQSVD_PUBLIC_KQSVD_H
 #define KQSVD_PUBLIC_KQSVD_H
 
 #include "kqsvd/version.h"
 #include "kqsvd/types.h"
 #include "kqsvd/error.h"
+#include "kqsvd/accumulator.h"
 
 #endif

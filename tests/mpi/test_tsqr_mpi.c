@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../unit/check.h"
+#include "mpi_check.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_mpi.h"
 
@@ -20,11 +21,8 @@ static void row(int which, int64_t i, double *x) {
 }
 
 int main(int argc, char **argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   int rank, size;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  test_mpi_init(&argc, &argv, &rank, &size);
   const size_t tri = kqsvd_tri_size(D);
   double *state = calloc(ITEMS * PER * tri, sizeof(double)), R[D * D];
   double *X = malloc(sizeof(double) * N * D);

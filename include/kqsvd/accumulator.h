@@ -1,0 +1,194 @@
+/* The accumulator: kqsvd's calibration in process.
+ *
+ * Everything the three methods need is in d x d R factors: per (layer, KV
+ * head), those of K, of the group's stacked queries Q, of V, and of W^T
+ * (W = the group's o_proj blocks side by side).  An accumulator keeps them
+ * in float64 and folds rows into them as they come (Householder QR of
+ * [R; rows], `block_rows` rows at a time), so a caller can feed a model's
+ * activations while the model runs, without writing caches.  Several
+ * processes each absorb their rows, kqsvd_acc_reduce merges their factors
+ * (TSQR, in rank order), and kqsvd_acc_finish solves the d x d problems.
+ * `kqsvd calibrate` runs the same steps on cache shards.
+ *
+ *     kqsvd_acc_t *acc;
+ *     kqsvd_shape_t shape = {.layers = L, .kv_heads = Hkv, .group = Hq / Hkv,
+ *                            .head_dim = d, .hidden = D};
+ *     kqsvd_acc_init(&shape, NULL, &acc);
+ *     // for each batch of T tokens, layer l, KV head g, query head q of g:
+ *     kqsvd_acc_absorb(acc, KQSVD_KEYS, l, g, 0, k_rows, KQSVD_BF16, T, stride);
+ *     kqsvd_acc_absorb(acc, KQSVD_QUERIES, l, g, q, q_rows, KQSVD_BF16, T, stride);
+ *     kqsvd_acc_absorb(acc, KQSVD_VALUES, l, g, 0, v_rows, KQSVD_BF16, T, stride);
+ *     // once per layer: o_proj's weight, [D, Hq d] row-major
+ *     kqsvd_acc_absorb_oproj(acc, l, o_proj, KQSVD_F32, D, Hq * d);
+ *     kqsvd_acc_reduce(acc, MPI_COMM_WORLD, 0);         // with several processes
+ *     kqsvd_result_t *res;
+ *     kqsvd_acc_finish(acc, NULL, &res);                // on the root
+ *     kqsvd_result_write(res, "proj.h5", NULL);
+ *
+ * Threads: handles are independent; one handle must not be used by two
+ * threads at once.  Errors are recorded per thread (kqsvd/error.h). */
+#ifndef KQSVD_PUBLIC_ACCUMULATOR_H
+#define KQSVD_PUBLIC_ACCUMULATOR_H
+
+#include <mpi.h>
+#include <stdint.h>
+
+#include "kqsvd/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kqsvd_acc kqsvd_acc_t;
+typedef struct kqsvd_result kqsvd_result_t;
+
+/* How rows become R factors.  TSQR (Householder QR, merged as triangles) is
+ * the default and the accurate one; GRAM accumulates X^T X and takes its
+ * Cholesky factor at the end (faster, loses digits for ill-conditioned
+ * data: a peer for benchmarks). */
+typedef enum kqsvd_qr { KQSVD_QR_TSQR = 0, KQSVD_QR_GRAM = 1 } kqsvd_qr_t;
+
+typedef struct kqsvd_acc_options {
+  int64_t block_rows; /* rows per Householder update [256]; results depend on
+                         it by round-off only, and checkpoints record it */
+  double mem_limit_mib; /* refuse an accumulator whose factors and buffers
+                           exceed this many MiB; 0 = no limit [0] */
+  kqsvd_qr_t qr;        /* [KQSVD_QR_TSQR] */
+} kqsvd_acc_options_t;
+
+/* Fills *opt with the defaults above.  Not collective; cannot fail. */
+KQSVD_API void kqsvd_acc_options_default(kqsvd_acc_options_t *opt);
+
+/* Creates an accumulator for `shape`, its factors zero (no rows yet).
+ * opt NULL means the defaults.  Not collective.  Errors: KQSVD_ERR_USAGE for
+ * a size < 1 or a block_rows outside 1..2^20, KQSVD_ERR_NOMEM (also when the
+ * memory limit is too small, saying how much is needed). */
+KQSVD_API kqsvd_status_t kqsvd_acc_init(const kqsvd_shape_t *shape, const kqsvd_acc_options_t *opt,
+                              kqsvd_acc_t **acc);
+/* Frees *acc and sets it to NULL; NULL is a no-op.  Not collective. */
+KQSVD_API void kqsvd_acc_free(kqsvd_acc_t **acc);
+
+/* Folds `nrows` rows of one head into its factor.  tensor: KQSVD_KEYS or
+ * KQSVD_VALUES of KV head `kv_head` (query must be 0), or KQSVD_QUERIES of
+ * query head kv_head * group + query (0 <= query < group).  Row i holds
+ * head_dim elements of `type` at rows + i * row_stride elements
+ * (row_stride >= head_dim: e.g. Hq d for the output of q_proj).  The
+ * group's query heads share one factor (of their rows stacked), so their
+ * calls may come in any order (`kqsvd calibrate` gives block_rows rows of
+ * each head in turn).  The result depends on the rows, their order and how they are split into
+ * calls only through round-off; bit for bit it depends on the calls'
+ * boundaries modulo block_rows.  Not collective.  Errors: KQSVD_ERR_USAGE
+ * for an index, count or stride out of range; KQSVD_ERR_DATA for a NaN or
+ * Inf, naming the tensor, layer, head and row; the factor is then left as it
+ * was before the call. */
+KQSVD_API kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *acc, kqsvd_tensor_t tensor, int64_t layer,
+                                int64_t kv_head, int64_t query, const void *rows,
+                                kqsvd_dtype_t type, int64_t nrows, int64_t row_stride);
+
+/* Folds rows of layer `layer`'s output projection into the W factors of
+ * all its KV groups: o_proj holds `nrows` rows (of the D rows of Hugging
+ * Face's o_proj.weight, [D, Hq d]) of Hq d elements each, row_stride
+ * elements apart.  Give all D rows of every layer, in one call or in
+ * several in row order.  W is the model's, the same everywhere: it is not
+ * merged by kqsvd_acc_reduce, so give it to the accumulator that finishes.
+ * Not collective.  Errors: as kqsvd_acc_absorb (the layer's W factors are
+ * left as they were). */
+KQSVD_API kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *acc, int64_t layer, const void *o_proj,
+                                      kqsvd_dtype_t type, int64_t nrows, int64_t row_stride);
+
+/* Copies the current R factor of one head's rows into R (d x d, row-major,
+ * upper triangular, zeros below): tensor and indices as kqsvd_acc_absorb
+ * (queries: the group's stacked heads, any `query`).  Unique up to the sign
+ * of each row; under KQSVD_QR_GRAM, the Cholesky factor of the Gram matrix.
+ * Not collective.  Errors: KQSVD_ERR_USAGE for an index out of range,
+ * KQSVD_ERR_LAPACK. */
+KQSVD_API kqsvd_status_t kqsvd_acc_factor(const kqsvd_acc_t *acc, kqsvd_tensor_t tensor,
+                                          int64_t layer, int64_t kv_head, double *R);
+
+/* Rows absorbed so far into the keys of (layer 0, KV head 0): the tokens
+ * seen, when every head gets every token.  Not collective. */
+KQSVD_API int64_t kqsvd_acc_tokens(const kqsvd_acc_t *acc);
+
+/* Writes the factors to `path` in kqsvd's checkpoint format
+ * (docs/formats.md, section 7), under a temporary name renamed when
+ * complete, with a checksum.  Not collective.  Errors: KQSVD_ERR_IO,
+ * KQSVD_ERR_HDF5, naming the path. */
+KQSVD_API kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *acc, const char *path);
+/* Replaces the factors with those saved in `path` by an accumulator of
+ * the same shape and options.  Not collective.  Errors: KQSVD_ERR_INPUT
+ * naming the file for another shape or options, a damaged file (checksum)
+ * or a missing one; KQSVD_ERR_HDF5. */
+KQSVD_API kqsvd_status_t kqsvd_acc_load(kqsvd_acc_t *acc, const char *path);
+
+/* Collective over comm: merges every process's K, Q and V factors (the R
+ * factor of all their rows stacked in rank order) onto `root`, whose
+ * accumulator then holds them; the others' are left unchanged.  comm
+ * MPI_COMM_NULL, or one process, does nothing (MPI need not be
+ * initialised then).  Every process must have the same shape and
+ * options.  Errors (the same on every process): KQSVD_ERR_USAGE for a bad
+ * root or shapes that differ, KQSVD_ERR_MPI, KQSVD_ERR_NOMEM. */
+KQSVD_API kqsvd_status_t kqsvd_acc_reduce(kqsvd_acc_t *acc, MPI_Comm comm, int root);
+
+typedef struct kqsvd_finish_options {
+  double beta;        /* key/query unbalance of the eigen method, > 0 [1] */
+  const char *ranks;  /* rank policy: "eps:E", "fixed:R" or "budget:F" ["eps:0.1"] */
+} kqsvd_finish_options_t;
+
+KQSVD_API void kqsvd_finish_options_default(kqsvd_finish_options_t *opt);
+
+/* Solves the d x d problems of every (layer, KV head) from this
+ * accumulator's factors and chooses ranks: the three methods' projections,
+ * spectra and ranks.  Call it after kqsvd_acc_reduce, on the root.  The
+ * accumulator is unchanged.  Not collective.  Errors: KQSVD_ERR_USAGE for
+ * an unknown policy or a rank above head_dim, KQSVD_ERR_LAPACK,
+ * KQSVD_ERR_NOMEM. */
+KQSVD_API kqsvd_status_t kqsvd_acc_finish(const kqsvd_acc_t *acc, const kqsvd_finish_options_t *opt,
+                                kqsvd_result_t **res);
+
+/* What proj.h5 stores, as in docs/formats.md section 3. */
+typedef enum kqsvd_matrix {
+  KQSVD_KEY_DOWN = 0, /* A: compressed keys K A */
+  KQSVD_QUERY_DOWN,   /* B: queries q B, scores (q B)(K A)^T ~ q K^T */
+  KQSVD_VALUE_DOWN,   /* A_v: compressed values V A_v */
+  KQSVD_VALUE_UP      /* B_v: B_v^T W^O_h replaces each head's W^O_h */
+} kqsvd_matrix_t;
+
+/* A method's d x d matrix of (layer, kv_head), row-major, columns most
+ * important first (any rank r is the first r columns); NULL for an index
+ * out of range.  Valid until kqsvd_result_free.  Not collective. */
+KQSVD_API const double *kqsvd_result_matrix(const kqsvd_result_t *res, kqsvd_method_t method,
+                                  kqsvd_matrix_t which, int64_t layer, int64_t kv_head);
+/* The d singular values ordering a method's key (values == 0) or value
+ * (values == 1) columns; NULL for an index out of range. */
+KQSVD_API const double *kqsvd_result_sigma(const kqsvd_result_t *res, kqsvd_method_t method, int values,
+                                 int64_t layer, int64_t kv_head);
+/* The chosen ranks of a method: [layers] each, or NULL. */
+KQSVD_API const int32_t *kqsvd_result_rank_k(const kqsvd_result_t *res, kqsvd_method_t method);
+KQSVD_API const int32_t *kqsvd_result_rank_v(const kqsvd_result_t *res, kqsvd_method_t method);
+/* The shape the result was made for. */
+KQSVD_API kqsvd_shape_t kqsvd_result_shape(const kqsvd_result_t *res);
+
+typedef struct kqsvd_write_options {
+  const char *model; /* the root attribute `model` [""] */
+  int64_t tokens;    /* the root attribute `tokens`; 0: kqsvd_acc_tokens [0] */
+  int causal;        /* the attribute `causal`: 1 for decoders, 0 for encoders [1] */
+  int force;         /* replace an existing file [0: refuse] */
+} kqsvd_write_options_t;
+
+/* Fills *opt with the defaults above.  Not collective; cannot fail. */
+KQSVD_API void kqsvd_write_options_default(kqsvd_write_options_t *opt);
+
+/* Writes `res` as a projections file (docs/formats.md, section 3), under a
+ * temporary name renamed when complete.  opt NULL: the defaults.  Not
+ * collective (serial HDF5; MPI need not be initialised).  Errors:
+ * KQSVD_ERR_USAGE for an existing file without force, KQSVD_ERR_IO,
+ * KQSVD_ERR_HDF5. */
+KQSVD_API kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *res, const char *path,
+                                  const kqsvd_write_options_t *opt);
+KQSVD_API void kqsvd_result_free(kqsvd_result_t **res);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
