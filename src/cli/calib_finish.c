@@ -33,12 +33,13 @@ static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *si
   const size_t plane = (size_t)(c->nitems * c->d), vec = (size_t)d * sizeof(double);
   memset(&sol, 0, sizeof sol);
   KQSVD_CALL(kqsvd_solution_init(d, &sol));
-  KQSVD_MALLOC(R, CAL_NR * dd, "R factors of one item");
+  KQSVD_MALLOC(R, (CAL_NR + 1) * dd, "R factors of one item");
   for (int64_t i = c->own0; i < c->own1; i++) {
     for (int k = 0; k < CAL_NR; k++)
       kqsvd_tri_unpack(d, c->state + ((size_t)i * CAL_NR + k) * tri, R + k * dd);
+    kqsvd_tri_unpack(d, kqsvd_acc_wstate(c->acc) + (size_t)i * tri, R + CAL_NR * dd);
     KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd,
-                           c->RW + (size_t)(i - c->own0) * dd, c->beta, &sol));
+                           R + CAL_NR * dd, c->beta, &sol));
     KQSVD_CALL(kqsvd_proj_write_item(w, i / c->dims.kv_heads, i % c->dims.kv_heads, &sol));
     double *at = sig + (size_t)i * (size_t)d;
     for (int m = 0; m < KQSVD_NMETHODS; m++) {

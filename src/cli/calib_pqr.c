@@ -103,8 +103,6 @@ kqsvd_status_t calib_stream_pqr(calib_t *c) {
   s.segs = c->segs + c->seg_first[me];
   s.nseg = c->seg_first[me + 1] - c->seg_first[me];
   s.rows = calib_rank_rows(c, me);
-  const size_t tri = kqsvd_tri_size((int)c->d);
-  KQSVD_MALLOC(c->state, (size_t)(c->nitems * CAL_NR) * tri, "R factors");
 
   /* The block holds the group's stacked queries, the largest matrix; plan()
    * counted it under --mem-limit. */

@@ -25,9 +25,6 @@ typedef struct {
 typedef struct {
   calib_t *c;
   kqsvd_monitor_t *mon;
-  kqsvd_qr_ws_t *ws;
-  double *gram_buf;   /* --qr gram: one converted sub-block */
-  double *R[CAL_NR];  /* unpacked factors of the current item */
   shared_t *shared;   /* one per local segment */
   int64_t nseg, work; /* local segments; work units done */
   double last_save;
@@ -78,6 +75,7 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
   calib_t *c = s->c;
   kqsvd_checkpoint_pos_t pos = {seg, item};
   if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
+  c->state = kqsvd_acc_state(c->acc); /* the item just finished, packed */
   if (item == c->nitems) pos.segment = seg + 1, pos.item = 0;
   KQSVD_CALL(kqsvd_checkpoint_save(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint,
                                    c->about, pos,
@@ -99,31 +97,28 @@ static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, i
                            int64_t n, int64_t j0, int64_t nj) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
-  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
+  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads, layer = item / c->dims.kv_heads;
   const kqsvd_tensor_t tens[3] = {KQSVD_KEYS, KQSVD_QUERIES, KQSVD_VALUES};
-  const int target[3] = {CAL_RK, CAL_RQ, CAL_RV};
   const int64_t heads[3] = {1, m, 1};
   char *base = c->raw;
   for (int t = 0; t < 3; t++) {
     const kqsvd_dtype_t type = kqsvd_shard_dtype(sh, tens[t]);
     const size_t esz = kqsvd_dtype_size(type);
     for (int64_t h = 0; h < heads[t]; h++) {
-      int64_t bad = -1;
       const char *rows = base + (size_t)((h * n + j0) * d) * esz;
       const double t0 = kqsvd_now();
-      if (c->qr == CAL_QR_GRAM)
-        kqsvd_gram_absorb((int)d, s->R[target[t]], rows, type, nj, s->gram_buf, (int)c->qr_block,
-                          &bad);
-      else
-        KQSVD_CALL(kqsvd_qr_absorb(s->ws, s->R[target[t]], rows, type, nj, &bad));
+      kqsvd_status_t got = kqsvd_acc_absorb(c->acc, tens[t], layer, g, tens[t] == KQSVD_QUERIES ? h : 0,
+                                            rows, type, nj, d);
       c->t_fold += kqsvd_now() - t0;
       c->rows_folded += (double)nj;
+      const int64_t bad = got == KQSVD_ERR_DATA ? kqsvd_acc_bad_row(c->acc) : -1;
+      if (bad >= 0) kqsvd_error_clear(); /* named below, with the file and the shard's row */
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
-                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]),
-                  (long long)(item / c->dims.kv_heads),
+                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer,
                   (long long)(tens[t] == KQSVD_QUERIES ? g * m + h : g),
                   (long long)(r0 + j0 + bad));
+      KQSVD_CALL(got);
     }
     base += (size_t)(heads[t] * n * d) * esz;
   }
@@ -138,9 +133,9 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
   calib_t *c = s->c;
   const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
   const int64_t layer = item / c->dims.kv_heads;
-  const size_t tri = kqsvd_tri_size((int)d);
-  for (int k = 0; !c->gpu && k < CAL_NR; k++)
-    kqsvd_tri_unpack((int)d, c->state + ((size_t)item * CAL_NR + k) * tri, s->R[k]);
+  /* The previous item goes back into the state, so that discarding this
+   * one below cannot touch it. */
+  if (!c->gpu) c->state = kqsvd_acc_state(c->acc);
   for (int64_t r0 = seg->row0; r0 < seg->row1 && !*stop; r0 += c->io_rows) {
     const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
     char *p = c->raw;
@@ -174,8 +169,7 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
   }
   /* A stopped item keeps the factors it had before it, so that a
    * checkpoint taken now resumes at its start. */
-  for (int k = 0; !c->gpu && !*stop && k < CAL_NR; k++)
-    kqsvd_tri_pack((int)d, s->R[k], c->state + ((size_t)item * CAL_NR + k) * tri);
+  if (!c->gpu && *stop) kqsvd_acc_discard(c->acc);
 done:
   return st;
 }
@@ -243,10 +237,8 @@ kqsvd_status_t calib_stream(calib_t *c) {
   /* Test hook: slow reads, so that a test can signal a run mid-stream. */
   s.delay_ms = getenv("KQSVD_TEST_READ_DELAY_MS") ? atoi(getenv("KQSVD_TEST_READ_DELAY_MS")) : 0;
   s.nseg = c->seg_first[c->cli->rank + 1] - c->seg_first[c->cli->rank];
-  const size_t tri = kqsvd_tri_size((int)c->d);
-  const int64_t nvals = c->nitems * CAL_NR * (int64_t)tri;
-  KQSVD_MALLOC(c->state, (size_t)nvals, "R factors");
-  for (int64_t k = 0; k < nvals; k++) c->state[k] = 0.0;
+  const int64_t nvals = kqsvd_acc_state_doubles(c->acc);
+  c->state = kqsvd_acc_state(c->acc);
   c->pos.segment = c->pos.item = 0;
   int found = 0;
   if (c->ckpt_dir) {
@@ -261,9 +253,6 @@ kqsvd_status_t calib_stream(calib_t *c) {
   }
   KQSVD_MALLOC(s.shared, (size_t)s.nseg + 1, "shared shard handles");
   for (int64_t k = 0; k <= s.nseg; k++) s.shared[k].sh = NULL, s.shared[k].comm = MPI_COMM_NULL;
-  for (int k = 0; k < CAL_NR; k++) KQSVD_MALLOC(s.R[k], (size_t)(c->d * c->d), "R factor");
-  KQSVD_CALL(kqsvd_qr_ws_init((int)c->d, (int)c->qr_block, &s.ws));
-  if (c->qr == CAL_QR_GRAM) KQSVD_MALLOC(s.gram_buf, (size_t)(c->qr_block * c->d), "Gram block");
   st = open_shared(&s);
   if (st != KQSVD_OK) {
     /* Partners of a failed group-collective open stay blocked in it, so no
@@ -295,6 +284,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(s.mon));
   c->t_stream = kqsvd_now() - t0;
   c->streamed = (double)c->tokens * (double)(total - base) / (double)total;
+  c->state = kqsvd_acc_state(c->acc); /* the last item, packed for the reduction */
   st = kqsvd_monitor_finish(s.mon, s.work, local);
 done:
   /* Collective closes of shared shards, in the order they were opened; only
@@ -302,9 +292,6 @@ done:
   if (st == KQSVD_OK || kqsvd_error_is_collective()) close_shared(&s);
   kqsvd_monitor_free(&s.mon);
   calib_gpu_stop(c);
-  kqsvd_qr_ws_free(&s.ws);
-  free(s.gram_buf);
-  for (int k = 0; k < CAL_NR; k++) free(s.R[k]);
   free(s.shared);
   return st;
 }

@@ -242,8 +242,10 @@ static kqsvd_status_t plan(calib_t *c) {
 
   const double mib = 1048576.0, d = (double)c->d;
   const double state = (double)c->nitems * CAL_NR * (double)kqsvd_tri_size((int)c->d) * 8.0;
-  /* The largest share of items, so that every rank makes the same decision. */
-  const double rw = (double)((c->nitems + P - 1) / P) * d * d * 8.0;
+  /* The accumulator's W factors (every item's, though a rank computes only
+   * its own) and its work buffers. */
+  const double rw = ((double)c->nitems * (double)kqsvd_tri_size((int)c->d) + 6.0 * d * d +
+                     (double)(c->group + 3) * (double)c->qr_block * d) * 8.0;
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
@@ -300,10 +302,9 @@ done:
 }
 
 /* R factor of W^T for each owned item: the group's o_proj columns, read in
- * row chunks of o_proj and folded like cache rows. */
+ * row chunks of o_proj and folded by the accumulator like cache rows. */
 static kqsvd_status_t factor_wo(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  kqsvd_qr_ws_t *ws = NULL;
   const int64_t d = c->d, m = c->group, D = c->dims.hidden;
   const kqsvd_dtype_t t = kqsvd_model_dtype(c->model);
   const size_t raw_bytes = (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)d * c->elem_max;
@@ -317,17 +318,13 @@ static kqsvd_status_t factor_wo(calib_t *c) {
   const int64_t base = c->qr_block / a;
   int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
   chunk = chunk < base ? base : chunk - chunk % base;
-  KQSVD_MALLOC(c->RW, (size_t)((c->own1 - c->own0) * d * d) + 1, "W^O factors");
-  KQSVD_CALL(kqsvd_qr_ws_init((int)d, (int)c->qr_block, &ws));
   for (int64_t i = c->own0; i < c->own1; i++) {
     const int64_t layer = i / c->dims.kv_heads, g = i % c->dims.kv_heads;
-    double *R = c->RW + (i - c->own0) * d * d;
-    for (int64_t k = 0; k < d * d; k++) R[k] = 0.0;
     for (int64_t r0 = 0; r0 < D; r0 += chunk) {
       const int64_t n = D - r0 < chunk ? D - r0 : chunk;
       KQSVD_CALL(kqsvd_model_read_oproj(c->model, layer, r0, n, g * m * d, m * d, c->raw));
-      int64_t bad = -1;
-      KQSVD_CALL(kqsvd_qr_absorb(ws, R, c->raw, t, n * m, &bad));
+      KQSVD_CALL(kqsvd_acc_absorb_wt(c->acc, layer, g, c->raw, t, n, m * d));
+      const int64_t bad = kqsvd_acc_bad_row(c->acc);
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld (head %lld's block)",
                   c->model_path, (long long)layer, (long long)(r0 + bad / m),
@@ -335,7 +332,21 @@ static kqsvd_status_t factor_wo(calib_t *c) {
     }
   }
 done:
-  kqsvd_qr_ws_free(&ws);
+  return st;
+}
+
+/* The accumulator for this model: calibrate's factors, folded with its
+ * --qr-block and method (pdgeqrf fills the state itself). */
+static kqsvd_status_t make_accumulator(calib_t *c) {
+  kqsvd_status_t st = KQSVD_OK;
+  const kqsvd_shape_t shape = {c->dims.layers, c->dims.kv_heads, c->group, c->d, c->dims.hidden};
+  kqsvd_acc_options_t opt;
+  kqsvd_acc_options_default(&opt);
+  opt.block_rows = c->qr_block;
+  opt.qr = c->qr == CAL_QR_GRAM ? KQSVD_QR_GRAM : KQSVD_QR_TSQR;
+  KQSVD_CALL(kqsvd_acc_init(&shape, &opt, &c->acc));
+  c->state = kqsvd_acc_state(c->acc);
+done:
   return st;
 }
 
@@ -464,6 +475,7 @@ kqsvd_status_t calib_model(calib_t *c) {
   if (cli->rank == 0 && c->run.progress != KQSVD_PROGRESS_OFF) print_header(c);
   KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
                "read buffer");
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, make_accumulator(c)));
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
   if (cli->verbose && cli->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
     fprintf(stderr, "kqsvd calibrate: CPU QR kernels: %s\n", kqsvd_isa_name(kqsvd_isa_active()));
@@ -475,10 +487,11 @@ kqsvd_status_t calib_model(calib_t *c) {
   if (c->timings) KQSVD_CALL(print_timings(c, kqsvd_now() - c->t_start));
 done:
   kqsvd_model_close(&c->model);
-  void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->state, c->RW, c->raw, c->rank_k,
-                   c->rank_v};
+  kqsvd_acc_free(&c->acc);
+  c->state = NULL;
+  void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->raw, c->rank_k, c->rank_v};
   for (size_t k = 0; k < sizeof owned / sizeof owned[0]; k++) free(owned[k]);
-  c->shard_rows = NULL, c->segs = NULL, c->seg_first = NULL, c->state = NULL, c->RW = NULL;
+  c->shard_rows = NULL, c->segs = NULL, c->seg_first = NULL;
   c->raw = NULL, c->rank_k = c->rank_v = NULL;
   return st;
 }

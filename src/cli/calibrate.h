@@ -6,6 +6,7 @@
 #include <stdint.h>
 
 #include "kqsvd_cache.h"
+#include "kqsvd_acc.h"
 #include "kqsvd_checkpoint.h"
 #include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
@@ -45,9 +46,12 @@ typedef struct calib {
   uint64_t fingerprint;
   char inputs_hash[32]; /* written to the output: what a manifest run may skip */
   char about[256];
-  /* working state */
+  /* working state: the accumulator (include/kqsvd/accumulator.h) holds the
+   * factors; state is its packed K, Q, V state (kqsvd_acc_state), read and
+   * written as a whole by checkpoints, the GPU lane, pdgeqrf and the
+   * reduction, and folded into row by row by the accumulator itself */
+  kqsvd_acc_t *acc;
   double *state;    /* nitems x CAL_NR packed triangles */
-  double *RW;       /* (own1 - own0) x d x d, R of W^T, column-major */
   char *raw;        /* (group + 2) x io_rows x d elements */
   kqsvd_checkpoint_pos_t pos;
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */

@@ -34,6 +34,7 @@ ranks_cmd       kqsvd ranks: stored and policy ranks equal calibrate's and evalu
 nompi           help, --version, manifest and ranks where MPI cannot start; calibrate fails there
 gpu_abi         the CUDA module loader refuses stand-ins of another ABI version or without a table
 accumulator     the public accumulator fed row by row equals calibrate bit for bit
+calibrate_ref   calibrate equals outputs made before it ran on the accumulator
 """
 import os
 import sys
@@ -49,7 +50,7 @@ from scenarios_hardening import (checkpoints, few_rows, hostile_files, options, 
                                  signals, skip_done)
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
-from scenarios_library import accumulator  # noqa: E402
+from scenarios_library import accumulator, calibrate_ref  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
 from scenarios_nompi import gpu_abi, nompi  # noqa: E402
 from scenarios_ranks import ranks_cmd  # noqa: E402
@@ -61,7 +62,8 @@ SCENARIOS = {f.__name__: f for f in
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
               eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
-              signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator)}
+              signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
+              calibrate_ref)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

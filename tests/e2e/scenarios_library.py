@@ -51,3 +51,43 @@ def accumulator():
     check(worst < 1e-10, f"4 ranks vs library: {worst:.2e} at {where}")
     finish("accumulator")
 
+
+REF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "calibrate-ref")
+REF_SIGNATURE = "7dcc612a30f382e2"
+REF_RUNS = ((1, []), (3, ["--qr-block", "64", "--ranks", "budget:0.3", "--beta", "2"]),
+            (2, ["--qr", "gram"]))
+
+
+def cpu_signature():
+    """The CPU's model name and vector flags, hashed: where they match the
+    machine that made the references, results must match bit for bit."""
+    import hashlib
+    import re
+    try:
+        info = open("/proc/cpuinfo").read()
+        name = re.search(r"model name\s*:\s*(.*)", info).group(1).strip()
+        flags = re.search(r"flags\s*:\s*(.*)", info).group(1).split()
+    except (OSError, AttributeError):
+        return ""
+    sig = name + "|" + " ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "sse"))))
+    return hashlib.sha256(sig.encode()).hexdigest()[:16]
+
+
+def calibrate_ref():
+    """calibrate against outputs made before it ran on the accumulator."""
+    wd, model, shards = small_set("calibrate_ref", layers=2, heads=4, kv_heads=2, head_dim=16,
+                                  hidden=32, seqs=6, seq_len=200, min_seq_len=30, shards=3,
+                                  uneven=True, dtype="bf16", seed=11)
+    exact = cpu_signature() == REF_SIGNATURE
+    print(f"calibrate_ref: {'the reference machine: bit for bit' if exact else 'another CPU: 1e-10'}")
+    for i, (np_, extra) in enumerate(REF_RUNS, 1):
+        out = os.path.join(wd, f"proj-{i}.h5")
+        calibrate(model, out, shards, np_=np_, extra=extra)
+        a, b = load_proj(os.path.join(REF, f"proj-{i}.h5")), load_proj(out)
+        if exact:
+            differ = [k for k in a if k != "attrs" and not np.array_equal(a[k], b[k])]
+            check(not differ, f"run {i} ({np_} ranks {extra}) differs from the reference in {differ[:4]}")
+        else:
+            worst, where = max_rel_diff(a, b)
+            check(worst <= 1e-10, f"run {i}: {worst:.2e} from the reference at {where}")
+    finish("calibrate_ref")
