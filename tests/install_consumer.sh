@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The installed package from outside the tree: `cmake --install` into a
+# temporary prefix, then examples/c/consumer.c built against it four ways
+# (find_package with the shared and the static library, pkg-config kqsvd
+# and kqsvd-static) and run: each feeds rows to an accumulator, checks R
+# against LAPACK dgeqrf (1e-12) and writes a proj.h5 that `kqsvd ranks`
+# reads.  The installed kqsvd --help and man page are checked too.
+#     tests/install_consumer.sh BUILD_DIR WORK_DIR
+set -euo pipefail
+build=$1 work=$2
+src=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+rm -rf "$work" && mkdir -p "$work"
+prefix=$work/prefix
+cmake --install "$build" --prefix "$prefix" > "$work/install.log"
+for f in bin/kqsvd include/kqsvd/kqsvd.h include/kqsvd/version.h lib/libkqsvd.a \
+         lib/cmake/kqsvd/kqsvdConfig.cmake lib/pkgconfig/kqsvd.pc share/man/man1/kqsvd.1 \
+         share/kqsvd/slurm/kqsvd-submit share/kqsvd/examples/export_hf.py \
+         share/kqsvd/python/kqsvd/__init__.py share/doc/kqsvd/LICENSE; do
+  found=$(find "$prefix" -path "$prefix/$f" -o -path "$prefix/lib/*/${f#lib/}" | head -1)
+  [ -n "$found" ] || { echo "install_consumer: $f is not installed" >&2; exit 1; }
+done
+"$prefix/bin/kqsvd" --help > /dev/null
+man -l "$prefix/share/man/man1/kqsvd.1" > /dev/null 2>&1 || [ ! -x "$(command -v man)" ] ||
+  { echo "install_consumer: the man page does not render" >&2; exit 1; }
+# Only the public API leaves the shared library.
+lib=$(find "$prefix" -name 'libkqsvd.so' | head -1)
+extra=$(nm -D --defined-only "$lib" | awk '$2 == "T" {print $3}' | grep -v '^kqsvd_' || true)
+[ -z "$extra" ] || { echo "install_consumer: $lib exports $extra" >&2; exit 1; }
+internal=$(nm -D --defined-only "$lib" | awk '$2 == "T" {print $3}' |
+           grep -E '^kqsvd_(tsqr|qr_|tri_|h5_|shard_|proj_|checkpoint)' || true)
+[ -z "$internal" ] || { echo "install_consumer: $lib exports internal $internal" >&2; exit 1; }
+
+run() {  # NAME COMMAND...: the consumer built some way, run, its output checked
+  local name=$1; shift
+  "$@" "$work/$name.h5" > "$work/$name.log" || { cat "$work/$name.log"; echo "install_consumer: $name failed" >&2; exit 1; }
+  grep -q "R factor vs LAPACK" "$work/$name.log"
+  "$prefix/bin/kqsvd" ranks --proj "$work/$name.h5" --json > /dev/null
+  echo "$name: $(grep 'R factor' "$work/$name.log")"
+}
+for static in OFF ON; do
+  cmake -S "$src/examples/c" -B "$work/cmake-$static" -DCMAKE_PREFIX_PATH="$prefix" \
+        -DKQSVD_CONSUMER_STATIC=$static > "$work/cmake-$static.log"
+  cmake --build "$work/cmake-$static" > "$work/build-$static.log"
+  run "find_package-static-$static" "$work/cmake-$static/kqsvd_consumer"
+done
+pc=$(dirname "$(find "$prefix" -name kqsvd.pc | head -1)")
+export PKG_CONFIG_PATH=$pc
+cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-shared" $(pkg-config --cflags --libs kqsvd) \
+   -llapacke -lm -Wl,-rpath,"$(dirname "$lib")"
+run pkg-config-shared "$work/pc-shared"
+cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-static" $(pkg-config --cflags --libs kqsvd-static) -llapacke
+run pkg-config-static "$work/pc-static"
+echo "install_consumer: passed"
