@@ -9,6 +9,7 @@
 #include <mpi.h>
 #include <stdint.h>
 
+#include "kqsvd_dims.h"
 #include "kqsvd_convert.h"
 #include "kqsvd_error.h"
 
@@ -86,11 +87,7 @@ kqsvd_status_t kqsvd_h5_mem_type(kqsvd_dtype_t t, hid_t *type);
 kqsvd_status_t kqsvd_h5_create_dataset(hid_t file, const char *name, kqsvd_dtype_t t, int ndims,
                                        const hsize_t *dims, hid_t *dset);
 
-/* The header every kqsvd file carries (docs/formats.md sections 1-3). */
-typedef struct kqsvd_dims {
-  char model[256];
-  int64_t layers, heads, kv_heads, head_dim, hidden, causal;
-} kqsvd_dims_t;
+/* kqsvd_dims_t, the header every kqsvd file carries: src/core/kqsvd_dims.h. */
 
 /* Reads and checks the root attributes: kqsvd_format == `format`, version
  * 1, positive sizes, heads a multiple of kv_heads, causal 0 or 1 (when

@@ -10,30 +10,14 @@
 
 #include "calibrate.h"
 #include "kqsvd_h5.h"
+#include "kqsvd_identity.h"
 #include "kqsvd_manifest.h"
 #include "kqsvd_util.h"
 
-uint64_t calib_hash_file(uint64_t h, const char *path) {
-  struct stat sb;
-  char real[PATH_MAX];
-  const char *name = realpath(path, real) ? real : path;
-  h = kqsvd_fnv1a(h, name, strlen(name) + 1);
-  /* A file rewritten within one second keeps its size and whole-second
-   * mtime; the nanoseconds, the inode and the change time tell. */
-  if (stat(path, &sb) == 0) {
-    const int64_t meta[] = {(int64_t)sb.st_size,         (int64_t)sb.st_mtim.tv_sec,
-                            (int64_t)sb.st_mtim.tv_nsec, (int64_t)sb.st_ctim.tv_sec,
-                            (int64_t)sb.st_ctim.tv_nsec, (int64_t)sb.st_dev,
-                            (int64_t)sb.st_ino};
-    h = kqsvd_fnv1a(h, meta, sizeof meta);
-  }
-  return h;
-}
-
 void calib_inputs_hash(calib_t *c) {
   char policy[64];
-  uint64_t h = calib_hash_file(KQSVD_FNV_INIT, c->model_path);
-  for (int s = 0; s < c->nshards; s++) h = calib_hash_file(h, c->shards[s]);
+  uint64_t h = kqsvd_hash_file(KQSVD_FNV_INIT, c->model_path);
+  for (int s = 0; s < c->nshards; s++) h = kqsvd_hash_file(h, c->shards[s]);
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
   h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "kqsvd_gpu.h"
+#include "kqsvd_identity.h"
 #include "kqsvd_isa.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
@@ -290,7 +291,7 @@ static kqsvd_status_t plan(calib_t *c) {
    * versions stay valid. */
   if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, &c->qr, sizeof c->qr);
   for (int s = 0; s < c->nshards; s++) {
-    h = calib_hash_file(h, c->shards[s]);
+    h = kqsvd_hash_file(h, c->shards[s]);
     h = kqsvd_fnv1a(h, &c->shard_rows[s], sizeof c->shard_rows[s]);
   }
   c->fingerprint = h;

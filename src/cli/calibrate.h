@@ -78,9 +78,6 @@ kqsvd_status_t calib_manifest(calib_t *c);
  * the rank policy and beta, as hex in c->inputs_hash. */
 void calib_inputs_hash(calib_t *c);
 
-/* Chains a file's identity into an FNV-1a hash: its real path, size and
- * modification time (the path alone when it cannot be read). */
-uint64_t calib_hash_file(uint64_t h, const char *path);
 
 /* Not collective (call on one rank): whether c->out_path exists and holds
  * the inputs_hash of these inputs, so that it need not be made again. */
