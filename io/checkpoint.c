@@ -191,12 +191,12 @@ done:
 }
 
 kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
-                                          double *state, kqsvd_checkpoint_pos_t *pos) {
+                                          double *state, kqsvd_checkpoint_pos_t *pos, int isolate) {
   kqsvd_status_t st = KQSVD_OK;
   load_t a = {path, fingerprint, nvals, state, pos, 1,
               "load it into an accumulator of the shape and options that saved it"};
   KQSVD_CHECK(access(path, F_OK) == 0, KQSVD_ERR_INPUT, "%s: no such file", path);
-  KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));
+  if (isolate) KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));
   a.headers_only = 0;
   KQSVD_CALL(load_here(&a));
 done:

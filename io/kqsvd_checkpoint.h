@@ -32,12 +32,14 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
 
 /* The same for one file at `path` (the accumulator's save and load): save
  * does not create folders; load fails with KQSVD_ERR_INPUT naming the file
- * when it does not exist.  Not collective. */
+ * when it does not exist, and reads the headers in a child process first
+ * only when `isolate` (a library in a threaded host must not fork).  Not
+ * collective. */
 kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint,
                                           const char *about, kqsvd_checkpoint_pos_t pos,
                                           int64_t nvals, const double *state);
 kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
-                                          double *state, kqsvd_checkpoint_pos_t *pos);
+                                          double *state, kqsvd_checkpoint_pos_t *pos, int isolate);
 
 /* Deletes this rank's checkpoint file (after a successful run). */
 void kqsvd_checkpoint_remove(const char *dir, int rank, int nranks);

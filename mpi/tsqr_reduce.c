@@ -56,8 +56,12 @@ static void merge_op(void *in, void *inout, int *len, MPI_Datatype *type) {
     st = kqsvd_qr_merge(ws, top, bottom);
     kqsvd_tri_pack(d, top, b);
   }
-  if (st != KQSVD_OK && tri > 0)
-    for (size_t k = 0; k < n * (size_t)tri; k++) ((double *)inout)[k] = NAN;
+  if (st != KQSVD_OK) { /* every double of the message, whatever its layout */
+    int bytes = 0;
+    MPI_Type_size(*type, &bytes);
+    for (size_t k = 0; k < (size_t)*len * ((size_t)bytes / sizeof(double)); k++)
+      ((double *)inout)[k] = NAN;
+  }
   kqsvd_qr_ws_free(&ws);
   free(top);
   free(bottom);
@@ -75,7 +79,7 @@ static kqsvd_status_t reduce_to_owners(MPI_Comm comm, int tri, int per_item, int
                                        double *packed, MPI_Op op, int root) {
   kqsvd_status_t st = KQSVD_OK;
   MPI_Datatype tri_type = MPI_DATATYPE_NULL, item_type = MPI_DATATYPE_NULL;
-  int rank = 0, size = 1;
+  int rank = 0, size = 1, failed = 0;
   const size_t item_doubles = (size_t)tri * (size_t)per_item;
   KQSVD_MPI(MPI_Comm_rank(comm, &rank));
   KQSVD_MPI(MPI_Comm_size(comm, &size));
@@ -97,12 +101,15 @@ static kqsvd_status_t reduce_to_owners(MPI_Comm comm, int tri, int per_item, int
       double *buf = packed + (size_t)c0 * item_doubles;
       KQSVD_MPI(MPI_Reduce(rank == p ? MPI_IN_PLACE : buf, rank == p ? buf : NULL, count,
                            basic ? MPI_DOUBLE : item_type, op, p, comm));
-      for (size_t k = 0; !basic && rank == p && k < (size_t)n * item_doubles; k++)
-        KQSVD_CHECK(!isnan(buf[k]), KQSVD_ERR_NOMEM,
-                    "the TSQR merge of R factors failed on some rank (no memory for its "
-                    "workspace, or a LAPACK failure)");
+      /* Noted, not reported yet: every rank must take part in every
+       * remaining reduction, or the others wait for this one forever. */
+      for (size_t k = 0; !basic && rank == p && k < (size_t)n * item_doubles && !failed; k++)
+        failed = isnan(buf[k]);
     }
   }
+  KQSVD_CHECK(!failed, KQSVD_ERR_NOMEM,
+              "the TSQR merge of R factors failed on some rank (no memory for its workspace, "
+              "a LAPACK failure, or NaN in the factors)");
 done:
   if (item_type != MPI_DATATYPE_NULL) MPI_Type_free(&item_type);
   if (tri_type != MPI_DATATYPE_NULL) MPI_Type_free(&tri_type);

@@ -50,4 +50,38 @@ cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-shared" $(pkg-config --cfl
 run pkg-config-shared "$work/pc-shared"
 cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-static" $(pkg-config --cflags --libs kqsvd-static) -llapacke
 run pkg-config-static "$work/pc-static"
+# C++: the header is extern "C" and must not drag in MPI's C++ bindings;
+# find_package must work in a project that enables only C++.
+if command -v c++ > /dev/null; then
+  mkdir -p "$work/cxx"
+  cat > "$work/cxx/main.cpp" <<'CXX'
+#include <kqsvd/kqsvd.h>
+#include <cstdio>
+int main() {
+  kqsvd_shape_t shape = {1, 1, 1, 4, 4};
+  kqsvd_acc_t *acc = nullptr;
+  if (kqsvd_acc_init(&shape, nullptr, &acc) != KQSVD_OK) return 1;
+  double rows[8] = {1, 2, 3, 4, 5, 6, 7, 9}, R[16];
+  if (kqsvd_acc_absorb(acc, KQSVD_KEYS, 0, 0, 0, rows, KQSVD_F64, 2, 4) != KQSVD_OK) return 1;
+  if (kqsvd_acc_factor(acc, KQSVD_KEYS, 0, 0, R) != KQSVD_OK) return 1;
+  std::printf("C++ consumer: kqsvd %s, R[0][0] = %g\n", kqsvd_version(), R[0] < 0 ? -R[0] : R[0]);
+  kqsvd_acc_free(&acc);
+  return 0;
+}
+CXX
+  cat > "$work/cxx/CMakeLists.txt" <<'CXX'
+cmake_minimum_required(VERSION 3.20)
+project(kqsvd_cxx LANGUAGES CXX)
+find_package(kqsvd REQUIRED)
+add_executable(kqsvd_cxx main.cpp)
+target_link_libraries(kqsvd_cxx PRIVATE kqsvd::kqsvd)
+CXX
+  cmake -S "$work/cxx" -B "$work/cxx/build" -DCMAKE_PREFIX_PATH="$prefix" > "$work/cxx.log" 2>&1 ||
+    { cat "$work/cxx.log"; echo "install_consumer: find_package in a C++ project failed" >&2; exit 1; }
+  cmake --build "$work/cxx/build" >> "$work/cxx.log" 2>&1 ||
+    { cat "$work/cxx.log"; echo "install_consumer: the C++ consumer did not build" >&2; exit 1; }
+  "$work/cxx/build/kqsvd_cxx"
+  c++ "$work/cxx/main.cpp" -o "$work/cxx/pc" $(pkg-config --cflags --libs kqsvd) -Wl,-rpath,"$(dirname "$lib")"
+  "$work/cxx/pc" > /dev/null
+fi
 echo "install_consumer: passed"

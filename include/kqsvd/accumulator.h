@@ -26,10 +26,22 @@
  *     kqsvd_result_write(res, "proj.h5", NULL);
  *
  * Threads: handles are independent; one handle must not be used by two
- * threads at once.  Errors are recorded per thread (kqsvd/error.h). */
+ * threads at once.  Save, load and write go through HDF5 one at a time
+ * (a library-wide lock: the HDF5 of MPI builds is not thread-safe).
+ * Errors are recorded per thread (kqsvd/error.h), and each fallible call
+ * starts by clearing the thread's record, so it reports its own failure.
+ * The library turns HDF5's own error printing off around its calls. */
 #ifndef KQSVD_PUBLIC_ACCUMULATOR_H
 #define KQSVD_PUBLIC_ACCUMULATOR_H
 
+/* The C API only: Open MPI's and MPICH's C++ bindings would need their own
+ * libraries in a C++ consumer. */
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
 #include <mpi.h>
 #include <stdint.h>
 
@@ -124,8 +136,9 @@ KQSVD_API kqsvd_status_t kqsvd_acc_load(kqsvd_acc_t *acc, const char *path);
  * factor of all their rows stacked in rank order) onto `root`, whose
  * accumulator then holds them; the others' are left unchanged.  comm
  * MPI_COMM_NULL, or one process, does nothing (MPI need not be
- * initialised then).  Every process must have the same shape and
- * options.  Errors (the same on every process): KQSVD_ERR_USAGE for a bad
+ * initialised then); other communicators need MPI initialised.  Every
+ * process must have the same shape and options.  After a failure the
+ * root's factors are unspecified.  Errors (the same on every process): KQSVD_ERR_USAGE for a bad
  * root or shapes that differ, KQSVD_ERR_MPI, KQSVD_ERR_NOMEM. */
 KQSVD_API kqsvd_status_t kqsvd_acc_reduce(kqsvd_acc_t *acc, MPI_Comm comm, int root);
 

@@ -2,8 +2,9 @@
  * a message per thread, and an optional handler.
  *
  * A failing call records one human-readable message naming the file, field
- * or argument involved (the first failure wins until the record is cleared)
- * and returns its status.  The record is per thread, so threads that use
+ * or argument involved and returns its status.  Every fallible function of
+ * kqsvd/accumulator.h clears the record when it starts, so the record
+ * always describes the last failing call.  The record is per thread, so threads that use
  * separate handles do not see each other's errors. */
 #ifndef KQSVD_PUBLIC_ERROR_H
 #define KQSVD_PUBLIC_ERROR_H

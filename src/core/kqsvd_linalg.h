@@ -29,6 +29,8 @@ typedef struct kqsvd_qr_ws kqsvd_qr_ws_t;
  * a time.  Errors: KQSVD_ERR_USAGE for d or block_rows < 1, KQSVD_ERR_NOMEM. */
 kqsvd_status_t kqsvd_qr_ws_init(int d, int block_rows, kqsvd_qr_ws_t **ws);
 void kqsvd_qr_ws_free(kqsvd_qr_ws_t **ws);
+/* Bytes kqsvd_qr_ws_init allocates for these sizes (memory planning). */
+double kqsvd_qr_ws_bytes(int d, int block_rows);
 
 /* R <- the R factor of [R; X], for X = n rows of d elements of `type`
  * (row-major, as stored in the caches).  R is d x d upper triangular with

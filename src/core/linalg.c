@@ -38,6 +38,12 @@ kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *fi
                          "LAPACK %s failed to converge (info = %d)", routine, info);
 }
 
+double kqsvd_qr_ws_bytes(int d, int block_rows) {
+  const double nb = d < TPQRT_NB ? d : TPQRT_NB;
+  return ((double)block_rows * kqsvd_tpqr_ld(d) + (double)kqsvd_tpqr_work_size(block_rows, d) +
+          2.0 * nb * d + (double)d * d) * sizeof(double);
+}
+
 kqsvd_status_t kqsvd_qr_ws_init(int d, int block_rows, kqsvd_qr_ws_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_qr_ws_t *ws = NULL;

@@ -12,6 +12,7 @@
 #include "kqsvd_acc.h"
 #include "kqsvd_checkpoint.h"
 #include "kqsvd_gram.h"
+#include "kqsvd_h5guard.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_mpi.h"
 #include "kqsvd_util.h"
@@ -71,7 +72,8 @@ const kqsvd_acc_options_t *kqsvd_acc_options(const kqsvd_acc_t *acc) { return &a
 int64_t kqsvd_acc_oproj_rows(const kqsvd_acc_t *acc, int64_t layer) { return acc->w_rows[layer]; }
 int64_t kqsvd_acc_tokens(const kqsvd_acc_t *acc) { return acc ? acc->tokens : 0; }
 
-/* Sizes that make the state's byte count overflow are refused as usage. */
+/* Sizes out of range, or whose factors' byte count would overflow, are
+ * refused as usage. */
 static kqsvd_status_t check_shape(const kqsvd_shape_t *s, const kqsvd_acc_options_t *o) {
   kqsvd_status_t st = KQSVD_OK;
   const struct { const char *name; int64_t v, max; } f[] = {
@@ -82,6 +84,13 @@ static kqsvd_status_t check_shape(const kqsvd_shape_t *s, const kqsvd_acc_option
     KQSVD_CHECK(f[i].v >= 1 && f[i].v <= f[i].max, KQSVD_ERR_USAGE,
                 "accumulator: %s = %lld is outside 1..%lld", f[i].name, (long long)f[i].v,
                 (long long)f[i].max);
+  /* The factors' bytes must fit a size_t (and a double's exact range). */
+  const double bytes = (double)s->layers * (double)s->kv_heads * (ACC_NR + 1) *
+                       ((double)s->head_dim * (double)(s->head_dim + 1) / 2.0) * 8.0;
+  KQSVD_CHECK(bytes < 0x1p52, KQSVD_ERR_USAGE,
+              "accumulator: %lld layers x %lld KV heads at d = %lld need %.3g bytes of factors, "
+              "more than this library can address", (long long)s->layers, (long long)s->kv_heads,
+              (long long)s->head_dim, bytes);
   KQSVD_CHECK(o->qr == KQSVD_QR_TSQR || o->qr == KQSVD_QR_GRAM, KQSVD_ERR_USAGE,
               "accumulator: unknown qr method %d", (int)o->qr);
   KQSVD_CHECK(o->mem_limit_mib >= 0.0 && isfinite(o->mem_limit_mib), KQSVD_ERR_USAGE,
@@ -93,6 +102,7 @@ done:
 kqsvd_status_t kqsvd_acc_init(const kqsvd_shape_t *shape, const kqsvd_acc_options_t *opt,
                               kqsvd_acc_t **out) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear(); /* a call reports its own failure, not an earlier one */
   kqsvd_acc_t *a = NULL;
   KQSVD_CHECK(shape && out, KQSVD_ERR_USAGE, "kqsvd_acc_init: shape and acc must not be NULL");
   *out = NULL;
@@ -107,8 +117,13 @@ kqsvd_status_t kqsvd_acc_init(const kqsvd_shape_t *shape, const kqsvd_acc_option
   a->d = (int)shape->head_dim;
   a->nitems = shape->layers * shape->kv_heads;
   a->tri = kqsvd_tri_size(a->d);
-  const double need = ((double)a->nitems * (ACC_NR + 1) * (double)a->tri +
-                       2.0 * a->d * a->d + 2.0 * (double)a->opt.block_rows * a->d) * 8.0;
+  /* Everything init allocates: the factors, five d x d buffers (R, the
+   * backup, the item's K, Q and V), the row, Gram and o_proj buffers, the
+   * QR workspace. */
+  const double dd = (double)a->d * a->d, rows = (double)a->opt.block_rows * a->d;
+  const double need = ((double)a->nitems * (ACC_NR + 1) * (double)a->tri + 5.0 * dd +
+                       (2.0 + (double)shape->group) * rows + (double)shape->layers) * 8.0 +
+                      kqsvd_qr_ws_bytes(a->d, (int)a->opt.block_rows);
   KQSVD_CHECK(a->opt.mem_limit_mib == 0.0 || need <= a->opt.mem_limit_mib * 1048576.0,
               KQSVD_ERR_NOMEM, "accumulator: the factors of %lld layers x %lld KV heads at d = %d "
               "need %.1f MiB, above the limit of %g MiB", (long long)shape->layers,
@@ -221,6 +236,7 @@ kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *a, kqsvd_tensor_t tensor, int64_t l
                                 int64_t kv_head, int64_t query, const void *rows,
                                 kqsvd_dtype_t type, int64_t nrows, int64_t row_stride) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear(); /* a call reports its own failure, not an earlier one */
   int64_t bad = -1;
   KQSVD_CHECK(a, KQSVD_ERR_USAGE, "kqsvd_acc_absorb: acc is NULL");
   const kqsvd_shape_t *s = &a->shape;
@@ -288,6 +304,7 @@ done:
 kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *a, int64_t layer, const void *o_proj,
                                       kqsvd_dtype_t type, int64_t nrows, int64_t row_stride) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   double *saved = NULL;
   KQSVD_CHECK(a, KQSVD_ERR_USAGE, "kqsvd_acc_absorb_oproj: acc is NULL");
   const kqsvd_shape_t *s = &a->shape;
@@ -296,7 +313,7 @@ kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *a, int64_t layer, const void 
               "accumulator: layer %lld is outside 0..%lld", (long long)layer,
               (long long)s->layers - 1);
   KQSVD_CALL(check_rows(a, o_proj, type, nrows, row_stride, hq_d));
-  KQSVD_CHECK(a->w_rows[layer] + nrows <= s->hidden, KQSVD_ERR_USAGE,
+  KQSVD_CHECK(nrows <= s->hidden - a->w_rows[layer], KQSVD_ERR_USAGE,
               "accumulator: o_proj of layer %lld: %lld rows given, more than hidden = %lld",
               (long long)layer, (long long)(a->w_rows[layer] + nrows), (long long)s->hidden);
   /* A failure in a later group must leave the earlier ones as they were. */
@@ -321,8 +338,11 @@ done:
 kqsvd_status_t kqsvd_acc_factor(const kqsvd_acc_t *a, kqsvd_tensor_t tensor, int64_t layer,
                                 int64_t kv_head, double *R) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   double *C = NULL;
   KQSVD_CHECK(a && R, KQSVD_ERR_USAGE, "kqsvd_acc_factor: acc and R must not be NULL");
+  KQSVD_CHECK(tensor == KQSVD_KEYS || tensor == KQSVD_VALUES || tensor == KQSVD_QUERIES,
+              KQSVD_ERR_USAGE, "kqsvd_acc_factor: unknown tensor %d", (int)tensor);
   KQSVD_CHECK(layer >= 0 && layer < a->shape.layers && kv_head >= 0 &&
               kv_head < a->shape.kv_heads, KQSVD_ERR_USAGE,
               "kqsvd_acc_factor: (layer %lld, kv_head %lld) is outside the shape",
@@ -362,6 +382,7 @@ static int64_t saved_doubles(const kqsvd_acc_t *a) {
 
 kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *a, const char *path) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   double *all = NULL;
   char about[256];
   KQSVD_CHECK(a && path, KQSVD_ERR_USAGE, "kqsvd_acc_save: acc and path must not be NULL");
@@ -373,8 +394,12 @@ kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *a, const char *path) {
   all[ns + nw] = (double)a->tokens;
   for (int64_t l = 0; l < a->shape.layers; l++) all[ns + nw + 1 + l] = (double)a->w_rows[l];
   const uint64_t fp = fingerprint(a, about, sizeof about);
-  KQSVD_CALL(kqsvd_checkpoint_save_file(path, fp, about, (kqsvd_checkpoint_pos_t){0, 0},
-                                        saved_doubles(a), all));
+  kqsvd_h5guard_t guard;
+  kqsvd_h5guard_enter(&guard);
+  st = kqsvd_checkpoint_save_file(path, fp, about, (kqsvd_checkpoint_pos_t){0, 0},
+                                  saved_doubles(a), all);
+  kqsvd_h5guard_leave(&guard);
+  KQSVD_CALL(st);
 done:
   free(all);
   return kqsvd_api_return(st);
@@ -382,14 +407,21 @@ done:
 
 kqsvd_status_t kqsvd_acc_load(kqsvd_acc_t *a, const char *path) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
   double *all = NULL;
   char about[256];
   kqsvd_checkpoint_pos_t pos;
   KQSVD_CHECK(a && path, KQSVD_ERR_USAGE, "kqsvd_acc_load: acc and path must not be NULL");
   const int64_t ns = kqsvd_acc_state_doubles(a), nw = a->nitems * (int64_t)a->tri;
   KQSVD_MALLOC(all, (size_t)saved_doubles(a), "accumulator checkpoint");
-  KQSVD_CALL(kqsvd_checkpoint_load_file(path, fingerprint(a, about, sizeof about),
-                                        saved_doubles(a), all, &pos));
+  kqsvd_h5guard_t guard;
+  kqsvd_h5guard_enter(&guard);
+  /* In process: a host program may have threads, and a child forked from
+   * it to read the header could inherit a held lock. */
+  st = kqsvd_checkpoint_load_file(path, fingerprint(a, about, sizeof about), saved_doubles(a), all,
+                                  &pos, 0);
+  kqsvd_h5guard_leave(&guard);
+  KQSVD_CALL(st);
   a->cur_item = -1;
   memcpy(a->state, all, (size_t)ns * sizeof(double));
   memcpy(a->wstate, all + ns, (size_t)nw * sizeof(double));
@@ -402,6 +434,7 @@ done:
 
 kqsvd_status_t kqsvd_acc_reduce(kqsvd_acc_t *a, MPI_Comm comm, int root) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
+  kqsvd_error_clear();
   int size = 1, init = 0;
   KQSVD_CHECK(a, KQSVD_ERR_USAGE, "kqsvd_acc_reduce: acc is NULL");
   flush(a);

@@ -13,6 +13,7 @@
 #include "kqsvd/accumulator.h"
 #include "kqsvd_acc.h"
 #include "kqsvd_gram.h"
+#include "kqsvd_h5guard.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
@@ -92,6 +93,7 @@ static void store(kqsvd_result_t *r, int64_t i, const kqsvd_solution_t *sol) {
 kqsvd_status_t kqsvd_acc_finish(const kqsvd_acc_t *acc, const kqsvd_finish_options_t *opt,
                                 kqsvd_result_t **res) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear(); /* a call reports its own failure, not an earlier one */
   kqsvd_result_t *r = NULL;
   kqsvd_solution_t sol;
   kqsvd_finish_options_t o;
@@ -171,7 +173,10 @@ const int32_t *kqsvd_result_rank_k(const kqsvd_result_t *r, kqsvd_method_t m) {
 const int32_t *kqsvd_result_rank_v(const kqsvd_result_t *r, kqsvd_method_t m) {
   return r && m >= 0 && m < KQSVD_NMETHODS ? r->rank_v + m * r->shape.layers : NULL;
 }
-kqsvd_shape_t kqsvd_result_shape(const kqsvd_result_t *r) { return r->shape; }
+kqsvd_shape_t kqsvd_result_shape(const kqsvd_result_t *r) {
+  const kqsvd_shape_t none = {0, 0, 0, 0, 0};
+  return r ? r->shape : none;
+}
 
 /* One item's solution as views into the result, for the file writer. */
 static void view(const kqsvd_result_t *r, int64_t i, kqsvd_solution_t *sol) {
@@ -202,9 +207,12 @@ void kqsvd_write_options_default(kqsvd_write_options_t *opt) {
 kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
                                   const kqsvd_write_options_t *opt) {
   kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear(); /* a call reports its own failure, not an earlier one */
   kqsvd_proj_writer_t *w = NULL;
   char tmp[PATH_MAX + 32] = "";
   struct stat sb;
+  kqsvd_h5guard_t guard;
+  int locked = 0;
   KQSVD_CHECK(r && path && *path, KQSVD_ERR_USAGE, "kqsvd_result_write: res and path needed");
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "%.64s...: path too long", path);
   KQSVD_CHECK(!(opt && opt->force) ? stat(path, &sb) != 0 : 1, KQSVD_ERR_USAGE,
@@ -225,6 +233,8 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.shards = 0;
   meta.qr_block = r->block_rows;
   meta.rank_policy = r->policy;
+  kqsvd_h5guard_enter(&guard);
+  locked = 1;
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));
   KQSVD_CALL(kqsvd_proj_reserve(w, path));
   for (int64_t i = 0; i < r->nitems; i++) {
@@ -241,5 +251,6 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
 done:
   if (w) kqsvd_proj_close(&w);
   if (tmp[0]) remove(tmp);
+  if (locked) kqsvd_h5guard_leave(&guard);
   return kqsvd_api_return(st);
 }

@@ -85,6 +85,23 @@ int main(int argc, char **argv) {
   kqsvd_monitor_free(&mon);
   CHECK(kqsvd_mpi_agree(MPI_COMM_WORLD, KQSVD_OK) == KQSVD_OK, "all OK agrees on OK");
 
+  /* A merge that fails (NaN in one rank's factors) on the owner of the
+   * first items, with a state of more than one 64 MiB message: every rank
+   * gets an error, and none waits for the others in a later message. */
+  if (size > 1) {
+    enum { BIG_D = 128, BIG_ITEMS = 400, BIG_PER = 3 };
+    const size_t big_tri = kqsvd_tri_size(BIG_D);
+    double *big = calloc((size_t)BIG_ITEMS * BIG_PER * big_tri, sizeof(double));
+    if (rank == size - 1) big[5 * BIG_PER * big_tri] = NAN;
+    kqsvd_status_t got = kqsvd_tsqr_reduce(MPI_COMM_WORLD, BIG_D, BIG_PER, BIG_ITEMS, big);
+    got = kqsvd_mpi_agree(MPI_COMM_WORLD, got);
+    CHECK(got != KQSVD_OK, "a failed merge must fail on every rank");
+    CHECK(rank != 0 || strstr(kqsvd_error_message(), "TSQR merge") != NULL, "message: %s",
+          kqsvd_error_message());
+    kqsvd_error_clear();
+    free(big);
+  }
+
   kqsvd_qr_ws_free(&ws);
   free(state);
   free(X);
