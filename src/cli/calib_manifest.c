@@ -14,37 +14,6 @@
 #include "kqsvd_manifest.h"
 #include "kqsvd_util.h"
 
-void calib_inputs_hash(calib_t *c) {
-  char policy[64];
-  uint64_t h = kqsvd_hash_file(KQSVD_FNV_INIT, c->model_path);
-  for (int s = 0; s < c->nshards; s++) h = kqsvd_hash_file(h, c->shards[s]);
-  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
-  h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
-  h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);
-  h = kqsvd_fnv1a(h, &c->qr_block, sizeof c->qr_block);
-  /* Only the default method keeps the hash of outputs made before --qr. */
-  if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, calib_qr_name(c->qr), strlen(calib_qr_name(c->qr)) + 1);
-  h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
-  snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
-}
-
-int calib_up_to_date(const calib_t *c) {
-  char stored[64] = "";
-  hid_t f = -1;
-  struct stat sb;
-  if (stat(c->out_path, &sb) != 0) return 0;
-  if (kqsvd_h5_open_read(c->out_path, MPI_COMM_NULL, &f) != KQSVD_OK) {
-    kqsvd_error_clear();
-    return 0;
-  }
-  const int have = H5Aexists(f, "inputs_hash") > 0 &&
-                   kqsvd_h5_attr_str(f, c->out_path, "inputs_hash", stored, sizeof stored) ==
-                       KQSVD_OK;
-  kqsvd_error_clear();
-  kqsvd_h5_close(&f);
-  return have && strcmp(stored, c->inputs_hash) == 0;
-}
-
 kqsvd_status_t calib_manifest(calib_t *base) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_cli_t *cli = base->cli;

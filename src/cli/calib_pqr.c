@@ -12,6 +12,12 @@
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
+int64_t calib_rank_rows(const calib_t *c, int p) {
+  int64_t n = 0;
+  for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
+  return n;
+}
+
 typedef struct {
   calib_t *c;
   kqsvd_shard_t **sh;  /* one per local segment, opened independently */

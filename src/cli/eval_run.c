@@ -10,6 +10,21 @@
 
 #include "evaluate.h"
 
+int64_t eval_blocks(const evaluation_t *e, int64_t len) {
+  return (len + e->block_rows - 1) / e->block_rows;
+}
+
+double eval_unit_cost(const evaluation_t *e, int64_t len, int64_t blk) {
+  const double b = (double)(len - blk * e->block_rows < e->block_rows ? len - blk * e->block_rows
+                                                                      : e->block_rows);
+  const double keys = e->dims.causal ? (double)(blk * e->block_rows) + b : (double)len;
+  const double d = (double)e->d, hq = (double)e->dims.heads, hkv = (double)e->dims.kv_heads;
+  /* Scores and their products with V (exact and three methods), the R
+   * factor and compressions of K and V, and the output projections. */
+  return 16.0 * hq * b * keys * d + 10.0 * hkv * (double)len * d * d +
+         8.0 * b * hq * d * (double)e->dims.hidden;
+}
+
 static const char *const g_proj_names[4] = {"key_down", "query_down", "value_down", "value_up"};
 
 /* Sums of one (layer, sequence) and its global index l * nseq + q. */

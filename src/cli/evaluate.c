@@ -171,21 +171,6 @@ done:
   return st;
 }
 
-int64_t eval_blocks(const evaluation_t *e, int64_t len) {
-  return (len + e->block_rows - 1) / e->block_rows;
-}
-
-double eval_unit_cost(const evaluation_t *e, int64_t len, int64_t blk) {
-  const double b = (double)(len - blk * e->block_rows < e->block_rows ? len - blk * e->block_rows
-                                                                      : e->block_rows);
-  const double keys = e->dims.causal ? (double)(blk * e->block_rows) + b : (double)len;
-  const double d = (double)e->d, hq = (double)e->dims.heads, hkv = (double)e->dims.kv_heads;
-  /* Scores and their products with V (exact and three methods), the R
-   * factor and compressions of K and V, and the output projections. */
-  return 16.0 * hq * b * keys * d + 10.0 * hkv * (double)len * d * d +
-         8.0 * b * hq * d * (double)e->dims.hidden;
-}
-
 /* Memory under --mem-limit (shrinking the row blocks when they were not
  * given), and this rank's contiguous share of the units by cost. */
 static kqsvd_status_t plan(evaluation_t *e) {
