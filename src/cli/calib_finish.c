@@ -108,7 +108,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
   int nsig_int = 0;
 
   if (root && c->run.progress != KQSVD_PROGRESS_OFF)
-    fprintf(stderr, "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
+    kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
+                  "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
             "items on %d rank%s\n", (long long)c->nitems, c->cli->size, c->cli->size == 1 ? "" : "s");
   /* Without it the reduction's time would include waiting for the slowest
    * rank's stream. */

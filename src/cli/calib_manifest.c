@@ -57,7 +57,7 @@ kqsvd_status_t calib_manifest(calib_t *base) {
     int skip = cli->rank == 0 && calib_up_to_date(&c);
     KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
     if (cli->rank == 0)
-      fprintf(stderr, "kqsvd calibrate: model %d of %d, %s (%s line %d): %s\n", i + 1, m.n,
+      kqsvd_observe(base->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: model %d of %d, %s (%s line %d): %s\n", i + 1, m.n,
               e->name, m.path, e->line, skip ? "already done from these inputs, skipped"
                                               : "calibrating");
     if (skip) {
@@ -75,7 +75,7 @@ kqsvd_status_t calib_manifest(calib_t *base) {
     fflush(stdout);
   }
   if (cli->rank == 0)
-    printf("manifest %s: %d model%s calibrated, %d already done\n", m.path, done_models,
+    kqsvd_observe(base->obs, KQSVD_LOG_RESULT, "manifest %s: %d model%s calibrated, %d already done\n", m.path, done_models,
            done_models == 1 ? "" : "s", skipped);
 done:
   kqsvd_manifest_free(&m);

@@ -206,10 +206,10 @@ static void print_header(const calib_t *c) {
   char tok[32];
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (c->cli->size == 1 && cores > 1)
-    fprintf(stderr, "kqsvd calibrate: one rank on a %ld-core machine; 'mpirun -np %ld kqsvd "
-            "calibrate ...' uses them all\n", cores, cores);
+    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: one rank on a %ld-core machine; "
+                  "'mpirun -np %ld kqsvd calibrate ...' uses them all\n", cores, cores);
   kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
-  fprintf(stderr,
+  kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
           "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
           "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
           c->nshards, c->nshards == 1 ? "" : "s", tok, (long long)c->sequences,
@@ -217,7 +217,8 @@ static void print_header(const calib_t *c) {
           (long long)c->group, c->group == 1 ? "y" : "ies",
           (long long)c->d, c->cli->size, c->cli->size == 1 ? "" : "s", (long long)c->io_rows);
   if (c->device >= 0)
-    fprintf(stderr, "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
+    kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
+                  "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
 }
 
 static void print_summary(const calib_t *c, double seconds) {
@@ -226,22 +227,27 @@ static void print_summary(const calib_t *c, double seconds) {
   kqsvd_fmt_count(c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
   kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
   if (c->ranks.kind != KQSVD_RANKS_BUDGET) {
-    printf("layer  rank_k  rank_v   of d = %lld, ranks %s\n", (long long)c->d, policy);
+    kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "layer  rank_k  rank_v   of d = %lld, ranks %s\n",
+                  (long long)c->d, policy);
     for (int64_t l = 0; l < L; l++)
-      printf("%5lld  %6d  %6d\n", (long long)l, c->rank_k[l], c->rank_v[l]);
+      kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "%5lld  %6d  %6d\n", (long long)l, c->rank_k[l],
+                    c->rank_v[l]);
   } else {
-    printf("layer  rank_k/rank_v:    kqsvd     ksvd    eigen   of d = %lld, ranks %s\n",
-           (long long)c->d, policy);
+    kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
+                  "layer  rank_k/rank_v:    kqsvd     ksvd    eigen   of d = %lld, ranks %s\n",
+                  (long long)c->d, policy);
     for (int64_t l = 0; l < L; l++) {
-      printf("%5lld                ", (long long)l);
+      char line[128];
+      int n = snprintf(line, sizeof line, "%5lld                ", (long long)l);
       for (int m = 0; m < KQSVD_NMETHODS; m++)
-        printf(" %4d/%-4d", c->rank_k[m * L + l], c->rank_v[m * L + l]);
-      printf("\n");
+        n += snprintf(line + n, sizeof line - (size_t)n, " %4d/%-4d", c->rank_k[m * L + l],
+                      c->rank_v[m * L + l]);
+      kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "%s\n", line);
     }
   }
-  printf("wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
-         "streamed)\n",
-         c->out_path, c->beta, seconds, rate);
+  kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
+                "wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
+                "streamed)\n", c->out_path, c->beta, seconds, rate);
 }
 
 /* --timings: the slowest rank's stage times, the summed bytes and rows, and
@@ -259,7 +265,7 @@ static kqsvd_status_t print_timings(const calib_t *c, double wall) {
   const double P = (double)c->cli->size, d = (double)c->d;
   /* Per rank: all rows over all ranks' fold time, so a rank's average. */
   const double gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
-  fprintf(stderr,
+  kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
           "kqsvd calibrate: timings (--qr %s, %d rank%s; slowest rank): wall=%.3f s "
           "read=%.3f s bytes=%.4g read_rate=%.4g B/s/rank fold=%.3f s rows=%.6g "
           "fold_gflops=%.2f /rank reduce=%.3f s solve=%.3f s peak_rss=%.1f MiB/rank\n",
@@ -289,8 +295,9 @@ static kqsvd_status_t choose_device(calib_t *c) {
   const kqsvd_gpu_api_t *api = NULL;
   if (c->device >= 0 && !strcmp(c->device_opt, "auto") && kqsvd_gpu_open(&api) != KQSVD_OK) {
     if (lrank == 0)
-      fprintf(stderr, "kqsvd calibrate: warning: GPU present but not usable, using the CPU: %s\n",
-              kqsvd_error_message());
+      kqsvd_observe(c->obs, KQSVD_LOG_WARNING,
+                    "kqsvd calibrate: warning: GPU present but not usable, using the CPU: %s\n",
+                    kqsvd_error_message());
     kqsvd_error_clear();
     c->device = -1;
   }
@@ -320,7 +327,9 @@ kqsvd_status_t calib_model(calib_t *c) {
     int skip = cli->rank == 0 && calib_up_to_date(c);
     KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
     if (skip) {
-      if (cli->rank == 0) printf("%s is already made from these inputs: nothing to do\n", c->out_path);
+      if (cli->rank == 0)
+        kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
+                      "%s is already made from these inputs: nothing to do\n", c->out_path);
       goto done;
     }
   }
@@ -330,7 +339,8 @@ kqsvd_status_t calib_model(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, make_accumulator(c)));
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
   if (cli->verbose && cli->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
-    fprintf(stderr, "kqsvd calibrate: CPU QR kernels: %s\n", kqsvd_isa_name(kqsvd_isa_active()));
+    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: CPU QR kernels: %s\n",
+                  kqsvd_isa_name(kqsvd_isa_active()));
   kqsvd_model_close(&c->model);
   KQSVD_CALL(c->qr == CAL_QR_SCALAPACK ? calib_stream_pqr(c) : calib_stream(c));
   KQSVD_CALL(calib_finish(c));

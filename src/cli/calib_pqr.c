@@ -103,7 +103,6 @@ kqsvd_status_t calib_stream_pqr(calib_t *c) {
   MPI_Comm comm = c->cli->comm;
   const int me = c->cli->rank;
   pqr_stream_t s;
-  kqsvd_progress_t prog;
   memset(&s, 0, sizeof s);
   s.c = c;
   s.segs = c->segs + c->seg_first[me];
@@ -121,9 +120,11 @@ kqsvd_status_t calib_stream_pqr(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
 
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
-  kqsvd_progress_init(&prog, c->run.progress, "calibrate", c->tokens, 0);
-  KQSVD_CALL(kqsvd_monitor_init(comm, total, kqsvd_progress_show, &prog,
-                                kqsvd_progress_interval(&prog), &s.mon));
+  kqsvd_progress_fn show;
+  void *show_ctx;
+  double every;
+  kqsvd_observe_begin(c->obs, "calibrate", c->tokens, 0, &show, &show_ctx, &every);
+  KQSVD_CALL(kqsvd_monitor_init(comm, total, show, show_ctx, every, &s.mon));
   const double t0 = kqsvd_now();
   local = factor_all(&s);
   c->t_stream = kqsvd_now() - t0;

@@ -231,7 +231,6 @@ kqsvd_status_t calib_stream(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   MPI_Comm comm = c->cli->comm;
   stream_t s;
-  kqsvd_progress_t prog;
   memset(&s, 0, sizeof s);
   s.c = c;
   /* Test hook: slow reads, so that a test can signal a run mid-stream. */
@@ -270,11 +269,14 @@ kqsvd_status_t calib_stream(calib_t *c) {
   KQSVD_MPI(MPI_Allreduce(&found, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
   if (c->cli->rank == 0 && resumed && c->run.progress != KQSVD_PROGRESS_OFF)
-    fprintf(stderr, "kqsvd calibrate: resuming %d of %d ranks from checkpoints in %s, %.1f%% "
-            "already done\n", resumed, c->cli->size, c->ckpt_dir, 100.0 * (double)base / (double)total);
-  kqsvd_progress_init(&prog, c->run.progress, "calibrate", c->tokens, base);
-  KQSVD_CALL(kqsvd_monitor_init(comm, total, kqsvd_progress_show, &prog,
-                                kqsvd_progress_interval(&prog), &s.mon));
+    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: resuming %d of %d ranks from "
+                  "checkpoints in %s, %.1f%% already done\n", resumed, c->cli->size, c->ckpt_dir,
+                  100.0 * (double)base / (double)total);
+  kqsvd_progress_fn show;
+  void *show_ctx;
+  double every;
+  kqsvd_observe_begin(c->obs, "calibrate", c->tokens, base, &show, &show_ctx, &every);
+  KQSVD_CALL(kqsvd_monitor_init(comm, total, show, show_ctx, every, &s.mon));
   s.last_save = kqsvd_now();
   const double t0 = kqsvd_now();
   /* A signal now stops every rank at its next block, with a checkpoint. */

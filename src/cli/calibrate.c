@@ -204,6 +204,9 @@ kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "calibrate", st);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
   if (c.help) return KQSVD_OK;
+  kqsvd_cli_observer_t obs;
+  kqsvd_cli_observer_init(&obs, c.run.progress);
+  c.obs = &obs.obs;
   kqsvd_blas_set_threads((int)c.run.threads);
   KQSVD_CALL(c.manifest_path ? calib_manifest(&c) : calib_model(&c));
 done:

@@ -10,6 +10,7 @@
 #include "kqsvd_checkpoint.h"
 #include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
+#include "kqsvd_observer.h"
 #include "kqsvd_rank.h"
 
 /* R factors kept per (layer, KV group), in this order in the state. */
@@ -23,6 +24,7 @@ const char *calib_qr_name(calib_qr_t q);
 
 typedef struct calib {
   kqsvd_cli_t *cli;
+  const kqsvd_observer_t *obs; /* where the run reports: notes, results, progress */
   /* options */
   const char *model_path, *out_path, *ckpt_dir, *manifest_path;
   kqsvd_rank_policy_t ranks;

@@ -8,6 +8,7 @@
 
 #include "kqsvd_error.h"
 #include "kqsvd_h5.h"
+#include "kqsvd_observer.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 
@@ -130,6 +131,16 @@ void kqsvd_progress_init(kqsvd_progress_t *p, kqsvd_progress_mode_t mode, const 
 double kqsvd_progress_interval(const kqsvd_progress_t *p);
 /* A kqsvd_progress_fn: ctx is a kqsvd_progress_t. */
 void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final);
+
+/* The command line's observer (kqsvd_observer.h) of a pipeline run: notes
+ * and warnings to stderr, results to stdout, the progress bar or lines of
+ * `mode`.  The observer is o->obs; o must outlive the run. */
+typedef struct kqsvd_cli_observer {
+  kqsvd_observer_t obs;
+  kqsvd_progress_mode_t mode;
+  kqsvd_progress_t prog;
+} kqsvd_cli_observer_t;
+void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode);
 
 /* Options shared by the long-running subcommands (codes above any
  * subcommand's own), for their getopt_long tables. */

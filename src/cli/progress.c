@@ -61,3 +61,26 @@ void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final) {
   }
   fflush(stderr);
 }
+
+/* The command line's observer of a pipeline run: notes and warnings on
+ * stderr, results on stdout, progress as kqsvd_progress_show draws it. */
+static void cli_log(void *ctx, kqsvd_log_kind_t kind, const char *text) {
+  (void)ctx;
+  fputs(text, kind == KQSVD_LOG_RESULT ? stdout : stderr);
+}
+
+static void cli_begin(void *ctx, const char *stage, int64_t tokens, int64_t base,
+                      kqsvd_progress_fn *fn, void **fn_ctx, double *interval) {
+  kqsvd_cli_observer_t *o = ctx;
+  kqsvd_progress_init(&o->prog, o->mode, stage, tokens, base);
+  *fn = kqsvd_progress_show;
+  *fn_ctx = &o->prog;
+  *interval = kqsvd_progress_interval(&o->prog);
+}
+
+void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode) {
+  o->mode = mode;
+  o->obs.log = cli_log;
+  o->obs.begin = cli_begin;
+  o->obs.ctx = o;
+}
