@@ -25,9 +25,9 @@ import sys
 import torch
 
 from .errors import KqsvdError
+from .models import DECODERS
 from .projections import check_sizes
 
-SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 class LayerProjection:
@@ -66,8 +66,8 @@ def fold_o_proj(o_weight, value_up, num_heads):
 def _layers(model):
     base = getattr(model, "model", model)
     mtype = getattr(model.config, "model_type", None)
-    if mtype not in SUPPORTED or not hasattr(base, "layers"):
-        raise KqsvdError(f"compressed attention supports {', '.join(SUPPORTED)} decoders, "
+    if mtype not in DECODERS or not hasattr(base, "layers"):
+        raise KqsvdError(f"compressed attention supports {', '.join(DECODERS)} decoders, "
                          f"not '{mtype}'")
     return list(base.layers)
 
@@ -118,6 +118,8 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_k
         return s, w, w @ vv.repeat_interleave(g, 1)
 
     s_c, w, oc = attend(qc, kc, vc)                 # oc: [b, Hq, T, rv]
+    if self._kqsvd_probe is not None:
+        return _probe(self, P, attend(q, k, v), s_c, oc, past_key_value, kc.shape[-2])
     if P.o_folded is not None:
         out = oc.transpose(1, 2).reshape(b, T, -1) @ P.o_folded.T
         if self.o_proj.bias is not None:
@@ -125,20 +127,26 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_k
     else:
         heads = oc @ P.BvT                          # back to [b, Hq, T, d]
         out = self.o_proj(heads.transpose(1, 2).reshape(b, T, hq * d))
-    if self._kqsvd_probe is not None:
-        if past_key_value is not None and kc.shape[-2] != T:
-            raise KqsvdError("probe mode measures whole sequences; call the model without a cache")
-        s, _, exact = attend(q, k, v)
-        wo = self.o_proj.weight
-        y = exact.transpose(1, 2).reshape(b, T, hq * d) @ wo.T
-        y_c = (oc @ P.BvT).transpose(1, 2).reshape(b, T, hq * d) @ wo.T
-        for i in range(b):
-            self._kqsvd_probe.append((
-                float(((s[i] - s_c[i]) ** 2).sum() / (s[i] ** 2).sum()),
-                float(((y[i] - y_c[i]) ** 2).sum() / (y[i] ** 2).sum())))
-        out = self.o_proj(exact.transpose(1, 2).reshape(b, T, hq * d))
-        w = None
     return out, (w if output_attentions else None), past_key_value
+
+
+def _probe(self, P, exact_attn, s_c, oc, past_key_value, keys):
+    """Probe mode: records the score and output errors of each sequence
+    (err_kq and err_out, W^O without its bias as the contract has it) and
+    returns the exact output, so the next layer sees the full model's."""
+    s, _, exact = exact_attn
+    b, hq, T, d = exact.shape
+    if past_key_value is not None and keys != T:
+        raise KqsvdError("probe mode measures whole sequences; call the model without a cache")
+    wo = self.o_proj.weight
+    y = exact.transpose(1, 2).reshape(b, T, hq * d) @ wo.T
+    y_c = (oc @ P.BvT).transpose(1, 2).reshape(b, T, hq * d) @ wo.T
+    for i in range(b):
+        self._kqsvd_probe.append((
+            float(((s[i] - s_c[i]) ** 2).sum() / (s[i] ** 2).sum()),
+            float(((y[i] - y_c[i]) ** 2).sum() / (y[i] ** 2).sum())))
+    out = y if self.o_proj.bias is None else y + self.o_proj.bias
+    return out, None, past_key_value
 
 
 def compress(model, proj, fold=False, probe=False):

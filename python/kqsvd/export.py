@@ -5,6 +5,7 @@ import os
 import numpy as np
 
 from .errors import UsageError
+from .files import write_atomic
 from .projections import load_projections
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
@@ -45,11 +46,5 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
             "rank_k": json.dumps(p.rank_k.tolist()), "rank_v": json.dumps(p.rank_v.tolist()),
             "sizes": json.dumps({k: getattr(p, k) for k in ("num_layers", "num_heads",
                                  "num_kv_heads", "head_dim", "hidden_size")})}
-    tmp = path + ".tmp"
-    try:
-        save_file(out, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
     return path

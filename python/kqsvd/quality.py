@@ -21,6 +21,7 @@ import sys
 import time
 
 from .errors import KqsvdError, UsageError
+from .files import write_atomic
 from .projections import METHODS, load_projections, policy_ranks
 
 PROG = "python -m kqsvd.quality"
@@ -155,16 +156,6 @@ def measure(a, model, seqs, pairs):
                     bar.advance()
     compress(model, None)
     return full.result(), [t.result() for t in tallies]
-
-
-def write_atomic(path, write):
-    tmp = path + ".tmp"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def plot(report, path):

@@ -3,17 +3,10 @@
 #include "calibrate.h"
 
 #include <getopt.h>
-#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include "kqsvd_gpu.h"
-#include "kqsvd_identity.h"
-#include "kqsvd_isa.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 

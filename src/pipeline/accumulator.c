@@ -216,8 +216,8 @@ done:
   return st;
 }
 
-static kqsvd_status_t check_rows(const kqsvd_acc_t *a, const void *rows, kqsvd_dtype_t type,
-                                 int64_t nrows, int64_t stride, int64_t width) {
+static kqsvd_status_t check_rows(const void *rows, kqsvd_dtype_t type, int64_t nrows,
+                                 int64_t stride, int64_t width) {
   kqsvd_status_t st = KQSVD_OK;
   KQSVD_CHECK(type >= KQSVD_F16 && type <= KQSVD_F64, KQSVD_ERR_USAGE,
               "accumulator: unknown element type %d", (int)type);
@@ -227,7 +227,6 @@ static kqsvd_status_t check_rows(const kqsvd_acc_t *a, const void *rows, kqsvd_d
               "accumulator: row_stride = %lld is below the row's %lld elements", (long long)stride,
               (long long)width);
   KQSVD_CHECK(rows || nrows == 0, KQSVD_ERR_USAGE, "accumulator: rows is NULL");
-  (void)a;
 done:
   return st;
 }
@@ -251,7 +250,7 @@ kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *a, kqsvd_tensor_t tensor, int64_t l
   KQSVD_CHECK(tensor == KQSVD_QUERIES ? query >= 0 && query < s->group : query == 0,
               KQSVD_ERR_USAGE, "accumulator: query %lld must be %s", (long long)query,
               tensor == KQSVD_QUERIES ? "in 0..group-1" : "0 for keys and values");
-  KQSVD_CALL(check_rows(a, rows, type, nrows, row_stride, a->d));
+  KQSVD_CALL(check_rows(rows, type, nrows, row_stride, a->d));
   const int64_t item = layer * s->kv_heads + kv_head;
   const int k = tensor == KQSVD_KEYS ? ACC_K : tensor == KQSVD_QUERIES ? ACC_Q : ACC_V;
   if (item != a->cur_item) {
@@ -312,7 +311,7 @@ kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *a, int64_t layer, const void 
   KQSVD_CHECK(layer >= 0 && layer < s->layers, KQSVD_ERR_USAGE,
               "accumulator: layer %lld is outside 0..%lld", (long long)layer,
               (long long)s->layers - 1);
-  KQSVD_CALL(check_rows(a, o_proj, type, nrows, row_stride, hq_d));
+  KQSVD_CALL(check_rows(o_proj, type, nrows, row_stride, hq_d));
   KQSVD_CHECK(nrows <= s->hidden - a->w_rows[layer], KQSVD_ERR_USAGE,
               "accumulator: o_proj of layer %lld: %lld rows given, more than hidden = %lld",
               (long long)layer, (long long)(a->w_rows[layer] + nrows), (long long)s->hidden);

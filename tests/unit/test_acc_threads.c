@@ -2,7 +2,6 @@
  * save and load (HDF5, behind the library's lock) in a loop, and each
  * thread's factors checked against a single-threaded run.  Then each
  * failing call reports its own message, not an earlier one. */
-#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
