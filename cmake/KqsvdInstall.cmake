@@ -1,5 +1,5 @@
 # The installable kqsvd: libkqsvd.so and libkqsvd.a, built from the objects
-# of the parts (core, mpi, io, pipeline) and exporting only the public API of
+# of the parts (core, mpi, io, the GPU loader, pipeline) and exporting only the public API of
 # include/kqsvd; the headers, the kqsvd binary and its CUDA module, a man
 # page, the SLURM scripts, the exporter and the Python package under
 # share/kqsvd, a CMake package (find_package(kqsvd) -> kqsvd::kqsvd, and
@@ -8,7 +8,7 @@ include(GNUInstallDirs)
 find_package(Threads REQUIRED)
 include(CMakePackageConfigHelpers)
 
-set(_kqsvd_parts kqsvd_core kqsvd_mpi kqsvd_io kqsvd_pipeline)
+set(_kqsvd_parts kqsvd_core kqsvd_mpi kqsvd_io kqsvd_gpu_loader kqsvd_pipeline)
 set(_kqsvd_objects)
 foreach(part ${_kqsvd_parts})
   # Internal functions stay internal in the shared library; the public ones
@@ -20,8 +20,9 @@ endforeach()
 # What the parts link: MPI is public (mpi.h is in accumulator.h); the rest is
 # an implementation detail of the shared library, and a link requirement of
 # the static one.
-set(_kqsvd_private_libs hdf5::hdf5 kqsvd::lapacke Threads::Threads m)
-set(_kqsvd_install_libs hdf5::hdf5 ${KQSVD_LAPACKE_LIBRARY} ${LAPACK_LIBRARIES} Threads::Threads m)
+set(_kqsvd_private_libs hdf5::hdf5 kqsvd::lapacke Threads::Threads m ${CMAKE_DL_LIBS})
+set(_kqsvd_install_libs hdf5::hdf5 ${KQSVD_LAPACKE_LIBRARY} ${LAPACK_LIBRARIES} Threads::Threads m
+    ${CMAKE_DL_LIBS})
 if(KQSVD_WITH_SCALAPACK)
   list(APPEND _kqsvd_private_libs kqsvd::scalapack)
   list(APPEND _kqsvd_install_libs ${KQSVD_SCALAPACK_LIBRARY})

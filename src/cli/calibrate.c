@@ -1,14 +1,19 @@
-/* kqsvd calibrate: the command line (options and help); one model's run is
- * calib_model.c, a manifest's calib_manifest.c. */
-#include "calibrate.h"
-
+/* kqsvd calibrate: the command line (options and help); the run is the
+ * pipeline's kqsvd_calibrate (src/pipeline/calibrate.c). */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kqsvd_cli.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
+
+typedef struct calibrate_cmd {
+  kqsvd_calib_config_t cfg;
+  kqsvd_run_opts_t run;
+  int help;
+} calibrate_cmd_t;
 
 static void calibrate_help(void) {
   printf(
@@ -71,7 +76,7 @@ static void calibrate_help(void) {
       "  -h, --help             this text\n");
 }
 
-static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
+static kqsvd_status_t parse(kqsvd_cli_t *cli, calibrate_cmd_t *cmd, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
          O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS, O_FORCE };
@@ -94,14 +99,10 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
-  c->ranks = (kqsvd_rank_policy_t){KQSVD_RANKS_EPS, 0.1};
-  c->device_opt = "auto";
-  int policy_set = 0;
-  c->beta = 1.0;
-  c->ckpt_every = 60.0;
-  int handled = 0;
-  kqsvd_run_opts_default(&c->run);
-  c->qr_block = KQSVD_QR_BLOCK_DEFAULT;
+  kqsvd_calib_config_t *c = &cmd->cfg;
+  kqsvd_calib_config_default(c);
+  kqsvd_run_opts_default(&cmd->run);
+  int policy_set = 0, handled = 0;
   optind = 1;
   for (;;) {
     int o;
@@ -126,18 +127,8 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_MANIFEST: c->manifest_path = optarg; break;
     case O_SKIP_DONE: c->skip_done = 1; break;
     case O_FORCE: c->force = 1; break;
-    case O_DEVICE:
-      KQSVD_CHECK(!strcmp(optarg, "cpu") || !strcmp(optarg, "cuda") || !strcmp(optarg, "auto"),
-                  KQSVD_ERR_USAGE, "--device must be cpu, cuda or auto, got '%s'", optarg);
-      c->device_opt = optarg;
-      break;
-    case O_QR: {
-      int found = 0;
-      for (calib_qr_t q = CAL_QR_TSQR; q <= CAL_QR_SCALAPACK; q++)
-        if (!strcmp(optarg, calib_qr_name(q))) c->qr = q, found = 1;
-      KQSVD_CHECK(found, KQSVD_ERR_USAGE, "--qr must be tsqr, gram or scalapack, got '%s'", optarg);
-      break;
-    }
+    case O_DEVICE: KQSVD_CALL(kqsvd_device_parse("--device", optarg, &c->device)); break;
+    case O_QR: KQSVD_CALL(kqsvd_calib_qr_parse("--qr", optarg, &c->qr)); break;
     case O_TIMINGS: c->timings = 1; break;
     case O_CKPT_EVERY:
       KQSVD_CALL(kqsvd_opt_double("--checkpoint-every", optarg, 0, 1e9, 0, 0, &c->ckpt_every));
@@ -145,63 +136,39 @@ static kqsvd_status_t parse(calib_t *c, int argc, char **argv) {
     case O_QRB: KQSVD_CALL(kqsvd_opt_int("--qr-block", optarg, 1, 1 << 20, &c->qr_block)); break;
     case O_READ: KQSVD_CALL(kqsvd_opt_int("--read-rows", optarg, 1, 1 << 24, &c->read_rows)); break;
     case 'h':
-      if (c->cli->rank == 0) calibrate_help();
-      c->help = 1;
+      if (cli->rank == 0) calibrate_help();
+      cmd->help = 1;
       return KQSVD_OK;
     default:
-      KQSVD_CALL(kqsvd_run_option(c->cli, o, optarg, &c->run, &handled));
+      KQSVD_CALL(kqsvd_run_option(cli, o, optarg, &cmd->run, &handled));
       KQSVD_CHECK(handled, KQSVD_ERR_BUG, "unhandled option %d", o);
     }
   }
   c->nshards = argc - optind;
   c->shards = argv + optind;
-  KQSVD_CHECK(c->qr != CAL_QR_SCALAPACK || !c->ckpt_dir, KQSVD_ERR_USAGE,
-              "--checkpoint does not work with --qr scalapack, which keeps no running "
-              "factors to save; use --qr tsqr");
-  KQSVD_CHECK(c->qr != CAL_QR_SCALAPACK || kqsvd_pqr_available(), KQSVD_ERR_USAGE,
-              "--qr scalapack: this kqsvd was built without ScaLAPACK (Debian: apt-get install "
-              "libscalapack-openmpi-dev, then rebuild)");
-  KQSVD_CHECK(c->qr == CAL_QR_TSQR || strcmp(c->device_opt, "cuda") != 0, KQSVD_ERR_USAGE,
-              "--device cuda runs the tsqr method only; --qr %s runs on the CPU",
-              calib_qr_name(c->qr));
-  if (c->manifest_path) {
-    KQSVD_CHECK(!c->force, KQSVD_ERR_USAGE,
-                "--force does not apply to --manifest, which remakes only the outputs whose "
-                "inputs changed");
-    KQSVD_CHECK(!c->model_path && !c->out_path && c->nshards == 0, KQSVD_ERR_USAGE,
-                "--manifest names the models, outputs and shards: give no --model, --out or "
-                "shards with it");
-    goto done;
-  }
-  KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required (or --manifest)");
-  KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
-  KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
-  if (c->ckpt_dir) KQSVD_CALL(kqsvd_check_checkpoint_dir(c->ckpt_dir, c->out_path));
-  {
-    const char *named[] = {c->model_path}, *opts[] = {"--model"};
-    KQSVD_CALL(kqsvd_check_file_args("--out", c->out_path, 1, named, opts, c->shards, c->nshards));
-  }
-  KQSVD_CALL(kqsvd_check_output("--out", c->out_path, c->force || c->skip_done));
+  c->mem_mib = cmd->run.mem_mib;
+  KQSVD_CALL(kqsvd_calib_config_check(c));
 done:
   return st;
 }
 
 kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  calib_t c;
-  memset(&c, 0, sizeof c);
-  c.cli = cli;
+  calibrate_cmd_t cmd;
+  memset(&cmd, 0, sizeof cmd);
   /* Options are checked against the file system too, which may look
    * different from another node: agree rather than assume. */
-  st = parse(&c, argc, argv);
+  st = parse(cli, &cmd, argc, argv);
   if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "calibrate", st);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
-  if (c.help) return KQSVD_OK;
+  if (cmd.help) return KQSVD_OK;
   kqsvd_cli_observer_t obs;
-  kqsvd_cli_observer_init(&obs, c.run.progress);
-  c.obs = &obs.obs;
-  kqsvd_blas_set_threads((int)c.run.threads);
-  KQSVD_CALL(c.manifest_path ? calib_manifest(&c) : calib_model(&c));
+  kqsvd_cli_observer_init(&obs, cmd.run.progress, cli->verbose);
+  kqsvd_blas_set_threads((int)cmd.run.threads);
+  const kqsvd_ctx_t ctx = {cli->comm, cli->rank, cli->size};
+  st = kqsvd_calibrate(&ctx, &cmd.cfg, &obs.obs);
+  if (st != KQSVD_OK) kqsvd_usage_hint("calibrate");
+  KQSVD_CALL(st);
 done:
   return st;
 }

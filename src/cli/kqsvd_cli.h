@@ -9,6 +9,7 @@
 #include "kqsvd_error.h"
 #include "kqsvd_h5.h"
 #include "kqsvd_observer.h"
+#include "kqsvd_pipeline.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 
@@ -29,75 +30,20 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv);
 kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv);
 
-/* The per-layer ranks of all three methods for the projections `proj`
- * (ranks.c; `evaluate` and `ranks` both use it).  policy == NULL: those
- * stored in the file, and its policy string (the rank_policy attribute,
- * else "eps:E" from a finite eps, else "stored").  Otherwise those the
- * policy chooses from the stored spectra (sigma_k, sigma_v of each method,
- * spectra/K and spectra/V) by kqsvd_rank_choose, exactly as calibrate
- * chooses them, and the policy as kqsvd_rank_policy_format writes it.
- * rank_k, rank_v: [KQSVD_NMETHODS][L]; policy_buf: n bytes.  Not
- * collective.  Errors: KQSVD_ERR_USAGE naming --ranks when the policy
- * cannot be met at this head_dim; those of kqsvd_proj_read_ranks and
- * kqsvd_proj_read (KQSVD_ERR_INPUT, _DATA naming the file), _NOMEM. */
-kqsvd_status_t kqsvd_proj_choose_ranks(kqsvd_proj_reader_t *proj, const kqsvd_rank_policy_t *policy,
-                                       int32_t *rank_k, int32_t *rank_v, char *policy_buf,
-                                       size_t n);
-
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */
 kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v);
 kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
                                 int open_lo, int open_hi, double *v);
 
-/* Checks file arguments before any work: no input given twice (its rows
- * would count twice) and no output that is one of the inputs (the final
- * rename would replace it).  The inputs are `named` (named_opts[i] gives
- * the option of named[i]) and shard arguments ("shard N" in messages);
- * `out` may be NULL; files that do not exist are left for the readers to
- * report.  Not collective.  Errors: KQSVD_ERR_USAGE naming the options
- * that collide. */
-kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int nnamed,
-                                     const char *const *named, const char *const *named_opts,
-                                     char **shards, int nshards);
-
-/* Longest suffix kqsvd appends to an output's name while writing it
- * (".tmp-" and a process id). */
-#define KQSVD_TMP_SUFFIX_MAX 16
-
-/* Checks before any work that output `path` (given as option `opt`) can be
- * made: its name leaves room for the temporary suffix, it holds no control
- * character, its folder exists and is writable, it is not a folder, and it
- * does not exist unless `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
-kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force);
-
-/* Checks a --checkpoint folder before any work: not the output's path, not
- * a file, creatable and writable (a file is made and removed in it), and
- * not holding `out` (may be NULL), whose neighbours are deleted at the end.
- * Creates the folder.  Not collective.  Errors: KQSVD_ERR_USAGE. */
-kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out);
-
-/* What kqsvd_scan_shards learns of a set of cache shards. */
-typedef struct kqsvd_shard_set {
-  int64_t *rows, *seqs;     /* [n]: T and S of each shard */
-  int64_t *seq_lens;        /* every sequence's length, shard after shard */
-  int64_t tokens, sequences;
-  size_t elem_max;          /* widest element size of the shards and elem_min */
-} kqsvd_shard_set_t;
-
-/* Collective.  Reads each shard's header once, round robin over the ranks:
- * checks it against `dims` (read from `model_path`), warns on stderr when
- * its model name differs, and shares the sizes with every rank (and every
- * sequence length when want_lens).  Errors, agreed by all ranks:
- * KQSVD_ERR_INPUT naming the file and field, or a set without tokens. */
-kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
-                                 const kqsvd_dims_t *dims, const char *model_path,
-                                 size_t elem_min, int want_lens, kqsvd_shard_set_t *set);
-void kqsvd_shard_set_free(kqsvd_shard_set_t *set);
-
 /* Turns a usage error found identically on every rank into a collective
  * one that rank 0 prints, with a pointer to --help. */
 kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status_t st);
+
+/* After a pipeline call: a usage error this rank reports (an impossible
+ * plan) gets the pointer to `kqsvd CMD --help` too; anything else is left
+ * as it is. */
+void kqsvd_usage_hint(const char *cmd);
 
 /* getopt_long front end shared by the subcommands: returns the option
  * character, -1 at the end, or fails with a message for an unknown option
@@ -133,14 +79,16 @@ double kqsvd_progress_interval(const kqsvd_progress_t *p);
 void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final);
 
 /* The command line's observer (kqsvd_observer.h) of a pipeline run: notes
- * and warnings to stderr, results to stdout, the progress bar or lines of
- * `mode`.  The observer is o->obs; o must outlive the run. */
+ * and warnings to stderr (commentary silenced by --progress off, details
+ * shown with -v), results and tables to stdout, the progress bar or lines
+ * of `mode`.  The observer is o->obs; o must outlive the run. */
 typedef struct kqsvd_cli_observer {
   kqsvd_observer_t obs;
   kqsvd_progress_mode_t mode;
+  int verbose;
   kqsvd_progress_t prog;
 } kqsvd_cli_observer_t;
-void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode);
+void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode, int verbose);
 
 /* Options shared by the long-running subcommands (codes above any
  * subcommand's own), for their getopt_long tables. */

@@ -42,16 +42,28 @@ done:
   return st;
 }
 
+/* Appends the pointer to --help to the message of a usage error. */
+static void add_hint(const char *cmd) {
+  char msg[1200];
+  snprintf(msg, sizeof msg, "%s (see kqsvd %s --help)", kqsvd_error_message(), cmd);
+  kqsvd_error_clear();
+  kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__, "%s", msg);
+}
+
 kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status_t st) {
-  if (st == KQSVD_ERR_USAGE) {
-    char msg[1200];
-    snprintf(msg, sizeof msg, "%s (see kqsvd %s --help)", kqsvd_error_message(), cmd);
-    kqsvd_error_clear();
-    kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__, "%s", msg);
-  }
+  if (st == KQSVD_ERR_USAGE) add_hint(cmd);
   /* Options are parsed identically everywhere: all ranks agree already. */
   kqsvd_error_mark_collective(cli->rank == 0);
   return st;
+}
+
+void kqsvd_usage_hint(const char *cmd) {
+  if (kqsvd_error_origin() != KQSVD_ERR_USAGE || !kqsvd_error_report_here() ||
+      strstr(kqsvd_error_message(), "--help)"))
+    return;
+  const bool collective = kqsvd_error_is_collective();
+  add_hint(cmd);
+  if (collective) kqsvd_error_mark_collective(true);
 }
 
 kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
@@ -66,134 +78,6 @@ kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
   }
   if (*c == ':') KQSVD_FAIL(KQSVD_ERR_USAGE, "option '%s' needs a value", argv[optind - 1]);
 done:
-  return st;
-}
-
-/* The folder part of `path` ("." when it has none). */
-static void folder_of(const char *path, char *dir, size_t n) {
-  snprintf(dir, n, "%s", path);
-  char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, n, ".");
-  else if (slash == dir) dir[1] = '\0';
-  else *slash = '\0';
-}
-
-kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
-  kqsvd_status_t st = KQSVD_OK;
-  struct stat sb;
-  char dir[PATH_MAX];
-  const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-  /* Outputs are written as NAME.tmp-PID first: that name must fit too, or
-   * the failure comes only after the whole run (deep inside MPI-IO). */
-  KQSVD_CHECK(*base, KQSVD_ERR_USAGE, "%s %s names a folder, not a file", opt, path);
-  KQSVD_CHECK(strlen(base) + KQSVD_TMP_SUFFIX_MAX <= NAME_MAX, KQSVD_ERR_USAGE,
-              "%s: the file name is %zu bytes long; at most %d fit with the temporary suffix "
-              "kqsvd writes under (%s ...)",
-              opt, strlen(base), NAME_MAX - KQSVD_TMP_SUFFIX_MAX, path);
-  KQSVD_CHECK(strlen(path) + KQSVD_TMP_SUFFIX_MAX < PATH_MAX, KQSVD_ERR_USAGE,
-              "%s: the path is %zu bytes long; at most %d are supported", opt, strlen(path),
-              PATH_MAX - 1 - KQSVD_TMP_SUFFIX_MAX);
-  for (const char *c = path; *c; c++)
-    KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
-                "%s: the path holds a control character (byte 0x%02x)", opt,
-                (unsigned)(unsigned char)*c);
-  folder_of(path, dir, sizeof dir);
-  KQSVD_CHECK(stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
-              "%s %s is a folder", opt, path);
-  KQSVD_CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
-              "%s %s: folder %s does not exist", opt, path, dir);
-  KQSVD_CHECK(access(dir, W_OK) == 0, KQSVD_ERR_USAGE, "%s %s: folder %s is not writable (%s)",
-              opt, path, dir, strerror(errno));
-  /* A calibration takes hours: replacing one needs saying so. */
-  KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
-              "%s %s already exists; give --force to replace it", opt, path);
-done:
-  return st;
-}
-
-/* roles[i] names in[i] in messages ("--model", "shard 3"). */
-static kqsvd_status_t check_files(const char *out_opt, const char *out, const char *const *in,
-                                  const char *const *roles, int nin) {
-  kqsvd_status_t st = KQSVD_OK;
-  struct stat o;
-  const int out_exists = out && stat(out, &o) == 0;
-  for (int i = 0; i < nin; i++) {
-    struct stat a;
-    if (stat(in[i], &a) != 0) continue;
-    KQSVD_CHECK(!out_exists || a.st_dev != o.st_dev || a.st_ino != o.st_ino, KQSVD_ERR_USAGE,
-                "%s %s is also an input (%s): the output would replace it", out_opt, out,
-                roles[i]);
-    for (int j = 0; j < i; j++) {
-      struct stat b;
-      KQSVD_CHECK(stat(in[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
-                  KQSVD_ERR_USAGE, "%s is given twice: as %s and as %s (%s)", in[i], roles[j],
-                  roles[i], in[j]);
-    }
-  }
-done:
-  return st;
-}
-
-kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int nnamed,
-                                     const char *const *named, const char *const *named_opts,
-                                     char **shards, int nshards) {
-  kqsvd_status_t st = KQSVD_OK;
-  const char **in = NULL, **roles = NULL;
-  char *labels = NULL;
-  const size_t lab = 32, n = (size_t)nnamed + (size_t)nshards;
-  KQSVD_MALLOC(in, n, "the file list");
-  KQSVD_MALLOC(roles, n, "the file list");
-  KQSVD_MALLOC(labels, (size_t)nshards * lab + 1, "the file list");
-  for (int i = 0; i < nnamed; i++) in[i] = named[i], roles[i] = named_opts[i];
-  for (int i = 0; i < nshards; i++) {
-    snprintf(labels + (size_t)i * lab, lab, "shard %d", i + 1);
-    in[nnamed + i] = shards[i];
-    roles[nnamed + i] = labels + (size_t)i * lab;
-  }
-  KQSVD_CALL(check_files(out_opt, out, in, roles, (int)n));
-done:
-  free(in);
-  free(roles);
-  free(labels);
-  return st;
-}
-
-kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
-  kqsvd_status_t st = KQSVD_OK;
-  struct stat sb;
-  char real_dir[PATH_MAX], out_dir[PATH_MAX], real_out[PATH_MAX], probe[PATH_MAX + 64];
-  int fd = -1;
-  KQSVD_CHECK(!out || strcmp(dir, out) != 0, KQSVD_ERR_USAGE,
-              "--checkpoint %s is the --out path; give the checkpoints a folder of their own",
-              dir);
-  KQSVD_CHECK(stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
-              "--checkpoint %s exists and is not a folder", dir);
-  KQSVD_CHECK(kqsvd_mkdir_p(dir) == 0, KQSVD_ERR_USAGE, "--checkpoint %s: cannot create it (%s)",
-              dir, strerror(errno));
-  /* Found now, not after the first segment has been streamed; access()
-   * would say yes to root on a read-only mount's folder. */
-  snprintf(probe, sizeof probe, "%s/.kqsvd-probe-%ld", dir, (long)getpid());
-  fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0600);
-  KQSVD_CHECK(fd >= 0 || errno == EEXIST, KQSVD_ERR_USAGE,
-              "--checkpoint %s: cannot write in it (%s)", dir, strerror(errno));
-  KQSVD_CHECK(realpath(dir, real_dir), KQSVD_ERR_USAGE, "--checkpoint %s: %s", dir,
-              strerror(errno));
-  if (out) {
-    folder_of(out, out_dir, sizeof out_dir);
-    /* Checkpoint files are deleted when the run ends: an output among
-     * them could go with them. */
-    const size_t n = strlen(real_dir);
-    KQSVD_CHECK(!realpath(out_dir, real_out) ||
-                    !(strncmp(real_out, real_dir, n) == 0 &&
-                      (real_out[n] == '\0' || real_out[n] == '/' || n == 1)),
-                KQSVD_ERR_USAGE,
-                "--out %s lies inside the --checkpoint folder %s; write it elsewhere", out, dir);
-  }
-done:
-  if (fd >= 0) {
-    close(fd);
-    unlink(probe);
-  }
   return st;
 }
 

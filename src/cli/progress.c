@@ -63,9 +63,12 @@ void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final) {
 }
 
 /* The command line's observer of a pipeline run: notes and warnings on
- * stderr, results on stdout, progress as kqsvd_progress_show draws it. */
+ * stderr (commentary only unless --progress off, details only with -v),
+ * results on stdout, progress as kqsvd_progress_show draws it. */
 static void cli_log(void *ctx, kqsvd_log_kind_t kind, const char *text) {
-  (void)ctx;
+  const kqsvd_cli_observer_t *o = ctx;
+  if (kind == KQSVD_LOG_INFO && o->mode == KQSVD_PROGRESS_OFF) return;
+  if (kind == KQSVD_LOG_DETAIL && !o->verbose) return;
   fputs(text, kind == KQSVD_LOG_RESULT ? stdout : stderr);
 }
 
@@ -78,9 +81,45 @@ static void cli_begin(void *ctx, const char *stage, int64_t tokens, int64_t base
   *interval = kqsvd_progress_interval(&o->prog);
 }
 
-void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode) {
+/* The ranks table (one column pair per method when they differ), the
+ * summary line, and --timings' parseable line (bench/ reads it). */
+static void cli_calibrated(void *ctx, const kqsvd_calib_report_t *r) {
+  (void)ctx;
+  const int64_t L = r->layers;
+  if (!r->per_method) {
+    printf("layer  rank_k  rank_v   of d = %lld, ranks %s\n", (long long)r->head_dim, r->policy);
+    for (int64_t l = 0; l < L; l++)
+      printf("%5lld  %6d  %6d\n", (long long)l, r->rank_k[l], r->rank_v[l]);
+  } else {
+    printf("layer  rank_k/rank_v:    kqsvd     ksvd    eigen   of d = %lld, ranks %s\n",
+           (long long)r->head_dim, r->policy);
+    for (int64_t l = 0; l < L; l++) {
+      printf("%5lld                ", (long long)l);
+      for (int m = 0; m < KQSVD_NMETHODS; m++)
+        printf(" %4d/%-4d", r->rank_k[m * L + l], r->rank_v[m * L + l]);
+      printf("\n");
+    }
+  }
+  char rate[32];
+  kqsvd_fmt_count(r->tokens_per_s, rate, sizeof rate);
+  printf("wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
+         "streamed)\n", r->out_path, r->beta, r->seconds, rate);
+  fflush(stdout);
+  const kqsvd_calib_timings_t *t = r->timings;
+  if (t)
+    fprintf(stderr,
+            "kqsvd calibrate: timings (--qr %s, %d rank%s; slowest rank): wall=%.3f s "
+            "read=%.3f s bytes=%.4g read_rate=%.4g B/s/rank fold=%.3f s rows=%.6g "
+            "fold_gflops=%.2f /rank reduce=%.3f s solve=%.3f s peak_rss=%.1f MiB/rank\n",
+            t->qr, t->ranks, t->ranks == 1 ? "" : "s", t->wall, t->read, t->bytes, t->read_rate,
+            t->fold, t->rows, t->fold_gflops, t->reduce, t->solve, t->peak_rss_mib);
+}
+
+void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode, int verbose) {
   o->mode = mode;
+  o->verbose = verbose;
   o->obs.log = cli_log;
   o->obs.begin = cli_begin;
+  o->obs.calibrated = cli_calibrated;
   o->obs.ctx = o;
 }

@@ -20,3 +20,7 @@ void kqsvd_observe_begin(const kqsvd_observer_t *obs, const char *stage, int64_t
   *interval = 1.0;
   if (obs && obs->begin) obs->begin(obs->ctx, stage, tokens, base, fn, fn_ctx, interval);
 }
+
+void kqsvd_observe_calibrated(const kqsvd_observer_t *obs, const kqsvd_calib_report_t *report) {
+  if (obs && obs->calibrated) obs->calibrated(obs->ctx, report);
+}

@@ -8,7 +8,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "calibrate.h"
+#include "calib.h"
 #include "kqsvd_gram.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_signal.h"
@@ -38,23 +38,23 @@ typedef struct {
 static kqsvd_status_t open_shared(stream_t *s) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
-  const int me = c->cli->rank;
+  const int me = c->ctx.rank;
   int *readers = NULL;
   MPI_Group world = MPI_GROUP_NULL, grp = MPI_GROUP_NULL;
-  KQSVD_MALLOC(readers, c->cli->size, "shard reader ranks");
-  KQSVD_MPI(MPI_Comm_group(c->cli->comm, &world));
+  KQSVD_MALLOC(readers, c->ctx.size, "shard reader ranks");
+  KQSVD_MPI(MPI_Comm_group(c->ctx.comm, &world));
   /* Every rank meets its shared shards in increasing order, so these
    * group-collective opens cannot deadlock.  A rank between two readers
    * may read nothing of the shard (fewer rows than ranks): it must not be
    * in the group, or the readers wait for it forever. */
   for (int64_t k = 0; k < s->nseg; k++) {
     const int64_t sh = c->segs[c->seg_first[me] + k].shard;
-    const int n = kqsvd_partition_readers(c->segs, c->seg_first, c->cli->size, sh, readers);
+    const int n = kqsvd_partition_readers(c->segs, c->seg_first, c->ctx.size, sh, readers);
     if (n < 2) continue;
     KQSVD_MPI(MPI_Group_incl(world, n, readers, &grp));
-    KQSVD_MPI(MPI_Comm_create_group(c->cli->comm, grp, (int)(sh % 32768), &s->shared[k].comm));
+    KQSVD_MPI(MPI_Comm_create_group(c->ctx.comm, grp, (int)(sh % 32768), &s->shared[k].comm));
     MPI_Group_free(&grp);
-    KQSVD_CALL(kqsvd_shard_open(c->shards[sh], s->shared[k].comm, &s->shared[k].sh));
+    KQSVD_CALL(kqsvd_shard_open(c->cfg.shards[sh], s->shared[k].comm, &s->shared[k].sh));
   }
 done:
   if (grp != MPI_GROUP_NULL) MPI_Group_free(&grp);
@@ -77,7 +77,7 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
   if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
   c->state = kqsvd_acc_state(c->acc); /* the item just finished, packed */
   if (item == c->nitems) pos.segment = seg + 1, pos.item = 0;
-  KQSVD_CALL(kqsvd_checkpoint_save(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint,
+  KQSVD_CALL(kqsvd_checkpoint_save(c->cfg.ckpt_dir, c->ctx.rank, c->ctx.size, c->fingerprint,
                                    c->about, pos,
                                    c->nitems * CAL_NR * (int64_t)kqsvd_tri_size((int)c->d),
                                    c->state));
@@ -86,7 +86,7 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
   /* Test hook: die like `kill -9` right after the n-th checkpoint. */
   const char *kill_after = getenv("KQSVD_TEST_KILL_AFTER_CHECKPOINTS");
   const char *kill_rank = getenv("KQSVD_TEST_KILL_RANK");
-  if (kill_after && s->saves == atoi(kill_after) && c->cli->rank == (kill_rank ? atoi(kill_rank) : 0))
+  if (kill_after && s->saves == atoi(kill_after) && c->ctx.rank == (kill_rank ? atoi(kill_rank) : 0))
     raise(SIGKILL);
 done:
   return st;
@@ -157,8 +157,8 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
      * the whole block at once. */
     if (c->gpu)
       KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
-    for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->qr_block)
-      KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->qr_block ? n - j0 : c->qr_block));
+    for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->cfg.qr_block)
+      KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->cfg.qr_block ? n - j0 : c->cfg.qr_block));
     s->work += n * (m + 2);
     KQSVD_CALL(kqsvd_monitor_update(s->mon, s->work, stop));
     if (!s->signal && kqsvd_signal_pending()) {
@@ -180,11 +180,11 @@ static kqsvd_status_t stream_segments(stream_t *s) {
   kqsvd_shard_t *own = NULL;
   int stop = 0;
   int64_t k = c->pos.segment, i = 0;
-  const kqsvd_segment_t *segs = c->segs + c->seg_first[c->cli->rank];
+  const kqsvd_segment_t *segs = c->segs + c->seg_first[c->ctx.rank];
   for (; k < s->nseg; k++) {
     kqsvd_shard_t *sh = s->shared[k].sh;
     if (!sh) {
-      KQSVD_CALL(kqsvd_shard_open(c->shards[segs[k].shard], MPI_COMM_NULL, &own));
+      KQSVD_CALL(kqsvd_shard_open(c->cfg.shards[segs[k].shard], MPI_COMM_NULL, &own));
       sh = own;
     }
     for (i = k == c->pos.segment ? c->pos.item : 0; i < c->nitems; i++) {
@@ -192,7 +192,7 @@ static kqsvd_status_t stream_segments(stream_t *s) {
       if (stop) break;
       /* Every finished segment is kept; long ones also on a timer. */
       const int last = i + 1 == c->nitems;
-      if (c->ckpt_dir && (last || kqsvd_now() - s->last_save >= c->ckpt_every))
+      if (c->cfg.ckpt_dir && (last || kqsvd_now() - s->last_save >= c->cfg.ckpt_every))
         KQSVD_CALL(save_checkpoint(s, k, i + 1));
     }
     /* A NaN met on the GPU is named while its shard is still open. */
@@ -205,13 +205,13 @@ static kqsvd_status_t stream_segments(stream_t *s) {
   /* Stopped by a signal here or by another rank: keep what is done.  On a
    * GPU the factors of the stopped item are already changed, so the last
    * regular checkpoint stands. */
-  if (stop && c->ckpt_dir && !c->gpu && k < s->nseg) KQSVD_CALL(save_checkpoint(s, k, i));
+  if (stop && c->cfg.ckpt_dir && !c->gpu && k < s->nseg) KQSVD_CALL(save_checkpoint(s, k, i));
   if (stop && s->signal)
     KQSVD_FAIL(KQSVD_ERR_INTERRUPTED, "interrupted by %s; %s%s%s", strsignal(s->signal),
-               c->ckpt_dir ? "checkpoint saved in " : "no --checkpoint was given, so nothing "
+               c->cfg.ckpt_dir ? "checkpoint saved in " : "no --checkpoint was given, so nothing "
                                                       "is kept",
-               c->ckpt_dir ? c->ckpt_dir : "",
-               c->ckpt_dir ? ": run the same command again to resume" : "");
+               c->cfg.ckpt_dir ? c->cfg.ckpt_dir : "",
+               c->cfg.ckpt_dir ? ": run the same command again to resume" : "");
   if (stop) st = KQSVD_ERR_REMOTE; /* the failing rank reports */
   else if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
 done:
@@ -229,25 +229,25 @@ static int64_t work_before(const calib_t *c, const kqsvd_segment_t *segs) {
 
 kqsvd_status_t calib_stream(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = c->cli->comm;
+  MPI_Comm comm = c->ctx.comm;
   stream_t s;
   memset(&s, 0, sizeof s);
   s.c = c;
   /* Test hook: slow reads, so that a test can signal a run mid-stream. */
   s.delay_ms = getenv("KQSVD_TEST_READ_DELAY_MS") ? atoi(getenv("KQSVD_TEST_READ_DELAY_MS")) : 0;
-  s.nseg = c->seg_first[c->cli->rank + 1] - c->seg_first[c->cli->rank];
+  s.nseg = c->seg_first[c->ctx.rank + 1] - c->seg_first[c->ctx.rank];
   const int64_t nvals = kqsvd_acc_state_doubles(c->acc);
   c->state = kqsvd_acc_state(c->acc);
   c->pos.segment = c->pos.item = 0;
   int found = 0;
-  if (c->ckpt_dir) {
-    local = kqsvd_checkpoint_load(c->ckpt_dir, c->cli->rank, c->cli->size, c->fingerprint, nvals,
+  if (c->cfg.ckpt_dir) {
+    local = kqsvd_checkpoint_load(c->cfg.ckpt_dir, c->ctx.rank, c->ctx.size, c->fingerprint, nvals,
                                   c->state, &c->pos, &found);
     if (local == KQSVD_OK && (c->pos.segment < 0 || c->pos.segment > s.nseg ||
                               c->pos.item < 0 || c->pos.item >= c->nitems ||
                               (c->pos.segment == s.nseg && c->pos.item != 0)))
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
-                              "checkpoint in %s does not fit this run's plan", c->ckpt_dir);
+                              "checkpoint in %s does not fit this run's plan", c->cfg.ckpt_dir);
     KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   }
   KQSVD_MALLOC(s.shared, (size_t)s.nseg + 1, "shared shard handles");
@@ -262,15 +262,15 @@ kqsvd_status_t calib_stream(calib_t *c) {
   }
 
   if (c->device >= 0) KQSVD_CALL(kqsvd_mpi_agree(comm, calib_gpu_start(c, c->device)));
-  s.work = work_before(c, c->segs + c->seg_first[c->cli->rank]);
+  s.work = work_before(c, c->segs + c->seg_first[c->ctx.rank]);
   int64_t base = 0;
   int resumed = 0;
   KQSVD_MPI(MPI_Allreduce(&s.work, &base, 1, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(&found, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
-  if (c->cli->rank == 0 && resumed && c->run.progress != KQSVD_PROGRESS_OFF)
-    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: resuming %d of %d ranks from "
-                  "checkpoints in %s, %.1f%% already done\n", resumed, c->cli->size, c->ckpt_dir,
+  if (c->ctx.rank == 0 && resumed)
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO, "kqsvd calibrate: resuming %d of %d ranks from "
+                  "checkpoints in %s, %.1f%% already done\n", resumed, c->ctx.size, c->cfg.ckpt_dir,
                   100.0 * (double)base / (double)total);
   kqsvd_progress_fn show;
   void *show_ctx;

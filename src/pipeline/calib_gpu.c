@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "calibrate.h"
+#include "calib.h"
 #include "kqsvd_gpu.h"
 
 /* What one queued call was, for messages. */

@@ -4,9 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kqsvd_cache.h"
-#include "kqsvd_cli.h"
-#include "kqsvd_mpi.h"
+#include "kqsvd_pipeline.h"
 
 void kqsvd_shard_set_free(kqsvd_shard_set_t *set) {
   free(set->rows);
@@ -16,12 +14,13 @@ void kqsvd_shard_set_free(kqsvd_shard_set_t *set) {
 }
 
 /* This rank's shards: validate, count, keep their sequence lengths. */
-static kqsvd_status_t scan_own(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
-                               const kqsvd_dims_t *dims, const char *model_path,
-                               kqsvd_shard_set_t *set, int64_t **lens, int *esz) {
+static kqsvd_status_t scan_own(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *obs, const char *cmd,
+                               char **paths, int n, const kqsvd_dims_t *dims,
+                               const char *model_path, kqsvd_shard_set_t *set, int64_t **lens,
+                               int *esz) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_shard_t *sh = NULL;
-  for (int s = cli->rank; s < n; s += cli->size) {
+  for (int s = ctx->rank; s < n; s += ctx->size) {
     KQSVD_CALL(kqsvd_shard_check(paths[s]));
     KQSVD_CALL(kqsvd_shard_open(paths[s], MPI_COMM_NULL, &sh));
     KQSVD_CALL(kqsvd_dims_match(kqsvd_shard_dims(sh), paths[s], dims, model_path));
@@ -32,8 +31,9 @@ static kqsvd_status_t scan_own(kqsvd_cli_t *cli, const char *cmd, char **paths, 
       *esz = e > *esz ? e : *esz;
     }
     if (strcmp(kqsvd_shard_dims(sh)->model, dims->model) != 0)
-      fprintf(stderr, "kqsvd %s: warning: %s is from model \"%s\", %s says \"%s\"\n", cmd,
-              paths[s], kqsvd_shard_dims(sh)->model, model_path, dims->model);
+      kqsvd_observe(obs, KQSVD_LOG_WARNING,
+                    "kqsvd %s: warning: %s is from model \"%s\", %s says \"%s\"\n", cmd, paths[s],
+                    kqsvd_shard_dims(sh)->model, model_path, dims->model);
     if (lens) {
       KQSVD_MALLOC(lens[s], set->seqs[s] + 1, "sequence lengths");
       memcpy(lens[s], kqsvd_shard_seq_lens(sh), (size_t)set->seqs[s] * sizeof(int64_t));
@@ -45,11 +45,12 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths, int n,
-                                 const kqsvd_dims_t *dims, const char *model_path,
-                                 size_t elem_min, int want_lens, kqsvd_shard_set_t *set) {
+kqsvd_status_t kqsvd_scan_shards(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *obs,
+                                 const char *cmd, char **paths, int n, const kqsvd_dims_t *dims,
+                                 const char *model_path, size_t elem_min, int want_lens,
+                                 kqsvd_shard_set_t *set) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = cli->comm;
+  MPI_Comm comm = ctx->comm;
   int64_t **lens = NULL;
   int esz = (int)elem_min, esz_max = 0, n_int = 0;
   memset(set, 0, sizeof *set);
@@ -60,7 +61,8 @@ kqsvd_status_t kqsvd_scan_shards(kqsvd_cli_t *cli, const char *cmd, char **paths
   if (!set->rows || !set->seqs || (want_lens && !lens))
     local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
                             "cannot allocate the tables of %d shards", n);
-  if (local == KQSVD_OK) local = scan_own(cli, cmd, paths, n, dims, model_path, set, lens, &esz);
+  if (local == KQSVD_OK)
+    local = scan_own(ctx, obs, cmd, paths, n, dims, model_path, set, lens, &esz);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->rows, n, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seqs, n, MPI_INT64_T, MPI_SUM, comm));

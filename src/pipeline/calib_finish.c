@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "calibrate.h"
+#include "calib.h"
 #include "kqsvd_gram.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_proj.h"
@@ -39,7 +39,7 @@ static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *si
       kqsvd_tri_unpack(d, c->state + ((size_t)i * CAL_NR + k) * tri, R + k * dd);
     kqsvd_tri_unpack(d, kqsvd_acc_wstate(c->acc) + (size_t)i * tri, R + CAL_NR * dd);
     KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd,
-                           R + CAL_NR * dd, c->beta, &sol));
+                           R + CAL_NR * dd, c->cfg.beta, &sol));
     KQSVD_CALL(kqsvd_proj_write_item(w, i / c->dims.kv_heads, i % c->dims.kv_heads, &sol));
     double *at = sig + (size_t)i * (size_t)d;
     for (int m = 0; m < KQSVD_NMETHODS; m++) {
@@ -64,7 +64,7 @@ static kqsvd_status_t choose_ranks(calib_t *c, const double *sig) {
   for (int m = 0; m < KQSVD_NMETHODS; m++) sk[m] = sig + 2 * m * plane, sv[m] = sk[m] + plane;
   KQSVD_MALLOC(c->rank_k, (size_t)(KQSVD_NMETHODS * L), "ranks");
   KQSVD_MALLOC(c->rank_v, (size_t)(KQSVD_NMETHODS * L), "ranks");
-  KQSVD_CALL(kqsvd_rank_choose(&c->ranks, (int)L, (int)c->dims.kv_heads, (int)c->d, sk, sv,
+  KQSVD_CALL(kqsvd_rank_choose(&c->cfg.ranks, (int)L, (int)c->dims.kv_heads, (int)c->d, sk, sv,
                                sig + SIG_K * plane, sig + SIG_V * plane, c->rank_k, c->rank_v));
 done:
   return st;
@@ -76,12 +76,12 @@ static kqsvd_status_t reduce(calib_t *c) {
   const int d = (int)c->d;
   const size_t tri = kqsvd_tri_size(d);
   double *G = NULL;
-  switch (c->qr) {
-  case CAL_QR_TSQR:
-    KQSVD_CALL(kqsvd_tsqr_reduce(c->cli->comm, d, CAL_NR, c->nitems, c->state));
+  switch (c->cfg.qr) {
+  case KQSVD_CALIB_QR_TSQR:
+    KQSVD_CALL(kqsvd_tsqr_reduce(c->ctx.comm, d, CAL_NR, c->nitems, c->state));
     break;
-  case CAL_QR_GRAM:
-    KQSVD_CALL(kqsvd_sum_reduce(c->cli->comm, CAL_NR * tri, c->nitems, c->state));
+  case KQSVD_CALIB_QR_GRAM:
+    KQSVD_CALL(kqsvd_sum_reduce(c->ctx.comm, CAL_NR * tri, c->nitems, c->state));
     KQSVD_MALLOC(G, (size_t)d * (size_t)d, "Gram matrix");
     for (int64_t i = c->own0; i < c->own1; i++)
       for (int k = 0; k < CAL_NR; k++) {
@@ -91,7 +91,7 @@ static kqsvd_status_t reduce(calib_t *c) {
         kqsvd_tri_pack(d, G, P);
       }
     break;
-  case CAL_QR_SCALAPACK: break; /* pdgeqrf left every factor on every rank */
+  case KQSVD_CALIB_QR_SCALAPACK: break; /* pdgeqrf left every factor on every rank */
   }
 done:
   free(G);
@@ -100,39 +100,39 @@ done:
 
 kqsvd_status_t calib_finish(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = c->cli->comm;
-  const int root = c->cli->rank == 0;
+  MPI_Comm comm = c->ctx.comm;
+  const int root = c->ctx.rank == 0;
   kqsvd_proj_writer_t *w = NULL;
   double *sig = NULL;
   char tmp[PATH_MAX + 32] = "", policy[64];
   int nsig_int = 0;
 
-  if (root && c->run.progress != KQSVD_PROGRESS_OFF)
-    kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
+  if (root)
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
-            "items on %d rank%s\n", (long long)c->nitems, c->cli->size, c->cli->size == 1 ? "" : "s");
+            "items on %d rank%s\n", (long long)c->nitems, c->ctx.size, c->ctx.size == 1 ? "" : "s");
   /* Without it the reduction's time would include waiting for the slowest
    * rank's stream. */
-  if (c->timings) KQSVD_MPI(MPI_Barrier(comm));
+  if (c->cfg.timings) KQSVD_MPI(MPI_Barrier(comm));
   double t0 = kqsvd_now();
   KQSVD_CALL(kqsvd_mpi_agree(comm, reduce(c)));
   c->t_reduce = kqsvd_now() - t0;
   t0 = kqsvd_now();
 
   /* One temporary name for all ranks, unique to this run. */
-  if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->out_path, (long)getpid());
+  if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->cfg.out_path, (long)getpid());
   KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
   kqsvd_signal_track(tmp);
   /* Test hook: a signal while the output is being written. */
   const char *sig_at = getenv("KQSVD_TEST_SIGNAL_WRITING");
-  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
-  const double eps = c->ranks.kind == KQSVD_RANKS_EPS ? c->ranks.value : NAN;
-  kqsvd_proj_meta_t meta = {c->dims, eps, c->beta, c->tokens, c->nshards, c->qr_block, policy,
+  kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
+  const double eps = c->cfg.ranks.kind == KQSVD_RANKS_EPS ? c->cfg.ranks.value : NAN;
+  kqsvd_proj_meta_t meta = {c->dims, eps, c->cfg.beta, c->tokens, c->cfg.nshards, c->cfg.qr_block, policy,
                             c->inputs_hash};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   /* Every byte is claimed now, while a failure can still be agreed on. */
-  KQSVD_CALL(kqsvd_mpi_agree(comm, root ? kqsvd_proj_reserve(w, c->out_path) : KQSVD_OK));
+  KQSVD_CALL(kqsvd_mpi_agree(comm, root ? kqsvd_proj_reserve(w, c->cfg.out_path) : KQSVD_OK));
   if (sig_at && root) raise(atoi(sig_at));
 
   const size_t nsig = (size_t)(SIG_N * c->nitems * c->d);
@@ -149,9 +149,9 @@ kqsvd_status_t calib_finish(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
   local = root ? kqsvd_proj_trim(tmp) : KQSVD_OK;
-  if (local == KQSVD_OK && root && rename(tmp, c->out_path) != 0)
+  if (local == KQSVD_OK && root && rename(tmp, c->cfg.out_path) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
-                            "cannot rename %s to %s: %s", tmp, c->out_path, strerror(errno));
+                            "cannot rename %s to %s: %s", tmp, c->cfg.out_path, strerror(errno));
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   c->t_solve = kqsvd_now() - t0;
 done:

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "calibrate.h"
+#include "calib.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
@@ -86,9 +86,9 @@ static kqsvd_status_t factor_all(pqr_stream_t *s) {
       const kqsvd_status_t local = load(s, i, tens[k], &stop);
       /* The others stop reading at their next block instead of finishing. */
       if (local != KQSVD_OK) kqsvd_monitor_raise(s->mon);
-      KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, stop && local == KQSVD_OK ? KQSVD_ERR_REMOTE : local));
+      KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, stop && local == KQSVD_OK ? KQSVD_ERR_REMOTE : local));
       const double t0 = kqsvd_now();
-      KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, kqsvd_pqr_factor(s->pqr, heads[k] * s->rows, R)));
+      KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, kqsvd_pqr_factor(s->pqr, heads[k] * s->rows, R)));
       c->t_fold += kqsvd_now() - t0;
       c->rows_folded += (double)(heads[k] * s->rows);
       kqsvd_tri_pack(d, R, c->state + ((size_t)i * CAL_NR + (size_t)k) * tri);
@@ -100,8 +100,8 @@ done:
 
 kqsvd_status_t calib_stream_pqr(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  MPI_Comm comm = c->cli->comm;
-  const int me = c->cli->rank;
+  MPI_Comm comm = c->ctx.comm;
+  const int me = c->ctx.rank;
   pqr_stream_t s;
   memset(&s, 0, sizeof s);
   s.c = c;
@@ -116,7 +116,7 @@ kqsvd_status_t calib_stream_pqr(calib_t *c) {
   KQSVD_MALLOC(s.sh, (size_t)s.nseg + 1, "shard handles");
   for (int64_t k = 0; k < s.nseg; k++) s.sh[k] = NULL;
   for (int64_t k = 0; k < s.nseg && local == KQSVD_OK; k++)
-    local = kqsvd_shard_open(c->shards[s.segs[k].shard], MPI_COMM_NULL, &s.sh[k]);
+    local = kqsvd_shard_open(c->cfg.shards[s.segs[k].shard], MPI_COMM_NULL, &s.sh[k]);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
 
   const int64_t total = c->tokens * c->nitems * (c->group + 2);

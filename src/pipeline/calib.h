@@ -1,4 +1,4 @@
-/* State shared by the stages of `kqsvd calibrate` (private to src/cli). */
+/* State shared by the stages of a calibration (private to src/pipeline). */
 #ifndef KQSVD_CALIBRATE_H
 #define KQSVD_CALIBRATE_H
 
@@ -8,32 +8,17 @@
 #include "kqsvd_cache.h"
 #include "kqsvd_acc.h"
 #include "kqsvd_checkpoint.h"
-#include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
-#include "kqsvd_observer.h"
+#include "kqsvd_pipeline.h"
 #include "kqsvd_rank.h"
 
 /* R factors kept per (layer, KV group), in this order in the state. */
 enum { CAL_RK = 0, CAL_RQ = 1, CAL_RV = 2, CAL_NR = 3 };
 
-/* --qr: how cache rows become R factors.  TSQR (streaming Householder, tree
- * merge) is the default; the others are benchmark peers (docs/benchmarks.md). */
-typedef enum { CAL_QR_TSQR = 0, CAL_QR_GRAM, CAL_QR_SCALAPACK } calib_qr_t;
-/* The --qr spelling of q ("tsqr", "gram", "scalapack"); not collective. */
-const char *calib_qr_name(calib_qr_t q);
-
 typedef struct calib {
-  kqsvd_cli_t *cli;
+  kqsvd_ctx_t ctx;
   const kqsvd_observer_t *obs; /* where the run reports: notes, results, progress */
-  /* options */
-  const char *model_path, *out_path, *ckpt_dir, *manifest_path;
-  kqsvd_rank_policy_t ranks;
-  double beta, ckpt_every;
-  int64_t qr_block, read_rows;
-  kqsvd_run_opts_t run;
-  int nshards, help, skip_done, force, timings;
-  calib_qr_t qr;
-  char **shards;
+  kqsvd_calib_config_t cfg;    /* a copy: a manifest sets each model's paths */
   /* inputs */
   kqsvd_model_t *model;
   kqsvd_dims_t dims;
@@ -58,7 +43,6 @@ typedef struct calib {
   kqsvd_checkpoint_pos_t pos;
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
   int device;               /* -1: CPU; else the GPU that folds this rank's rows */
-  const char *device_opt;   /* --device: cpu, cuda or auto */
   struct calib_gpu *gpu;
   double t_start, t_stream, streamed; /* streamed: tokens read by this run */
   /* --timings: this rank's seconds reading shards and folding rows (QR,
@@ -97,7 +81,7 @@ kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t 
 kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state);
 void calib_gpu_stop(calib_t *c);
 
-/* Stages, each collective over cli->comm and ending in agreement.
+/* Stages, each collective over ctx.comm and ending in agreement.
  * calib_stream_pqr is the streaming stage of --qr scalapack: for each item
  * and tensor, every rank reads all its rows into memory, then pdgeqrf. */
 kqsvd_status_t calib_stream(calib_t *c);

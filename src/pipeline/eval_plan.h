@@ -1,25 +1,21 @@
-/* State shared by the stages of `kqsvd evaluate` (private to src/cli). */
+/* State shared by the stages of an evaluation (private to src/pipeline). */
 #ifndef KQSVD_EVALUATE_H
 #define KQSVD_EVALUATE_H
 
 #include <stdint.h>
 
 #include "kqsvd_cache.h"
-#include "kqsvd_cli.h"
 #include "kqsvd_eval.h"
 #include "kqsvd_mpi.h"
 #include "kqsvd_proj.h"
+#include "kqsvd_pipeline.h"
 #include "kqsvd_rank.h"
 
 typedef struct evaluation {
-  kqsvd_cli_t *cli;
-  /* options */
-  const char *model_path, *proj_path, *json_path;
-  kqsvd_rank_policy_t ranks;
-  int ranks_set, block_set, nshards, help, allow_mismatch;
-  int64_t block_rows;
-  kqsvd_run_opts_t run;
-  char **shards;
+  kqsvd_ctx_t ctx;
+  const kqsvd_observer_t *obs;
+  kqsvd_eval_config_t cfg;
+  int64_t block_rows; /* cfg's, or fewer to fit cfg.mem_mib */
   /* inputs */
   kqsvd_model_t *model;
   kqsvd_proj_reader_t *proj;

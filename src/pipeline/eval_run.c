@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "evaluate.h"
+#include "eval_plan.h"
 
 int64_t eval_blocks(const evaluation_t *e, int64_t len) {
   return (len + e->block_rows - 1) / e->block_rows;
@@ -69,7 +69,7 @@ static kqsvd_status_t load_layer(run_t *r, int64_t l) {
     KQSVD_CALL(kqsvd_model_read_oproj(e->model, l, row, n, 0, hd, r->raw));
     const int64_t bad = kqsvd_convert_to_f64(t, r->raw, n * hd, r->W + row * hd);
     KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld",
-                e->model_path, (long long)l, (long long)(row + bad / hd));
+                e->cfg.model_path, (long long)l, (long long)(row + bad / hd));
   }
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     r->layer.rank_k[m] = e->rank_k[m * L + l];
@@ -104,7 +104,7 @@ static kqsvd_status_t run_unit(run_t *r, int64_t l, int64_t q, int64_t row0, int
   if (e->seq_shard[q] != r->cur_shard) {
     kqsvd_shard_close(&r->sh);
     r->cur_shard = -1;
-    KQSVD_CALL(kqsvd_shard_open(e->shards[e->seq_shard[q]], MPI_COMM_NULL, &r->sh));
+    KQSVD_CALL(kqsvd_shard_open(e->cfg.shards[e->seq_shard[q]], MPI_COMM_NULL, &r->sh));
     r->cur_shard = e->seq_shard[q];
   }
   KQSVD_CALL(kqsvd_eval_begin(r->ws, &r->layer, T, row0, nrows));
@@ -167,8 +167,8 @@ done:
 static kqsvd_status_t combine(run_t *r) {
   kqsvd_status_t st = KQSVD_OK;
   evaluation_t *e = r->e;
-  MPI_Comm comm = e->cli->comm;
-  const int root = e->cli->rank == 0, P = e->cli->size;
+  MPI_Comm comm = e->ctx.comm;
+  const int root = e->ctx.rank == 0, P = e->ctx.size;
   const int64_t L = e->dims.layers, per = KQSVD_NMETHODS * KQSVD_NMETRICS;
   partial_t *all = NULL;
   int n_int = 0, bytes = 0;
@@ -216,7 +216,6 @@ done:
 kqsvd_status_t eval_run(evaluation_t *e) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   run_t r;
-  kqsvd_progress_t prog;
   memset(&r, 0, sizeof r);
   r.e = e;
   r.cur_layer = r.cur_shard = -1;
@@ -245,7 +244,7 @@ kqsvd_status_t eval_run(evaluation_t *e) {
                               "cannot allocate %.0f MiB for the evaluation; lower --block-rows",
                               e->mem_need / 1048576.0);
   }
-  KQSVD_CALL(kqsvd_mpi_agree(e->cli->comm, local));
+  KQSVD_CALL(kqsvd_mpi_agree(e->ctx.comm, local));
   r.layer.heads = (int)e->dims.heads;
   r.layer.kv_heads = (int)e->dims.kv_heads;
   r.layer.d = (int)d;
@@ -253,9 +252,11 @@ kqsvd_status_t eval_run(evaluation_t *e) {
   r.layer.causal = (int)e->dims.causal;
   r.layer.o_proj = r.W;
 
-  kqsvd_progress_init(&prog, e->run.progress, "evaluate", e->tokens, 0);
-  KQSVD_CALL(kqsvd_monitor_init(e->cli->comm, total_work, kqsvd_progress_show, &prog,
-                                kqsvd_progress_interval(&prog), &r.mon));
+  kqsvd_progress_fn show;
+  void *show_ctx;
+  double every;
+  kqsvd_observe_begin(e->obs, "evaluate", e->tokens, 0, &show, &show_ctx, &every);
+  KQSVD_CALL(kqsvd_monitor_init(e->ctx.comm, total_work, show, show_ctx, every, &r.mon));
   int stop = 0;
   local = run_units(&r, scale, &stop);
   if (local == KQSVD_OK && stop) local = KQSVD_ERR_REMOTE; /* the failing rank reports */

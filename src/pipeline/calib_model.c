@@ -3,7 +3,7 @@
  * the W^O factors, the stages (calib_stream.c or calib_pqr.c, then
  * calib_finish.c), the summary; and what --skip-done and manifests compare
  * (the inputs hash). */
-#include "calibrate.h"
+#include "calib.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -20,25 +20,16 @@
 #include "kqsvd_linalg.h"
 #include "kqsvd_util.h"
 
-const char *calib_qr_name(calib_qr_t q) {
-  switch (q) {
-  case CAL_QR_TSQR: return "tsqr";
-  case CAL_QR_GRAM: return "gram";
-  case CAL_QR_SCALAPACK: return "scalapack";
-  }
-  return "?";
-}
-
 void calib_inputs_hash(calib_t *c) {
   char policy[64];
-  uint64_t h = kqsvd_hash_file(KQSVD_FNV_INIT, c->model_path);
-  for (int s = 0; s < c->nshards; s++) h = kqsvd_hash_file(h, c->shards[s]);
-  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
+  uint64_t h = kqsvd_hash_file(KQSVD_FNV_INIT, c->cfg.model_path);
+  for (int s = 0; s < c->cfg.nshards; s++) h = kqsvd_hash_file(h, c->cfg.shards[s]);
+  kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
-  h = kqsvd_fnv1a(h, &c->beta, sizeof c->beta);
-  h = kqsvd_fnv1a(h, &c->qr_block, sizeof c->qr_block);
+  h = kqsvd_fnv1a(h, &c->cfg.beta, sizeof c->cfg.beta);
+  h = kqsvd_fnv1a(h, &c->cfg.qr_block, sizeof c->cfg.qr_block);
   /* Only the default method keeps the hash of outputs made before --qr. */
-  if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, calib_qr_name(c->qr), strlen(calib_qr_name(c->qr)) + 1);
+  if (c->cfg.qr != KQSVD_CALIB_QR_TSQR) h = kqsvd_fnv1a(h, kqsvd_calib_qr_name(c->cfg.qr), strlen(kqsvd_calib_qr_name(c->cfg.qr)) + 1);
   h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
   snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
 }
@@ -47,13 +38,13 @@ int calib_up_to_date(const calib_t *c) {
   char stored[64] = "";
   hid_t f = -1;
   struct stat sb;
-  if (stat(c->out_path, &sb) != 0) return 0;
-  if (kqsvd_h5_open_read(c->out_path, MPI_COMM_NULL, &f) != KQSVD_OK) {
+  if (stat(c->cfg.out_path, &sb) != 0) return 0;
+  if (kqsvd_h5_open_read(c->cfg.out_path, MPI_COMM_NULL, &f) != KQSVD_OK) {
     kqsvd_error_clear();
     return 0;
   }
   const int have = H5Aexists(f, "inputs_hash") > 0 &&
-                   kqsvd_h5_attr_str(f, c->out_path, "inputs_hash", stored, sizeof stored) ==
+                   kqsvd_h5_attr_str(f, c->cfg.out_path, "inputs_hash", stored, sizeof stored) ==
                        KQSVD_OK;
   kqsvd_error_clear();
   kqsvd_h5_close(&f);
@@ -65,13 +56,13 @@ static kqsvd_status_t validate_inputs(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_shard_set_t set;
   memset(&set, 0, sizeof set);
-  KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, kqsvd_model_open(c->model_path, &c->model)));
+  KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, kqsvd_model_open(c->cfg.model_path, &c->model)));
   c->dims = *kqsvd_model_dims(c->model);
   c->d = c->dims.head_dim;
   c->group = c->dims.heads / c->dims.kv_heads;
   c->nitems = c->dims.layers * c->dims.kv_heads;
-  KQSVD_CALL(kqsvd_scan_shards(c->cli, "calibrate", c->shards, c->nshards, &c->dims,
-                               c->model_path, kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0,
+  KQSVD_CALL(kqsvd_scan_shards(&c->ctx, c->obs, "calibrate", c->cfg.shards, c->cfg.nshards, &c->dims,
+                               c->cfg.model_path, kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0,
                                &set));
   c->shard_rows = set.rows;
   set.rows = NULL;
@@ -87,67 +78,67 @@ done:
  * fingerprint that ties checkpoints to exactly these inputs. */
 static kqsvd_status_t plan(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  const int P = c->cli->size;
-  KQSVD_CALL(kqsvd_rank_policy_check(&c->ranks, (int)c->dims.layers, (int)c->d));
-  KQSVD_CALL(kqsvd_partition_rows(c->nshards, c->shard_rows, P, 0.1, &c->segs, &c->seg_first));
-  kqsvd_partition_items(c->nitems, P, c->cli->rank, &c->own0, &c->own1);
+  const int P = c->ctx.size;
+  KQSVD_CALL(kqsvd_rank_policy_check(&c->cfg.ranks, (int)c->dims.layers, (int)c->d));
+  KQSVD_CALL(kqsvd_partition_rows(c->cfg.nshards, c->shard_rows, P, 0.1, &c->segs, &c->seg_first));
+  kqsvd_partition_items(c->nitems, P, c->ctx.rank, &c->own0, &c->own1);
 
   const double mib = 1048576.0, d = (double)c->d;
   const double state = (double)c->nitems * CAL_NR * (double)kqsvd_tri_size((int)c->d) * 8.0;
   /* The accumulator's W factors (every item's, though a rank computes only
    * its own) and its work buffers. */
   const double rw = ((double)c->nitems * (double)kqsvd_tri_size((int)c->d) + 6.0 * d * d +
-                     (double)(c->group + 3) * (double)c->qr_block * d) * 8.0;
+                     (double)(c->group + 3) * (double)c->cfg.qr_block * d) * 8.0;
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
   const double per_row = (double)(c->group + 2 + (c->device >= 0 ? 8 : 0)) * d * (double)c->elem_max;
   /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
   double block = 0;
-  for (int p = 0; c->qr == CAL_QR_SCALAPACK && p < P; p++) {
+  for (int p = 0; c->cfg.qr == KQSVD_CALIB_QR_SCALAPACK && p < P; p++) {
     /* pdgeqrf's workspace: about 16 (panel width) x (block + d + 16) doubles. */
     const double rows = (double)(calib_rank_rows(c, p) * c->group);
     const double b = (rows * d + 16.0 * (rows + d + 16.0)) * 8.0;
     block = b > block ? b : block;
   }
-  const double avail = (double)c->run.mem_mib * mib - state - rw - reserve - block;
-  KQSVD_CHECK(block == 0 || avail >= per_row * (double)c->qr_block, KQSVD_ERR_USAGE,
+  const double avail = (double)c->cfg.mem_mib * mib - state - rw - reserve - block;
+  KQSVD_CHECK(block == 0 || avail >= per_row * (double)c->cfg.qr_block, KQSVD_ERR_USAGE,
               "--qr scalapack holds each (layer, KV head)'s rows in memory: %.0f MiB per rank "
               "here; raise --mem-limit to at least %.0f MiB, use more ranks, or use --qr tsqr, "
               "which streams", block / mib,
-              (state + rw + reserve + block + per_row * (double)c->qr_block) / mib + 1);
+              (state + rw + reserve + block + per_row * (double)c->cfg.qr_block) / mib + 1);
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   /* Larger reads buy nothing on the CPU (reads of 4 k to 64 k rows stream
    * at the same rate: docs/benchmarks.md) but resident memory; a GPU wants
    * large transfers. */
   const int64_t cap = c->device >= 0 ? 65536 : 8192;
   rows = rows > cap ? cap : rows;
-  if (c->read_rows > 0 && c->read_rows < rows) rows = c->read_rows < c->qr_block ? c->qr_block : c->read_rows;
-  rows -= rows % c->qr_block;
-  KQSVD_CHECK(rows >= c->qr_block, KQSVD_ERR_USAGE,
+  if (c->cfg.read_rows > 0 && c->cfg.read_rows < rows) rows = c->cfg.read_rows < c->cfg.qr_block ? c->cfg.qr_block : c->cfg.read_rows;
+  rows -= rows % c->cfg.qr_block;
+  KQSVD_CHECK(rows >= c->cfg.qr_block, KQSVD_ERR_USAGE,
               "--mem-limit %lld MiB is too small here: the R factors need %.2f MiB, reading "
               "needs %.2f MiB more and %.0f MiB are reserved; raise it to at least %.0f",
-              (long long)c->run.mem_mib, (state + rw) / mib, per_row * (double)c->qr_block / mib,
-              reserve / mib, (state + rw + reserve + per_row * (double)c->qr_block) / mib + 1);
+              (long long)c->cfg.mem_mib, (state + rw) / mib, per_row * (double)c->cfg.qr_block / mib,
+              reserve / mib, (state + rw + reserve + per_row * (double)c->cfg.qr_block) / mib + 1);
   c->io_rows = rows;
 
   /* Anything that changes which rows meet which R factor, or the order of
    * the Householder updates, changes the checkpointed state. */
   uint64_t h = KQSVD_FNV_INIT;
   /* The GPU folds whole reads, so there the read size counts too. */
-  const int64_t key[] = {1, P, c->qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
+  const int64_t key[] = {1, P, c->cfg.qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
                          c->device >= 0 ? c->io_rows : -1};
   h = kqsvd_fnv1a(h, key, sizeof key);
   /* Only other methods change the hash, so TSQR checkpoints of earlier
    * versions stay valid. */
-  if (c->qr != CAL_QR_TSQR) h = kqsvd_fnv1a(h, &c->qr, sizeof c->qr);
-  for (int s = 0; s < c->nshards; s++) {
-    h = kqsvd_hash_file(h, c->shards[s]);
+  if (c->cfg.qr != KQSVD_CALIB_QR_TSQR) h = kqsvd_fnv1a(h, &c->cfg.qr, sizeof c->cfg.qr);
+  for (int s = 0; s < c->cfg.nshards; s++) {
+    h = kqsvd_hash_file(h, c->cfg.shards[s]);
     h = kqsvd_fnv1a(h, &c->shard_rows[s], sizeof c->shard_rows[s]);
   }
   c->fingerprint = h;
   snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr %s, --qr-block %lld%s",
-           c->nshards, (long long)c->tokens, P, calib_qr_name(c->qr), (long long)c->qr_block,
+           c->cfg.nshards, (long long)c->tokens, P, kqsvd_calib_qr_name(c->cfg.qr), (long long)c->cfg.qr_block,
            c->device >= 0 ? ", on GPUs" : "");
 done:
   return st;
@@ -162,12 +153,12 @@ static kqsvd_status_t factor_wo(calib_t *c) {
   const size_t raw_bytes = (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)d * c->elem_max;
   /* Each read yields chunk * m rows of d; a multiple of --qr-block keeps the
    * Householder blocking, hence the result, independent of the read size. */
-  int64_t a = m, b = c->qr_block;
+  int64_t a = m, b = c->cfg.qr_block;
   while (b) {
     const int64_t r = a % b;
     a = b, b = r;
   }
-  const int64_t base = c->qr_block / a;
+  const int64_t base = c->cfg.qr_block / a;
   int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
   chunk = chunk < base ? base : chunk - chunk % base;
   for (int64_t i = c->own0; i < c->own1; i++) {
@@ -179,7 +170,7 @@ static kqsvd_status_t factor_wo(calib_t *c) {
       const int64_t bad = kqsvd_acc_bad_row(c->acc);
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld (head %lld's block)",
-                  c->model_path, (long long)layer, (long long)(r0 + bad / m),
+                  c->cfg.model_path, (long long)layer, (long long)(r0 + bad / m),
                   (long long)(g * m + bad % m));
     }
   }
@@ -194,83 +185,65 @@ static kqsvd_status_t make_accumulator(calib_t *c) {
   const kqsvd_shape_t shape = {c->dims.layers, c->dims.kv_heads, c->group, c->d, c->dims.hidden};
   kqsvd_acc_options_t opt;
   kqsvd_acc_options_default(&opt);
-  opt.block_rows = c->qr_block;
-  opt.qr = c->qr == CAL_QR_GRAM ? KQSVD_QR_GRAM : KQSVD_QR_TSQR;
+  opt.block_rows = c->cfg.qr_block;
+  opt.qr = c->cfg.qr == KQSVD_CALIB_QR_GRAM ? KQSVD_QR_GRAM : KQSVD_QR_TSQR;
   KQSVD_CALL(kqsvd_acc_init(&shape, &opt, &c->acc));
   c->state = kqsvd_acc_state(c->acc);
 done:
   return st;
 }
 
-static void print_header(const calib_t *c) {
+static void announce(const calib_t *c) {
   char tok[32];
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  if (c->cli->size == 1 && cores > 1)
-    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: one rank on a %ld-core machine; "
+  if (c->ctx.size == 1 && cores > 1)
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO, "kqsvd calibrate: one rank on a %ld-core machine; "
                   "'mpirun -np %ld kqsvd calibrate ...' uses them all\n", cores, cores);
   kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
-  kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
+  kqsvd_observe(c->obs, KQSVD_LOG_INFO,
           "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
           "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
-          c->nshards, c->nshards == 1 ? "" : "s", tok, (long long)c->sequences,
+          c->cfg.nshards, c->cfg.nshards == 1 ? "" : "s", tok, (long long)c->sequences,
           c->sequences == 1 ? "" : "s", (long long)c->dims.layers, (long long)c->dims.kv_heads,
           (long long)c->group, c->group == 1 ? "y" : "ies",
-          (long long)c->d, c->cli->size, c->cli->size == 1 ? "" : "s", (long long)c->io_rows);
+          (long long)c->d, c->ctx.size, c->ctx.size == 1 ? "" : "s", (long long)c->io_rows);
   if (c->device >= 0)
-    kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
 }
 
-static void print_summary(const calib_t *c, double seconds) {
-  char rate[32], policy[64];
-  const int64_t L = c->dims.layers;
-  kqsvd_fmt_count(c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), rate, sizeof rate);
-  kqsvd_rank_policy_format(&c->ranks, policy, sizeof policy);
-  if (c->ranks.kind != KQSVD_RANKS_BUDGET) {
-    kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "layer  rank_k  rank_v   of d = %lld, ranks %s\n",
-                  (long long)c->d, policy);
-    for (int64_t l = 0; l < L; l++)
-      kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "%5lld  %6d  %6d\n", (long long)l, c->rank_k[l],
-                    c->rank_v[l]);
-  } else {
-    kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
-                  "layer  rank_k/rank_v:    kqsvd     ksvd    eigen   of d = %lld, ranks %s\n",
-                  (long long)c->d, policy);
-    for (int64_t l = 0; l < L; l++) {
-      char line[128];
-      int n = snprintf(line, sizeof line, "%5lld                ", (long long)l);
-      for (int m = 0; m < KQSVD_NMETHODS; m++)
-        n += snprintf(line + n, sizeof line - (size_t)n, " %4d/%-4d", c->rank_k[m * L + l],
-                      c->rank_v[m * L + l]);
-      kqsvd_observe(c->obs, KQSVD_LOG_RESULT, "%s\n", line);
-    }
-  }
-  kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
-                "wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
-                "streamed)\n", c->out_path, c->beta, seconds, rate);
-}
-
-/* --timings: the slowest rank's stage times, the summed bytes and rows, and
- * the largest peak RSS, on one parseable line. */
-static kqsvd_status_t print_timings(const calib_t *c, double wall) {
+/* The observer's report of the written model, with --timings: the slowest
+ * rank's stage times, the summed bytes and rows, the largest peak RSS.
+ * Collective (the timings' reductions). */
+static kqsvd_status_t report(const calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  double mx[5] = {c->t_read, c->t_fold, c->t_reduce, c->t_solve, (double)ru.ru_maxrss / 1024.0};
-  double sum[3] = {c->bytes_read, c->rows_folded, c->t_fold};
-  const int root = c->cli->rank == 0;
-  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : mx, mx, 5, MPI_DOUBLE, MPI_MAX, 0, c->cli->comm));
-  KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 3, MPI_DOUBLE, MPI_SUM, 0, c->cli->comm));
+  const double wall = kqsvd_now() - c->t_start;
+  kqsvd_calib_timings_t tm;
+  memset(&tm, 0, sizeof tm);
+  tm.qr = kqsvd_calib_qr_name(c->cfg.qr), tm.ranks = c->ctx.size, tm.wall = wall;
+  const int root = c->ctx.rank == 0;
+  if (c->cfg.timings) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    double mx[5] = {c->t_read, c->t_fold, c->t_reduce, c->t_solve, (double)ru.ru_maxrss / 1024.0};
+    double sum[3] = {c->bytes_read, c->rows_folded, c->t_fold};
+    KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : mx, mx, 5, MPI_DOUBLE, MPI_MAX, 0, c->ctx.comm));
+    KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 3, MPI_DOUBLE, MPI_SUM, 0, c->ctx.comm));
+    const double P = (double)c->ctx.size, d = (double)c->d;
+    tm.read = mx[0], tm.bytes = sum[0], tm.read_rate = mx[0] > 0 ? sum[0] / P / mx[0] : 0.0;
+    tm.fold = mx[1], tm.rows = sum[1];
+    /* Per rank: all rows over all ranks' fold time, so a rank's average. */
+    tm.fold_gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
+    tm.reduce = mx[2], tm.solve = mx[3], tm.peak_rss_mib = mx[4];
+  }
   if (!root) goto done;
-  const double P = (double)c->cli->size, d = (double)c->d;
-  /* Per rank: all rows over all ranks' fold time, so a rank's average. */
-  const double gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
-  kqsvd_observe(c->obs, KQSVD_LOG_NOTE,
-          "kqsvd calibrate: timings (--qr %s, %d rank%s; slowest rank): wall=%.3f s "
-          "read=%.3f s bytes=%.4g read_rate=%.4g B/s/rank fold=%.3f s rows=%.6g "
-          "fold_gflops=%.2f /rank reduce=%.3f s solve=%.3f s peak_rss=%.1f MiB/rank\n",
-          calib_qr_name(c->qr), c->cli->size, c->cli->size == 1 ? "" : "s", wall, mx[0], sum[0],
-          mx[0] > 0 ? sum[0] / P / mx[0] : 0.0, mx[1], sum[1], gflops, mx[2], mx[3], mx[4]);
+  char policy[64];
+  kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
+  const kqsvd_calib_report_t r = {
+      c->cfg.out_path, policy, c->dims.layers, c->d, c->rank_k, c->rank_v,
+      c->cfg.ranks.kind == KQSVD_RANKS_BUDGET, c->cfg.beta, wall,
+      c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), c->cfg.timings ? &tm : NULL};
+  kqsvd_observe_calibrated(c->obs, &r);
 done:
   return st;
 }
@@ -281,19 +254,19 @@ static kqsvd_status_t choose_device(calib_t *c) {
   MPI_Comm node = MPI_COMM_NULL;
   int lrank = 0;
   /* --device cpu does not even ask the driver. */
-  const int ndev = strcmp(c->device_opt, "cpu") && c->qr == CAL_QR_TSQR ? calib_gpu_devices() : 0;
-  KQSVD_MPI(MPI_Comm_split_type(c->cli->comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr == KQSVD_CALIB_QR_TSQR ? calib_gpu_devices() : 0;
+  KQSVD_MPI(MPI_Comm_split_type(c->ctx.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
   /* auto also needs the module; cuda insists, and a missing module is then
    * reported when it is loaded. */
-  const int have = ndev > 0 && (!strcmp(c->device_opt, "cuda") ||
+  const int have = ndev > 0 && (c->cfg.device == KQSVD_DEVICE_CUDA ||
                                 access(kqsvd_gpu_module_path(), R_OK) == 0);
-  if (strcmp(c->device_opt, "cpu") != 0 && have) c->device = lrank % ndev;
+  if (c->cfg.device != KQSVD_DEVICE_CPU && have) c->device = lrank % ndev;
   /* auto falls back to the CPU when the module cannot be loaded (an old
    * driver, a missing CUDA library), saying why. */
   const kqsvd_gpu_api_t *api = NULL;
-  if (c->device >= 0 && !strcmp(c->device_opt, "auto") && kqsvd_gpu_open(&api) != KQSVD_OK) {
+  if (c->device >= 0 && c->cfg.device == KQSVD_DEVICE_AUTO && kqsvd_gpu_open(&api) != KQSVD_OK) {
     if (lrank == 0)
       kqsvd_observe(c->obs, KQSVD_LOG_WARNING,
                     "kqsvd calibrate: warning: GPU present but not usable, using the CPU: %s\n",
@@ -301,10 +274,10 @@ static kqsvd_status_t choose_device(calib_t *c) {
     kqsvd_error_clear();
     c->device = -1;
   }
-  if (!strcmp(c->device_opt, "cuda") && ndev == 0)
+  if (c->cfg.device == KQSVD_DEVICE_CUDA && ndev == 0)
     local = kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
                             "--device cuda: the CUDA driver reports no GPU to this rank");
-  KQSVD_CALL(kqsvd_mpi_agree(c->cli->comm, local));
+  KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, local));
 done:
   if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
   return st;
@@ -312,41 +285,40 @@ done:
 
 kqsvd_status_t calib_model(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  kqsvd_cli_t *cli = c->cli;
+  const kqsvd_ctx_t *ctx = &c->ctx;
   c->t_start = kqsvd_now();
   KQSVD_CALL(validate_inputs(c));
   KQSVD_CALL(choose_device(c));
   st = plan(c);
   if (st == KQSVD_ERR_USAGE) { /* decided alike on every rank */
-    kqsvd_usage_error(cli, "calibrate", st);
+    kqsvd_agreed_usage(ctx, st);
     goto done;
   }
   KQSVD_CALL(st);
   calib_inputs_hash(c);
-  if (c->skip_done && !c->manifest_path) {
-    int skip = cli->rank == 0 && calib_up_to_date(c);
-    KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, cli->comm));
+  if (c->cfg.skip_done && !c->cfg.manifest_path) {
+    int skip = ctx->rank == 0 && calib_up_to_date(c);
+    KQSVD_MPI(MPI_Bcast(&skip, 1, MPI_INT, 0, ctx->comm));
     if (skip) {
-      if (cli->rank == 0)
+      if (ctx->rank == 0)
         kqsvd_observe(c->obs, KQSVD_LOG_RESULT,
-                      "%s is already made from these inputs: nothing to do\n", c->out_path);
+                      "%s is already made from these inputs: nothing to do\n", c->cfg.out_path);
       goto done;
     }
   }
-  if (cli->rank == 0 && c->run.progress != KQSVD_PROGRESS_OFF) print_header(c);
+  if (ctx->rank == 0) announce(c);
   KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
                "read buffer");
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, make_accumulator(c)));
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, factor_wo(c)));
-  if (cli->verbose && cli->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
-    kqsvd_observe(c->obs, KQSVD_LOG_NOTE, "kqsvd calibrate: CPU QR kernels: %s\n",
+  KQSVD_CALL(kqsvd_mpi_agree(ctx->comm, make_accumulator(c)));
+  KQSVD_CALL(kqsvd_mpi_agree(ctx->comm, factor_wo(c)));
+  if (ctx->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
+    kqsvd_observe(c->obs, KQSVD_LOG_DETAIL, "kqsvd calibrate: CPU QR kernels: %s\n",
                   kqsvd_isa_name(kqsvd_isa_active()));
   kqsvd_model_close(&c->model);
-  KQSVD_CALL(c->qr == CAL_QR_SCALAPACK ? calib_stream_pqr(c) : calib_stream(c));
+  KQSVD_CALL(c->cfg.qr == KQSVD_CALIB_QR_SCALAPACK ? calib_stream_pqr(c) : calib_stream(c));
   KQSVD_CALL(calib_finish(c));
-  if (c->ckpt_dir) kqsvd_checkpoint_remove(c->ckpt_dir, cli->rank, cli->size);
-  if (cli->rank == 0) print_summary(c, kqsvd_now() - c->t_start);
-  if (c->timings) KQSVD_CALL(print_timings(c, kqsvd_now() - c->t_start));
+  if (c->cfg.ckpt_dir) kqsvd_checkpoint_remove(c->cfg.ckpt_dir, ctx->rank, ctx->size);
+  KQSVD_CALL(report(c));
 done:
   kqsvd_model_close(&c->model);
   kqsvd_acc_free(&c->acc);
@@ -357,4 +329,3 @@ done:
   c->raw = NULL, c->rank_k = c->rank_v = NULL;
   return st;
 }
-
