@@ -35,6 +35,7 @@ nompi           help, --version, manifest and ranks where MPI cannot start; cali
 gpu_abi         the CUDA module loader refuses stand-ins of another ABI version or without a table
 accumulator     the public accumulator fed row by row equals calibrate bit for bit
 calibrate_ref   calibrate equals outputs made before it ran on the accumulator
+pipeline        calibrate and evaluate as library calls equal the command line, 1 and 3 ranks
 """
 import os
 import sys
@@ -50,7 +51,7 @@ from scenarios_hardening import (checkpoints, few_rows, hostile_files, options, 
                                  signals, skip_done)
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_minilm  # noqa: E402
-from scenarios_library import accumulator, calibrate_ref  # noqa: E402
+from scenarios_library import accumulator, calibrate_ref, pipeline  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
 from scenarios_nompi import gpu_abi, nompi  # noqa: E402
 from scenarios_ranks import ranks_cmd  # noqa: E402
@@ -63,7 +64,7 @@ SCENARIOS = {f.__name__: f for f in
               eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
               signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
-              calibrate_ref)}
+              calibrate_ref, pipeline)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

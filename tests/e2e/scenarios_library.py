@@ -1,15 +1,17 @@
-"""The library's accumulator against the command line: a synthetic set fed
-row by row through the public API (tests/tools/acc_replay.c, one process)
+"""The library against the command line: a synthetic set fed row by row
+through the public accumulator (tests/tools/acc_replay.c, one process)
 gives the projections `kqsvd calibrate` gives on one rank with the same
---qr-block, bit for bit, for every rank policy; and with several ranks,
-within round-off."""
+--qr-block, bit for bit, for every rank policy, and with several ranks
+within round-off; calibrate and evaluate called as the pipeline's library
+functions (tests/tools/pipeline_run.c) give the command line's files; and
+calibrate still equals outputs made before the accumulator."""
 import os
 import subprocess
 
 import h5py
 import numpy as np
 
-from harness import calibrate, check, finish, load_proj, max_rel_diff, small_set
+from harness import PREFLAGS, calibrate, check, finish, load_proj, max_rel_diff, small_set
 
 REPLAY = os.environ.get("KQSVD_ACC_REPLAY", "")
 
@@ -91,3 +93,68 @@ def calibrate_ref():
             worst, where = max_rel_diff(a, b)
             check(worst <= 1e-10, f"run {i}: {worst:.2e} from the reference at {where}")
     finish("calibrate_ref")
+
+
+PIPELINE_RUN = os.environ.get("KQSVD_PIPELINE_RUN", "")
+
+
+def observed_ranks(lines):
+    """{method: [(rank_k, rank_v) per layer]} from the tool's ranks lines."""
+    out = {}
+    for ln in lines:
+        if ln.startswith("ranks "):
+            name, *pairs = ln.split()[1:]
+            out[name] = [tuple(int(x) for x in p.split("/")) for p in pairs]
+    return out
+
+
+def pipeline():
+    """calibrate and evaluate as library calls (tests/tools/pipeline_run.c)
+    under 1 and 3 ranks: the same files as the command line, the observer
+    told the ranks written, nothing printed without an observer, and an
+    impossible plan one agreed usage error."""
+    import json
+    wd, model, shards = small_set("pipeline", layers=3, heads=6, kv_heads=2, head_dim=16,
+                                  hidden=40, seqs=8, seq_len=120, min_seq_len=20, shards=3,
+                                  uneven=True, dtype="f16", seed=8)
+    for np_ in (1, 3):
+        prefix = os.path.join(wd, f"np{np_}")
+        cmd = [os.environ.get("KQSVD_MPIEXEC", "mpiexec"), os.environ.get("KQSVD_MPIEXEC_FLAGS", "-n"),
+               str(np_)] + PREFLAGS + [PIPELINE_RUN, prefix, model] + shards
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, f"np {np_}: pipeline_run exit {p.returncode}: {p.stderr}")
+        # Nothing of the pipeline's own reaches the terminal.
+        check(p.stdout == "" and p.stderr == "", f"np {np_}: the library printed "
+              f"{(p.stdout + p.stderr)[:300]!r}")
+        lines = open(prefix + ".observed").read().splitlines()
+        facts = {ln.split()[0]: ln for ln in lines}
+        check(facts.get("calibrate") == "calibrate 0" and facts.get("quiet") == "quiet 0" and
+              facts.get("evaluate", "").startswith("evaluate 0 d=16"), f"np {np_}: {lines}")
+        check(not any(ln.startswith("unterminated") for ln in lines), f"np {np_}: {lines}")
+        begun = [ln.split()[1] for ln in lines if ln.startswith("begin ")]
+        check(begun == ["calibrate", "evaluate"], f"np {np_}: progress stages {begun}")
+        # The ranks the observer heard are the ones written, per method.
+        heard = observed_ranks(lines)
+        with h5py.File(prefix + ".proj.h5") as f:
+            for m in ("kqsvd", "ksvd", "eigen"):
+                stored = list(zip(f[m]["rank_k"][...].tolist(), f[m]["rank_v"][...].tolist()))
+                check(heard.get(m) == stored, f"np {np_} {m}: heard {heard.get(m)}, stored {stored}")
+        check("per_method=1" in facts.get("calibrated", ""), f"np {np_}: {facts.get('calibrated')}")
+        # The command line, same options and rank count: the same bytes.
+        cli = os.path.join(wd, f"cli{np_}.h5")
+        calibrate(model, cli, shards, np_=np_, extra=["--ranks", "budget:0.4", "--device", "cpu"])
+        a, b = load_proj(cli), load_proj(prefix + ".proj.h5")
+        differ = [k for k in a if k != "attrs" and not np.array_equal(a[k], b[k])]
+        check(not differ, f"np {np_}: library and CLI differ in {differ[:4]}")
+        js = os.path.join(wd, f"cli{np_}.json")
+        from harness import run
+        run(["evaluate", "--progress", "off", "--model", model, "--proj", prefix + ".proj.h5",
+             "--json", js, *shards], np_=np_)
+        lib_report, cli_report = json.load(open(prefix + ".eval.json")), json.load(open(js))
+        check(lib_report == cli_report, f"np {np_}: evaluation reports differ")
+        tight = [ln for ln in lines if ln.startswith("tight ")]
+        check(tight[:1] == [f"tight usage={np_} of {np_} speakers=1 rank0_speaks=1 "
+                            "tight_exists=0"], f"np {np_}: impossible plan: {tight}")
+        check(len(tight) == 2 and "--mem-limit 16 MiB is too small" in tight[1],
+              f"np {np_}: impossible plan's message: {tight}")
+    finish("pipeline")
