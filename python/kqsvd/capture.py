@@ -1,0 +1,68 @@
+"""The attention's activations as the model computes them: each layer's
+post-RoPE queries and keys and its values, handed to a sink during the
+forward pass, and each layer's output projection.  One implementation for
+examples/export_hf.py (which writes them as cache shards) and
+python -m kqsvd.calibrate_hf (which folds them into R factors at once)."""
+import sys
+
+from .models import ENCODERS
+
+
+class Capture:
+    """Records each layer's Q, K (after RoPE) and V as the attention computes
+    them and hands them to `sink(layer, kind, tensor [B, H, T, d])`."""
+
+    def __init__(self, model, mtype, cfg, sink):
+        self.sink, self.handles, self.layer = sink, [], None
+        self.hq = cfg.num_attention_heads
+        self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
+        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
+        if mtype in ENCODERS:
+            self.layers = list(model.encoder.layer)
+            for l, lay in enumerate(self.layers):
+                att = lay.attention.self
+                for kind, mod, h in (("q", att.query, self.hq), ("k", att.key, self.hkv),
+                                     ("v", att.value, self.hkv)):
+                    self.handles.append(mod.register_forward_hook(self._linear(l, kind, h)))
+            return
+        self.layers = list(model.layers)
+        # Post-RoPE queries and keys are what the module-level
+        # apply_rotary_pos_emb returns; each attention calls it once, so a
+        # pre-hook on the attention says which layer the call belongs to.
+        self.module = sys.modules[type(self.layers[0].self_attn).__module__]
+        self.original = self.module.apply_rotary_pos_emb
+
+        def rope(*args, **kwargs):
+            q, k = self.original(*args, **kwargs)
+            self.sink(self.layer, "q", q)
+            self.sink(self.layer, "k", k)
+            return q, k
+
+        self.module.apply_rotary_pos_emb = rope
+        for l, lay in enumerate(self.layers):
+            self.handles.append(lay.self_attn.register_forward_pre_hook(self._enter(l)))
+            self.handles.append(lay.self_attn.v_proj.register_forward_hook(self._linear(l, "v", self.hkv)))
+
+    def _enter(self, l):
+        def hook(_mod, _inp):
+            self.layer = l
+        return hook
+
+    def _linear(self, l, kind, heads):
+        def hook(_mod, _inp, out):
+            b, t, _ = out.shape
+            self.sink(l, kind, out.view(b, t, heads, self.d).transpose(1, 2))
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        if hasattr(self, "original"):
+            self.module.apply_rotary_pos_emb = self.original
+
+
+def attention_out_proj(model, mtype):
+    """Each layer's output projection weight [D, Hq*d] (torch.nn.Linear layout)."""
+    if mtype in ENCODERS:
+        return [lay.attention.output.dense.weight for lay in model.encoder.layer]
+    return [lay.self_attn.o_proj.weight for lay in model.layers]
