@@ -1,0 +1,279 @@
+"""kqsvd.Calibrator: the C library's accumulator (include/kqsvd/accumulator.h)
+from Python, through ctypes over libkqsvd.so, so nothing is compiled at
+install time.
+
+    cal = Calibrator(layers=L, kv_heads=Hkv, group=Hq // Hkv, head_dim=d, hidden=D)
+    cal.absorb("keys", layer, kv_head, k_rows)            # [T, d] tensor or array
+    cal.absorb("queries", layer, kv_head, q_rows, query=j)
+    cal.absorb("values", layer, kv_head, v_rows)
+    cal.absorb_oproj(layer, o_proj_weight)                # [D, Hq d], once per layer
+    cal.reduce(comm)                                      # mpi4py communicator, several ranks
+    cal.finish(ranks="eps:0.1").write("proj.h5", model="name")
+
+Rows are read where they lie: a torch tensor (CPU) or numpy array whose
+last dimension is contiguous, in float16, bfloat16, float32 or float64, is
+passed by pointer with its row stride, without a copy.  A failing C call
+raises KqsvdError (UsageError for a bad argument) carrying the C library's
+message.
+
+The library is found at $KQSVD_LIBRARY, else in the repository's build/
+folder (this package sits in python/kqsvd), else beside an installed
+kqsvd (lib/ of the prefix of the `kqsvd` on PATH), else wherever the
+dynamic linker looks."""
+import ctypes
+import ctypes.util
+import os
+import shutil
+
+from .errors import KqsvdError, UsageError
+
+TENSORS = {"keys": 0, "values": 1, "queries": 2}
+METHODS = ("kqsvd", "ksvd", "eigen")
+ERR_USAGE = 1
+# status codes of include/kqsvd/types.h, for messages
+STATUS = ("ok", "usage", "input", "data", "io", "hdf5", "mpi", "lapack", "cuda", "nomem", "bug",
+          "remote", "interrupted")
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("hidden", ctypes.c_int64)]
+
+
+class _AccOptions(ctypes.Structure):
+    _fields_ = [("block_rows", ctypes.c_int64), ("mem_limit_mib", ctypes.c_double),
+                ("qr", ctypes.c_int)]
+
+
+class _FinishOptions(ctypes.Structure):
+    _fields_ = [("beta", ctypes.c_double), ("ranks", ctypes.c_char_p)]
+
+
+class _WriteOptions(ctypes.Structure):
+    _fields_ = [("model", ctypes.c_char_p), ("tokens", ctypes.c_int64), ("causal", ctypes.c_int),
+                ("force", ctypes.c_int)]
+
+
+def _candidates():
+    env = os.environ.get("KQSVD_LIBRARY")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.realpath(__file__))
+    yield os.path.join(here, "..", "..", "build", "libkqsvd.so")
+    exe = shutil.which("kqsvd")
+    if exe:
+        prefix = os.path.dirname(os.path.dirname(os.path.realpath(exe)))
+        for lib in ("lib", "lib64", os.path.join("lib", "x86_64-linux-gnu")):
+            yield os.path.join(prefix, lib, "libkqsvd.so")
+    found = ctypes.util.find_library("kqsvd")
+    if found:
+        yield found
+
+
+_LIB = None
+
+
+def library():
+    """The loaded libkqsvd, its functions typed (loaded once)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+            break
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    else:
+        raise KqsvdError("libkqsvd.so not found (tried " + ", ".join(tried or ["the linker's path"]) +
+                         "); build it with scripts/bootstrap.sh or set KQSVD_LIBRARY")
+    P, I64, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    sigs = {
+        "kqsvd_acc_options_default": (None, [ctypes.POINTER(_AccOptions)]),
+        "kqsvd_acc_init": (I, [ctypes.POINTER(_Shape), ctypes.POINTER(_AccOptions),
+                               ctypes.POINTER(P)]),
+        "kqsvd_acc_free": (None, [ctypes.POINTER(P)]),
+        "kqsvd_acc_absorb": (I, [P, I, I64, I64, I64, P, I, I64, I64]),
+        "kqsvd_acc_absorb_oproj": (I, [P, I64, P, I, I64, I64]),
+        "kqsvd_acc_factor": (I, [P, I, I64, I64, P]),
+        "kqsvd_acc_tokens": (I64, [P]),
+        "kqsvd_acc_save": (I, [P, ctypes.c_char_p]),
+        "kqsvd_acc_load": (I, [P, ctypes.c_char_p]),
+        "kqsvd_acc_reduce": (I, [P, P, I]),
+        "kqsvd_acc_finish": (I, [P, ctypes.POINTER(_FinishOptions), ctypes.POINTER(P)]),
+        "kqsvd_result_write": (I, [P, ctypes.c_char_p, ctypes.POINTER(_WriteOptions)]),
+        "kqsvd_result_free": (None, [ctypes.POINTER(P)]),
+        "kqsvd_result_rank_k": (ctypes.POINTER(ctypes.c_int32), [P, I]),
+        "kqsvd_result_rank_v": (ctypes.POINTER(ctypes.c_int32), [P, I]),
+        "kqsvd_result_matrix": (ctypes.POINTER(D), [P, I, I, I64, I64]),
+        "kqsvd_result_sigma": (ctypes.POINTER(D), [P, I, I, I64, I64]),
+        "kqsvd_last_error": (ctypes.c_char_p, []),
+        "kqsvd_clear_error": (None, []),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    _LIB = lib
+    return lib
+
+
+def _check(status, what):
+    if status == 0:
+        return
+    msg = library().kqsvd_last_error().decode("utf-8", "replace")
+    library().kqsvd_clear_error()
+    name = STATUS[status] if 0 <= status < len(STATUS) else str(status)
+    cls = UsageError if status == ERR_USAGE else KqsvdError
+    raise cls(f"{what}: {msg}" if msg else f"{what} failed ({name} error)")
+
+
+# element type codes of include/kqsvd/types.h by numpy/torch dtype name
+_DTYPES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def rows_of(x):
+    """(pointer, dtype code, rows, row stride in elements, keep-alive) of a
+    2-D torch tensor or numpy array whose rows are contiguous."""
+    if hasattr(x, "data_ptr"):  # torch
+        if x.device.type != "cpu":
+            raise UsageError(f"rows on {x.device}: the CPU fold takes CPU tensors")
+        name = str(x.dtype).replace("torch.", "")
+        ptr, strides = x.data_ptr(), x.stride()
+    else:
+        import numpy as np
+        x = np.asarray(x)
+        name = "bfloat16" if x.dtype.name == "uint16" else x.dtype.name
+        item = x.itemsize
+        ptr = x.ctypes.data
+        strides = tuple(s // item if s % item == 0 else -1 for s in x.strides)
+    if name not in _DTYPES:
+        raise UsageError(f"rows of dtype {name}: float16, bfloat16, float32 or float64 only")
+    if x.ndim != 2:
+        raise UsageError(f"rows must be a 2-D [rows, head_dim] array, got {x.ndim}-D")
+    if x.shape[0] > 0 and (strides[1] != 1 or strides[0] < x.shape[1]):
+        raise UsageError(f"rows with strides {tuple(strides)}: each row must be contiguous "
+                         "(call .contiguous() first)")
+    return ptr, _DTYPES[name], int(x.shape[0]), int(strides[0]) if x.shape[0] > 1 else int(x.shape[1]), x
+
+
+class Result:
+    """Projections, spectra and ranks of the three methods (kqsvd_result_t)."""
+
+    def __init__(self, handle, shape):
+        self._h, self.shape = handle, shape
+
+    def __del__(self):
+        self.close()
+
+    def close(self):
+        if getattr(self, "_h", None):
+            h = ctypes.c_void_p(self._h)
+            library().kqsvd_result_free(ctypes.byref(h))
+            self._h = None
+
+    def ranks(self, method):
+        """(rank_k, rank_v) lists over layers."""
+        m = METHODS.index(method)
+        lib, L = library(), self.shape.layers
+        rk, rv = lib.kqsvd_result_rank_k(self._h, m), lib.kqsvd_result_rank_v(self._h, m)
+        return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
+
+    def write(self, path, model="", tokens=0, causal=1, force=False):
+        """proj.h5 (docs/formats.md section 3), under a temporary name."""
+        opt = _WriteOptions(model.encode(), tokens, causal, 1 if force else 0)
+        _check(library().kqsvd_result_write(self._h, os.fsencode(path), ctypes.byref(opt)),
+               f"writing {path}")
+
+
+class Calibrator:
+    """A kqsvd accumulator for one model shape: float64 R factors of every
+    (layer, KV head)'s keys, stacked queries, values and W^O."""
+
+    def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
+                 mem_limit_mib=0.0):
+        lib = library()
+        self.shape = _Shape(layers, kv_heads, group, head_dim, hidden)
+        opt = _AccOptions()
+        lib.kqsvd_acc_options_default(ctypes.byref(opt))
+        opt.block_rows, opt.mem_limit_mib = block_rows, float(mem_limit_mib)
+        h = ctypes.c_void_p()
+        _check(lib.kqsvd_acc_init(ctypes.byref(self.shape), ctypes.byref(opt), ctypes.byref(h)),
+               "creating the accumulator")
+        self._h = h.value
+
+    def __del__(self):
+        self.close()
+
+    def close(self):
+        if getattr(self, "_h", None):
+            h = ctypes.c_void_p(self._h)
+            library().kqsvd_acc_free(ctypes.byref(h))
+            self._h = None
+
+    def absorb(self, tensor, layer, kv_head, rows, query=0):
+        """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of
+        KV head kv_head, or "queries" of its group's query head `query`."""
+        ptr, dt, n, stride, _keep = rows_of(rows)
+        _check(library().kqsvd_acc_absorb(self._h, TENSORS[tensor], layer, kv_head, query, ptr, dt,
+                                          n, stride), f"{tensor} of layer {layer}")
+
+    def absorb_oproj(self, layer, weight):
+        """Folds a layer's output projection weight [D, Hq d] (torch's
+        nn.Linear layout)."""
+        ptr, dt, n, stride, _keep = rows_of(weight)
+        _check(library().kqsvd_acc_absorb_oproj(self._h, layer, ptr, dt, n, stride),
+               f"o_proj of layer {layer}")
+
+    def tokens(self):
+        return library().kqsvd_acc_tokens(self._h)
+
+    def factor(self, tensor, layer, kv_head):
+        """The current d x d R factor (numpy, upper triangular)."""
+        import numpy as np
+        d = self.shape.head_dim
+        R = np.zeros((d, d))
+        _check(library().kqsvd_acc_factor(self._h, TENSORS[tensor], layer, kv_head,
+                                          R.ctypes.data), f"factor of {tensor}")
+        return R
+
+    def save(self, path):
+        _check(library().kqsvd_acc_save(self._h, os.fsencode(path)), f"saving {path}")
+
+    def load(self, path):
+        _check(library().kqsvd_acc_load(self._h, os.fsencode(path)), f"loading {path}")
+
+    def reduce(self, comm, root=0):
+        """Collective over an mpi4py communicator: every process's factors
+        merged onto `root`.  One process (or comm None): nothing to do."""
+        if comm is None or comm.Get_size() == 1:
+            return
+        from mpi4py import MPI
+        _check(library().kqsvd_acc_reduce(self._h, ctypes.c_void_p(MPI._handleof(comm)), root),
+               "reducing the factors")
+
+    def finish(self, ranks="eps:0.1", beta=1.0):
+        """The three methods' projections, spectra and ranks (a Result)."""
+        opt = _FinishOptions(float(beta), ranks.encode())
+        h = ctypes.c_void_p()
+        _check(library().kqsvd_acc_finish(self._h, ctypes.byref(opt), ctypes.byref(h)),
+               f"solving (--ranks {ranks}, --beta {beta})")
+        return Result(h.value, self.shape)
+
+
+def check_policy(ranks, beta, head_dim):
+    """Raises UsageError when finish() would refuse the rank policy or beta
+    at this head_dim: found before a long run rather than after it (a
+    one-head accumulator of zeros, which solves at once)."""
+    import numpy as np
+    cal = Calibrator(1, 1, 1, head_dim, 1)
+    try:
+        cal.absorb_oproj(0, np.zeros((1, head_dim)))
+        cal.finish(ranks, beta).close()
+    finally:
+        cal.close()
