@@ -11,8 +11,11 @@ class Progress:
 
     def advance(self, n=1, note=""):
         self.done = min(self.done + n, self.total)
-        rate = self.done / max(time.time() - self.t0, 1e-9)
+        elapsed = time.time() - self.t0
+        rate = self.done / max(elapsed, 1e-9)
         text = f"{self.done}/{self.total} {self.unit}  {rate:,.1f} {self.unit}/s"
+        left = (self.total - self.done) / rate if rate > 0 else 0.0
+        text += f"  took {elapsed:.0f} s" if self.done == self.total else f"  ETA {left:.0f} s"
         if note:
             text += f"  {note}"
         if sys.stderr.isatty():
