@@ -8,7 +8,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 packages="cmake make gcc g++ libc6-dev pkg-config libopenmpi-dev openmpi-bin libopenblas-dev
           liblapacke-dev libscalapack-openmpi-dev libhdf5-openmpi-dev hdf5-tools python3 python3-numpy python3-h5py
-          python3-matplotlib python3-venv python3-pip python3-torch
+          python3-matplotlib python3-venv python3-pip python3-torch python3-mpi4py
           ${KQSVD_EXTRA_PACKAGES:-}"
 missing=""
 for p in $packages; do

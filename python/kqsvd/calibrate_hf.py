@@ -1,0 +1,325 @@
+"""python -m kqsvd.calibrate_hf: projections straight from a model, with no
+caches on disk.  The model runs over the calibration sequences; the
+post-RoPE queries and keys and the values of every layer (kqsvd.capture,
+the exporter's capture code) are folded into the C library's accumulator
+(kqsvd.Calibrator) as they are produced; W^O comes from the weights.  The
+result equals `examples/export_hf.py --dtype f32` then `kqsvd calibrate`
+on the same tokens, to round-off.
+
+Under `mpirun -np N` (with mpi4py), each rank runs the model on its share
+of the sequences and the factors are merged across ranks (TSQR); rank 0
+writes the one projections file.  With --checkpoint DIR, each rank saves
+its factors every --checkpoint-every seconds; the same command run again
+skips the sequences already folded."""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+from .errors import KqsvdError, UsageError
+
+HELP = __doc__.split("\n\n")[0] + """
+
+    python -m kqsvd.calibrate_hf --model PATH_OR_ID --text FILE --seq-len 2048 \\
+        --num-seqs 128 --out PROJ.h5 [--ranks POLICY | --eps E] [--beta B] \\
+        [--checkpoint DIR] [mpirun -np N python -m kqsvd.calibrate_hf ...]
+
+--model is a model folder, a GGUF file of a Llama-family model or an id
+resolved offline, as examples/export_hf.py takes it; the sequences are that
+exporter's --split train windows of the text."""
+
+EXIT_INTERRUPTED = 75  # as `kqsvd calibrate`: checkpoints kept, run again to resume
+
+
+def log(comm, msg):
+    if comm is None or comm.Get_rank() == 0:
+        print(f"calibrate_hf: {msg}", file=sys.stderr, flush=True)
+
+
+def world():
+    """mpi4py's COMM_WORLD when started by an MPI launcher, else None (no
+    MPI at all, so a laptop or a login node needs no MPI runtime)."""
+    launched = any(os.environ.get(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    if not launched:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise UsageError("started by mpirun, but mpi4py is missing (Debian: apt-get install "
+                         "python3-mpi4py)") from None
+    return MPI.COMM_WORLD
+
+
+def agree(comm, error):
+    """Collective: every rank learns whether any failed.  The first failing
+    rank raises its error (printed once, by it); the others exit with the
+    same code, quietly, so no rank waits for another in a later collective
+    and a failure every rank found alike is printed once."""
+    if comm is None:
+        if error:
+            raise error
+        return
+    code = 0 if error is None else (2 if isinstance(error, UsageError) else 1)
+    codes = comm.allgather(code)
+    failed = [r for r, c in enumerate(codes) if c]
+    if not failed:
+        return
+    if comm.Get_rank() == failed[0]:
+        raise error
+    raise SystemExit(codes[failed[0]])
+
+
+def check_output(path, force):
+    """An output that can be made: a writable folder, not a folder itself,
+    not already there unless force."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--out {path} is a folder")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--out {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--out {path}: folder {folder} is not writable")
+    if os.path.exists(path) and not force:
+        raise UsageError(f"--out {path} already exists; give --force to replace it")
+
+
+def file_identity(path):
+    """What says a file is the same one: its real path, size and time."""
+    h = hashlib.sha256()
+    for root, _dirs, files in (os.walk(path) if os.path.isdir(path) else [("", [], [path])]):
+        for f in sorted(files):
+            p = os.path.join(root, f)
+            st = os.stat(p)
+            h.update(f"{os.path.realpath(p)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+class Checkpoint:
+    """One rank's progress in DIR: the accumulator's factors (the C
+    library's checkpoint format) in STATE-NNNNNN.h5 after NNNNNN sequences,
+    and rank-R-of-P.json naming the current one with the inputs' hash.  The
+    JSON is replaced after the new state is complete, and the old state is
+    removed after that, so a crash at any point leaves a consistent pair."""
+
+    def __init__(self, folder, rank, size, inputs):
+        self.folder, self.inputs = folder, inputs
+        self.stem = f"rank-{rank}-of-{size}"
+        self.index = os.path.join(folder, self.stem + ".json")
+        self.current = None
+
+    def resume(self, cal):
+        """Loads the saved factors into cal; returns the sequences done."""
+        if not os.path.exists(self.index):
+            return 0
+        try:
+            with open(self.index) as f:
+                saved = json.load(f)
+            done, state = int(saved["done"]), saved["state"]
+            inputs = saved["inputs"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise KqsvdError(f"{self.index}: not a calibrate_hf checkpoint ({e}); remove it") from None
+        if inputs != self.inputs:
+            raise KqsvdError(f"{self.index}: field 'inputs' differs: the checkpoint is from other "
+                             "inputs or options (model, text, --seq-len, --num-seqs, --dtype, "
+                             "--qr-block or rank count); remove the folder or use another")
+        cal.load(os.path.join(self.folder, state))
+        self.current = state
+        return done
+
+    def save(self, cal, done):
+        from .files import write_atomic
+        state = f"{self.stem}-{done:06d}.h5"
+        path = os.path.join(self.folder, state)
+        if os.path.exists(path):
+            os.remove(path)
+        cal.save(path)
+        write_atomic(self.index, lambda tmp: json.dump(
+            {"inputs": self.inputs, "done": done, "state": state}, open(tmp, "w")))
+        if self.current and self.current != state:
+            os.remove(os.path.join(self.folder, self.current))
+        self.current = state
+
+    def remove(self):
+        for f in os.listdir(self.folder):
+            if f.startswith(self.stem):
+                os.remove(os.path.join(self.folder, f))
+
+
+def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
+    """Runs the model over each row of seqs ([n, T] token ids) and folds
+    every layer's post-RoPE queries and keys and its values into cal as
+    the attention produces them.  on_sequence(i) after each sequence."""
+    import torch
+    from .capture import Capture
+    group = info.num_heads // info.num_kv_heads
+    names = {"q": "queries", "k": "keys", "v": "values"}
+
+    def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
+        t = t[0].detach()
+        for h in range(t.shape[0]):
+            if kind == "q":
+                cal.absorb("queries", layer, h // group, t[h], query=h % group)
+            else:
+                cal.absorb(names[kind], layer, h, t[h])
+
+    cap = Capture(model, info.model_type, model.config, sink)
+    try:
+        for i, row in enumerate(seqs):
+            with torch.no_grad():
+                model(input_ids=torch.from_numpy(row[None]).to(device), use_cache=False)
+            if on_sequence:
+                on_sequence(i)
+    finally:
+        cap.close()
+
+
+def run(args):
+    import torch
+    from . import models
+    from .binding import Calibrator, check_policy
+    from .capture import attention_out_proj
+    from .progress import Progress
+    comm = world()
+    rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
+    err, stop = None, {"signal": None}
+    try:
+        if rank == 0:
+            check_output(args.out, args.force)
+        if args.checkpoint:
+            os.makedirs(args.checkpoint, exist_ok=True)
+            if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
+                    os.path.realpath(args.checkpoint) + os.sep):
+                raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}")
+        dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
+        model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
+        models.check_positions(info, model.config, args.seq_len)
+        seqs, ntok, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs, "train")
+        cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
+                         info.head_dim, info.hidden_size, block_rows=args.qr_block)
+        check_policy(args.ranks, args.beta, info.head_dim)
+    except (KqsvdError, OSError) as e:
+        err = e
+    agree(comm, err)
+
+    first, last = rank * args.num_seqs // size, (rank + 1) * args.num_seqs // size
+    ckpt, done = None, 0
+    try:
+        if args.checkpoint:
+            inputs = hashlib.sha256(json.dumps(
+                [file_identity(models.resolve(args.model)), file_identity(args.text), args.seq_len,
+                 args.num_seqs, args.dtype, args.qr_block, rank, size]).encode()).hexdigest()
+            ckpt = Checkpoint(args.checkpoint, rank, size, inputs)
+            done = ckpt.resume(cal)
+    except KqsvdError as e:
+        err = e
+    agree(comm, err)
+    resumed = comm.allreduce(done) if comm else done
+    if resumed:
+        log(comm, f"resuming: {resumed} of {args.num_seqs} sequences already folded "
+                  f"(checkpoints in {args.checkpoint})")
+    mine = last - first - done
+    total = comm.allreduce(mine) if comm else mine
+    bar = Progress("calibrate_hf", max(total, 1) * args.seq_len, "tok") if rank == 0 else None
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(s, lambda num, _f: stop.update(signal=num))
+    saved_at = time.time()
+
+    def after(i):
+        nonlocal saved_at
+        # Rank 0's bar counts its own sequences for all: ranks run alike.
+        if bar:
+            bar.advance(args.seq_len * size if comm else args.seq_len)
+        n = done + i + 1
+        hook = os.environ.get("KQSVD_TEST_STOP_AFTER")  # tests: die as a kill would
+        if ckpt and (stop["signal"] or time.time() - saved_at >= args.checkpoint_every or
+                     n == last - first):
+            ckpt.save(cal, n)
+            saved_at = time.time()
+        if hook and n == int(hook) and rank == 0:
+            os._exit(9)
+        if stop["signal"]:
+            raise InterruptedError
+
+    t0 = time.time()
+    try:
+        fold_sequences(model, info, seqs[first + done:last], cal, args.device, after)
+    except InterruptedError:
+        log(comm, f"stopped by signal {stop['signal']}: " +
+            (f"checkpoints in {args.checkpoint}; run the same command to resume"
+             if ckpt else "no --checkpoint, nothing kept"))
+        raise SystemExit(EXIT_INTERRUPTED)
+    except KqsvdError as e:
+        err = KqsvdError(f"rank {rank}: {e}" if comm else str(e))
+    agree(comm, err)
+    seconds = time.time() - t0
+    cal.reduce(comm, 0)
+    if rank == 0:
+        for l, w in enumerate(attention_out_proj(model, info.model_type)):
+            cal.absorb_oproj(l, w.detach())
+        res = cal.finish(args.ranks, args.beta)
+        res.write(args.out, model=args.model_name or args.model,
+                  tokens=args.num_seqs * args.seq_len, causal=info.causal, force=args.force)
+        rk, rv = res.ranks("kqsvd")
+        print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections of "
+              f"{info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on {size} "
+              f"rank{'s' if size > 1 else ''} in {seconds:.2f} s, no caches written; kqsvd ranks "
+              f"{args.ranks}: rank_k {rk}, rank_v {rv}")
+    if ckpt:
+        if comm:
+            comm.Barrier()  # the output exists before any checkpoint goes
+        ckpt.remove()
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="python -m kqsvd.calibrate_hf", description=HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--num-seqs", type=int, required=True)
+    ap.add_argument("--out", required=True, help="projections file to write")
+    ap.add_argument("--ranks", help="rank policy as kqsvd calibrate takes it [eps:0.1]")
+    ap.add_argument("--eps", type=float, help="same as --ranks eps:E")
+    ap.add_argument("--beta", type=float, default=1.0, help="eigen's key/query unbalance [1]")
+    ap.add_argument("--checkpoint", help="save progress in this folder; rerun to resume")
+    ap.add_argument("--checkpoint-every", type=float, default=60.0,
+                    help="seconds between checkpoints, 0 = after every sequence [60]")
+    ap.add_argument("--qr-block", type=int, default=256, help="rows per Householder update [256]")
+    ap.add_argument("--dtype", choices=("f32", "f64"), default="f32",
+                    help="the model's precision, as export_hf.py --dtype f32/f64 runs it [f32]")
+    ap.add_argument("--device", default="cpu", help="where the model runs [cpu]")
+    ap.add_argument("--model-name", help="the output's model attribute [--model]")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    args = ap.parse_args(argv)
+    if args.ranks and args.eps is not None:
+        raise UsageError("give --ranks or --eps, not both")
+    args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
+    for k in ("seq_len", "num_seqs", "qr_block"):
+        if getattr(args, k) < 1:
+            raise UsageError(f"--{k.replace('_', '-')} must be at least 1")
+    if not args.beta > 0 or args.checkpoint_every < 0:
+        raise UsageError("--beta must be > 0 and --checkpoint-every >= 0")
+    if not os.path.isfile(args.text):
+        raise UsageError(f"--text {args.text}: no such file")
+    if args.device != "cpu":
+        raise UsageError(f"--device {args.device}: the fold runs on the CPU for now; run with "
+                         "--device cpu")
+    return args
+
+
+def main(argv=None):
+    try:
+        run(parse(argv))
+    except KqsvdError as e:
+        print(f"calibrate_hf: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if isinstance(e, UsageError) else 1)
+    except OSError as e:
+        print(f"calibrate_hf: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
