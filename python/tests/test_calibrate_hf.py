@@ -1,0 +1,189 @@
+"""In-situ calibration (python -m kqsvd.calibrate_hf) and the binding under
+it (kqsvd.binding.Calibrator): the binding's R factors against numpy's QR
+for every element type, without copies of strided rows; the in-situ
+projections against export_hf.py --dtype f32 followed by kqsvd calibrate;
+1 rank against 3; a killed run resumed bit for bit; bad input refused
+with one message, no output, on every rank."""
+import json
+import os
+import sys
+import unittest
+
+import h5py
+import numpy as np
+import torch
+
+from common import MPIENV, TEXT, calibrate, export, run, tiny_decoder, workdir
+
+from kqsvd.binding import Calibrator, check_policy
+from kqsvd.errors import KqsvdError, UsageError
+
+METHODS = ("kqsvd", "ksvd", "eigen")
+
+
+def insitu(model, out, *extra, seq_len=64, num_seqs=12, np_=None, expect=0, env=None):
+    cmd = [sys.executable, "-m", "kqsvd.calibrate_hf", "--model", model, "--text", TEXT,
+           "--seq-len", str(seq_len), "--num-seqs", str(num_seqs), "--out", out, *extra]
+    if np_:
+        cmd = [os.environ.get("KQSVD_MPIEXEC") or "mpirun", "-np", str(np_)] + cmd
+    import subprocess
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                       env=dict(MPIENV, **(env or {})))
+    if expect is not None and (p.returncode == 0) != (expect == 0):
+        raise AssertionError(f"{' '.join(cmd)}: exit {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}")
+    return p
+
+
+def datasets(path):
+    out = {}
+    with h5py.File(path) as f:
+        f.visititems(lambda n, o: out.__setitem__(n, o[...]) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
+def worst_rel(a, b):
+    """Largest difference relative to the dataset's largest entry, over
+    every dataset but the ranks (which must be equal)."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    worst = 0.0
+    for k in a:
+        if "rank" in k:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        else:
+            x, y = a[k].astype(float), b[k].astype(float)
+            worst = max(worst, float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-300)))
+    return worst
+
+
+def errors(p):
+    return [ln for ln in p.stderr.splitlines() if ln.startswith("calibrate_hf: error")]
+
+
+class Binding(unittest.TestCase):
+    def test_factors_of_every_type(self):
+        rng = np.random.default_rng(3)
+        d = 16
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            cal = Calibrator(layers=2, kv_heads=2, group=2, head_dim=d, hidden=32, block_rows=8)
+            wide = torch.from_numpy(rng.standard_normal((90, 3 * d))).to(dtype)
+            rows = wide[:, d:2 * d]  # a strided view: passed by pointer and stride
+            cal.absorb("values", 1, 1, rows[:41])
+            cal.absorb("values", 1, 1, rows[41:])
+            ref = np.linalg.qr(rows.double().numpy(), mode="r")
+            R = cal.factor("values", 1, 1)
+            err = np.abs(np.abs(R) - np.abs(ref)).max() / np.abs(ref).max()
+            self.assertLess(err, 1e-12, str(dtype))
+            cal.close()
+
+    def test_numpy_and_torch_agree(self):
+        x = np.random.default_rng(4).standard_normal((50, 8))
+        a, b = Calibrator(1, 1, 2, 8, 4), Calibrator(1, 1, 2, 8, 4)
+        a.absorb("queries", 0, 0, x, query=1)
+        b.absorb("queries", 0, 0, torch.from_numpy(x), query=1)
+        np.testing.assert_array_equal(a.factor("queries", 0, 0), b.factor("queries", 0, 0))
+
+    def test_errors_carry_the_c_message(self):
+        cal = Calibrator(2, 2, 2, 8, 16)
+        x = np.ones((4, 8))
+        with self.assertRaisesRegex(UsageError, "layer 5 is outside 0..1"):
+            cal.absorb("keys", 5, 0, x)
+        x[2, 3] = np.inf
+        with self.assertRaisesRegex(KqsvdError, "NaN or Inf at layer 0, head 1, row 2"):
+            cal.absorb("keys", 0, 1, x)
+        with self.assertRaisesRegex(UsageError, "each row must be contiguous"):
+            cal.absorb("keys", 0, 0, np.ones((4, 16))[:, ::2])
+        with self.assertRaisesRegex(UsageError, "dtype int64"):
+            cal.absorb("keys", 0, 0, np.ones((4, 8), dtype=np.int64))
+        with self.assertRaisesRegex(UsageError, "ranks"):
+            check_policy("fixed:9", 1.0, 8)
+        with self.assertRaisesRegex(UsageError, "ranks"):
+            check_policy("most:3", 1.0, 8)
+        check_policy("budget:0.5", 2.0, 8)
+
+
+class InSitu(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("insitu")
+        cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))
+        cls.train = export(cls.model, os.path.join(cls.wd, "train"), "train", 64, 12, "f32")
+
+    def test_equals_export_then_calibrate(self):
+        for policy in ("eps:0.1", "budget:0.3"):
+            two = calibrate(*self.train, os.path.join(self.wd, f"two-{policy}.h5"), ranks=policy)
+            out = os.path.join(self.wd, f"insitu-{policy}.h5")
+            p = insitu(self.model, out, "--ranks", policy)
+            self.assertIn("no caches written", p.stdout)
+            self.assertLess(worst_rel(datasets(out), datasets(two)), 1e-10, policy)
+            with h5py.File(out) as f:
+                self.assertEqual(int(f.attrs["tokens"]), 12 * 64)
+                self.assertEqual(f.attrs["rank_policy"], policy)
+
+    def test_three_ranks_equal_one(self):
+        one, three = os.path.join(self.wd, "np1.h5"), os.path.join(self.wd, "np3.h5")
+        insitu(self.model, one, "--eps", "0.05")
+        p = insitu(self.model, three, "--eps", "0.05", np_=3)
+        self.assertIn("on 3 ranks", p.stdout)
+        self.assertLess(worst_rel(datasets(three), datasets(one)), 1e-10)
+
+    def test_writes_nothing_but_the_output(self):
+        folder = os.path.join(self.wd, "only")
+        os.makedirs(folder)
+        insitu(self.model, os.path.join(folder, "proj.h5"))
+        self.assertEqual(os.listdir(folder), ["proj.h5"])
+
+    def test_killed_run_resumes_bit_for_bit(self):
+        whole, cut = os.path.join(self.wd, "whole.h5"), os.path.join(self.wd, "cut.h5")
+        ckpt = os.path.join(self.wd, "ckpt")
+        insitu(self.model, whole)
+        insitu(self.model, cut, "--checkpoint", ckpt, "--checkpoint-every", "0", expect=None,
+               env={"KQSVD_TEST_STOP_AFTER": "5"})
+        self.assertFalse(os.path.exists(cut))
+        with open(os.path.join(ckpt, "rank-0-of-1.json")) as f:
+            self.assertEqual(json.load(f)["done"], 5)
+        p = insitu(self.model, cut, "--checkpoint", ckpt, "--checkpoint-every", "0")
+        self.assertIn("resuming: 5 of 12 sequences", p.stderr)
+        a, b = datasets(cut), datasets(whole)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+        self.assertEqual(os.listdir(ckpt), [])
+        # The same folder with other inputs: refused by name, nothing written.
+        insitu(self.model, cut + ".2", "--checkpoint", ckpt, "--checkpoint-every", "0",
+               expect=None, env={"KQSVD_TEST_STOP_AFTER": "2"})
+        p = insitu(self.model, cut + ".2", "--checkpoint", ckpt, "--seq-len", "32", expect=1,
+                   seq_len=32)
+        self.assertEqual(len(errors(p)), 1, p.stderr)
+        self.assertIn("rank-0-of-1.json: field 'inputs' differs", p.stderr)
+        self.assertFalse(os.path.exists(cut + ".2"))
+
+    def test_bad_input(self):
+        wd = workdir("insitu-bad")
+        gpt2 = os.path.join(wd, "gpt2")
+        os.makedirs(gpt2)
+        with open(os.path.join(gpt2, "config.json"), "w") as f:
+            json.dump({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8}, f)
+        short = os.path.join(wd, "short.txt")
+        with open(short, "w") as f:
+            f.write("too short a text " * 10)
+        out = os.path.join(wd, "proj.h5")
+        cases = [
+            ([gpt2, out], [], "architecture 'gpt2' is not supported"),
+            ([self.model, out], ["--seq-len", "600"], "exceeds the model's max_position_embeddings"),
+            ([self.model, out], ["--text", short], "short.txt: "),
+            ([self.model, os.path.join(wd, "none", "p.h5")], [], "folder"),
+            ([self.model, out], ["--ranks", "fixed:99"], "ranks"),
+            ([self.model, wd], [], "is a folder"),
+        ]
+        for (model, o), extra, want in cases:
+            for np_ in (None, 2):
+                p = insitu(model, o, *extra, np_=np_, expect=1)
+                self.assertEqual(len(errors(p)), 1, f"{want}: {p.stderr[-2000:]}")
+                self.assertIn(want, p.stderr)
+                self.assertFalse(os.path.exists(out), want)
+        open(out, "w").close()
+        p = insitu(self.model, out, expect=1)
+        self.assertIn("already exists; give --force", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
