@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import torch
 
-from common import MPIENV, TEXT, calibrate, export, run, tiny_decoder, workdir
+from common import MPIENV, ROOT, TEXT, calibrate, export, tiny_decoder, workdir
 
 from kqsvd.binding import Calibrator, check_policy
 from kqsvd.errors import KqsvdError, UsageError
@@ -101,6 +101,35 @@ class Binding(unittest.TestCase):
         check_policy("budget:0.5", 2.0, 8)
 
 
+def slurm_env(wd):
+    """(env, cluster folder or None): the SLURM of SLURM_CONF when one
+    answers, else a private single-node one started here (root, Debian's
+    slurm-wlm and munge: what CI has), else None."""
+    import shutil
+    import subprocess
+    env = dict(MPIENV, PATH=os.environ["PATH"] + ":/usr/sbin")
+
+    def up():
+        try:
+            p = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                               env=env, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return p.returncode == 0 and any(x in p.stdout for x in ("idle", "mixed", "alloc"))
+
+    if up():
+        return env, None
+    if os.geteuid() != 0 or not shutil.which("munged", path=env["PATH"]) or not shutil.which("sbatch"):
+        return None, None
+    own = os.path.join(wd, "cluster")
+    env["SLURM_CONF"] = os.path.join(own, "slurm.conf")
+    p = subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "start", own],
+                       capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise AssertionError(f"cannot start a local SLURM: {p.stderr}")
+    return env, own
+
+
 class InSitu(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -155,6 +184,47 @@ class InSitu(unittest.TestCase):
         self.assertEqual(len(errors(p)), 1, p.stderr)
         self.assertIn("rank-0-of-1.json: field 'inputs' differs", p.stderr)
         self.assertFalse(os.path.exists(cut + ".2"))
+
+    def test_slurm_job(self):
+        """slurm/calibrate_hf.sbatch on a real SLURM, 2 tasks: the output
+        equals a 1-rank run; a job with bad input fails with the message
+        in its log and no output."""
+        import subprocess
+        import time
+        wd = workdir("insitu-slurm")
+        env, own = slurm_env(wd)
+        if env is None:
+            self.skipTest("no SLURM answering and none can be started here (needs root, "
+                          "slurm-wlm and munge)")
+        try:
+            ref, out = os.path.join(wd, "ref.h5"), os.path.join(wd, "job.h5")
+            insitu(self.model, ref)
+            jobs = {}
+            for name, o, extra in (("good", out, []), ("bad", out + ".bad", ["--seq-len", "999"])):
+                cmd = ["sbatch", "--parsable", "--ntasks", "2", "--chdir", wd, "--output",
+                       os.path.join(wd, f"{name}.log"), os.path.join(ROOT, "slurm", "calibrate_hf.sbatch"),
+                       "--model", self.model, "--text", TEXT, "--seq-len", "64", "--num-seqs", "12",
+                       "--out", o, "--checkpoint", os.path.join(wd, f"ckpt-{name}"), *extra]
+                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, KQSVD_ROOT=ROOT))
+                self.assertEqual(p.returncode, 0, p.stderr)
+                jobs[name] = p.stdout.strip().split(";")[0]
+            t0 = time.time()
+            while time.time() - t0 < 300:
+                q = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=env)
+                if not set(jobs.values()) & set(q.stdout.split()):
+                    break
+                time.sleep(1)
+            good = open(os.path.join(wd, "good.log")).read()
+            self.assertIn("exit code 0", good)
+            self.assertIn("on 2 ranks", good)
+            self.assertLess(worst_rel(datasets(out), datasets(ref)), 1e-10)
+            bad = open(os.path.join(wd, "bad.log")).read()
+            self.assertIn("exceeds the model's max_position_embeddings", bad)
+            self.assertRegex(bad, r"exit code [1-9]")
+            self.assertFalse(os.path.exists(out + ".bad"))
+        finally:
+            if own:
+                subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "stop", own], env=env)
 
     def test_bad_input(self):
         wd = workdir("insitu-bad")
