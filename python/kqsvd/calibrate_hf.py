@@ -148,39 +148,12 @@ class Checkpoint:
                 os.remove(os.path.join(self.folder, f))
 
 
-def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
-    """Runs the model over each row of seqs ([n, T] token ids) and folds
-    every layer's post-RoPE queries and keys and its values into cal as
-    the attention produces them.  on_sequence(i) after each sequence."""
-    import torch
-    from .capture import Capture
-    group = info.num_heads // info.num_kv_heads
-    names = {"q": "queries", "k": "keys", "v": "values"}
-
-    def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
-        t = t[0].detach()
-        for h in range(t.shape[0]):
-            if kind == "q":
-                cal.absorb("queries", layer, h // group, t[h], query=h % group)
-            else:
-                cal.absorb(names[kind], layer, h, t[h])
-
-    cap = Capture(model, info.model_type, model.config, sink)
-    try:
-        for i, row in enumerate(seqs):
-            with torch.no_grad():
-                model(input_ids=torch.from_numpy(row[None]).to(device), use_cache=False)
-            if on_sequence:
-                on_sequence(i)
-    finally:
-        cap.close()
-
-
 def run(args):
     import torch
     from . import models
     from .binding import Calibrator, check_policy
     from .capture import attention_out_proj
+    from .insitu import AsyncFolder, TorchFold, fold_sequences
     from .progress import Progress
     comm = world()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
@@ -197,8 +170,15 @@ def run(args):
         model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
         models.check_positions(info, model.config, args.seq_len)
         seqs, ntok, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs, "train")
-        cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
-                         info.head_dim, info.hidden_size, block_rows=args.qr_block)
+        def new_cal():
+            return Calibrator(info.num_layers, info.num_kv_heads,
+                              info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,
+                              block_rows=args.qr_block)
+        cal = new_cal()
+        # The fold on the model's device when it is a GPU (rows never leave
+        # it), else in the C library (--fold picks).
+        on_device = TorchFold(info, args.device) if args.fold == "torch" or (
+            args.fold == "auto" and args.device != "cpu") else None
         check_policy(args.ranks, args.beta, info.head_dim)
     except (KqsvdError, OSError) as e:
         err = e
@@ -213,6 +193,10 @@ def run(args):
                  args.num_seqs, args.dtype, args.qr_block, rank, size]).encode()).hexdigest()
             ckpt = Checkpoint(args.checkpoint, rank, size, inputs)
             done = ckpt.resume(cal)
+            if on_device and done:
+                on_device.load(cal)
+                cal.close()
+                cal = new_cal()
     except KqsvdError as e:
         err = e
     agree(comm, err)
@@ -236,7 +220,13 @@ def run(args):
         hook = os.environ.get("KQSVD_TEST_STOP_AFTER")  # tests: die as a kill would
         if ckpt and (stop["signal"] or time.time() - saved_at >= args.checkpoint_every or
                      n == last - first):
-            ckpt.save(cal, n)
+            if on_device:
+                snap = new_cal()
+                on_device.into(snap)
+                ckpt.save(snap, n)
+                snap.close()
+            else:
+                ckpt.save(cal, n)
             saved_at = time.time()
         if hook and n == int(hook) and rank == 0:
             os._exit(9)
@@ -244,8 +234,10 @@ def run(args):
             raise InterruptedError
 
     t0 = time.time()
+    folder = AsyncFolder() if args.fold_thread and not on_device else None
     try:
-        fold_sequences(model, info, seqs[first + done:last], cal, args.device, after)
+        fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after,
+                       folder)
     except InterruptedError:
         log(comm, f"stopped by signal {stop['signal']}: " +
             (f"checkpoints in {args.checkpoint}; run the same command to resume"
@@ -253,8 +245,13 @@ def run(args):
         raise SystemExit(EXIT_INTERRUPTED)
     except KqsvdError as e:
         err = KqsvdError(f"rank {rank}: {e}" if comm else str(e))
+    finally:
+        if folder:
+            folder.close()
     agree(comm, err)
     seconds = time.time() - t0
+    if on_device:
+        on_device.into(cal)
     cal.reduce(comm, 0)
     if rank == 0:
         for l, w in enumerate(attention_out_proj(model, info.model_type)):
@@ -290,8 +287,14 @@ def parse(argv):
     ap.add_argument("--qr-block", type=int, default=256, help="rows per Householder update [256]")
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32",
                     help="the model's precision, as export_hf.py --dtype f32/f64 runs it [f32]")
-    ap.add_argument("--device", default="cpu", help="where the model runs [cpu]")
+    ap.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] [cpu]")
+    ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
+                    help="where rows are folded: c (the C library, on the CPU), torch (float64 "
+                    "QR on the model's device) or auto (torch on a GPU, else c) [auto]")
     ap.add_argument("--model-name", help="the output's model attribute [--model]")
+    ap.add_argument("--fold-thread", type=int, choices=(0, 1), default=1,
+                    help="1: fold in a thread of its own while the model runs on; 0: in line; "
+                    "the same result either way [1]")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     if args.ranks and args.eps is not None:
@@ -305,8 +308,15 @@ def parse(argv):
     if not os.path.isfile(args.text):
         raise UsageError(f"--text {args.text}: no such file")
     if args.device != "cpu":
-        raise UsageError(f"--device {args.device}: the fold runs on the CPU for now; run with "
-                         "--device cpu")
+        import torch
+        if not args.device.startswith("cuda"):
+            raise UsageError(f"--device {args.device}: cpu or cuda[:N]")
+        if not torch.backends.cuda.is_built():
+            raise UsageError(f"--device {args.device}: this PyTorch ({torch.__version__}) is built "
+                             "without CUDA, as Debian's python3-torch is; install a CUDA build into "
+                             ".venv first: .venv/bin/pip install 'torch>=2.1,<2.5' (see the README)")
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: no CUDA device is visible to PyTorch")
     return args
 
 

@@ -130,6 +130,21 @@ def slurm_env(wd):
     return env, own
 
 
+class OnDevice(unittest.TestCase):
+    def test_torch_fold_refuses_nan(self):
+        from kqsvd.insitu import TorchFold
+        from kqsvd.models import ModelInfo
+        fold = TorchFold(ModelInfo("m", "llama", 2, 4, 2, 8, 32, 1), "cpu")
+        rows = torch.randn(4, 10, 8)
+        fold.absorb(1, "q", rows)
+        R = fold.R[2, 1, 1]
+        ref = np.linalg.qr(rows[2:].reshape(20, 8).double().numpy(), mode="r")
+        self.assertLess(np.abs(np.abs(R.numpy()) - np.abs(ref)).max(), 1e-12)
+        rows[3, 4, 5] = float("nan")
+        with self.assertRaisesRegex(KqsvdError, "queries: NaN or Inf at layer 0, KV head 1, row 14"):
+            fold.absorb(0, "q", rows)
+
+
 class InSitu(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -154,6 +169,20 @@ class InSitu(unittest.TestCase):
         p = insitu(self.model, three, "--eps", "0.05", np_=3)
         self.assertIn("on 3 ranks", p.stdout)
         self.assertLess(worst_rel(datasets(three), datasets(one)), 1e-10)
+
+    def test_fold_on_the_models_device(self):
+        """--fold torch (the GPU path: float64 QR where the model runs, here
+        on the CPU) equals the C fold, also across a kill and resume."""
+        c, t = os.path.join(self.wd, "fold-c.h5"), os.path.join(self.wd, "fold-torch.h5")
+        insitu(self.model, c, "--fold", "c")
+        insitu(self.model, t, "--fold", "torch")
+        self.assertLess(worst_rel(datasets(t), datasets(c)), 1e-10)
+        ckpt, cut = os.path.join(self.wd, "ckpt-torch"), os.path.join(self.wd, "fold-cut.h5")
+        insitu(self.model, cut, "--fold", "torch", "--checkpoint", ckpt, "--checkpoint-every", "0",
+               expect=None, env={"KQSVD_TEST_STOP_AFTER": "7"})
+        p = insitu(self.model, cut, "--fold", "torch", "--checkpoint", ckpt)
+        self.assertIn("resuming: 7 of 12", p.stderr)
+        self.assertLess(worst_rel(datasets(cut), datasets(c)), 1e-10)
 
     def test_writes_nothing_but_the_output(self):
         folder = os.path.join(self.wd, "only")
