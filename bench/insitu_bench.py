@@ -54,18 +54,18 @@ print(f"loop {{time.time() - t0:.3f}}")
 """
 
 # Forward and in-situ passes alternating in one process (kqsvd.insitu, as
-# calibrate_hf folds: a worker thread): "pairs F I" in seconds.
+# calibrate_hf folds): "pairs F I" in seconds.
 PAIRS = """
 import sys, time, torch
 sys.path.insert(0, {python!r})
 from kqsvd import models
 from kqsvd.binding import Calibrator
-from kqsvd.insitu import AsyncFolder, fold_sequences
+from kqsvd.insitu import fold_sequences
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
 seqs, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
                  info.head_dim, info.hidden_size)
-folder, spent = AsyncFolder(), [0.0, 0.0]
+spent = [0.0, 0.0]
 for rep in range({repeat}):
     for i in range(len(seqs)):
         for kind in ((0, 1) if (i + rep) % 2 == 0 else (1, 0)):
@@ -74,9 +74,8 @@ for rep in range({repeat}):
                 with torch.no_grad():
                     model(input_ids=torch.from_numpy(seqs[i][None]), use_cache=False)
             else:
-                fold_sequences(model, info, seqs[i:i + 1], cal, "cpu", None, folder)
+                fold_sequences(model, info, seqs[i:i + 1], cal, "cpu")
             spent[kind] += time.time() - t0
-folder.close()
 print(f"pairs {{spent[0]:.3f}} {{spent[1]:.3f}}")
 """
 

@@ -153,7 +153,7 @@ def run(args):
     from . import models
     from .binding import Calibrator, check_policy
     from .capture import attention_out_proj
-    from .insitu import AsyncFolder, TorchFold, fold_sequences
+    from .insitu import TorchFold, fold_sequences
     from .progress import Progress
     comm = world()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
@@ -234,10 +234,8 @@ def run(args):
             raise InterruptedError
 
     t0 = time.time()
-    folder = AsyncFolder() if args.fold_thread and not on_device else None
     try:
-        fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after,
-                       folder)
+        fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after)
     except InterruptedError:
         log(comm, f"stopped by signal {stop['signal']}: " +
             (f"checkpoints in {args.checkpoint}; run the same command to resume"
@@ -245,9 +243,6 @@ def run(args):
         raise SystemExit(EXIT_INTERRUPTED)
     except KqsvdError as e:
         err = KqsvdError(f"rank {rank}: {e}" if comm else str(e))
-    finally:
-        if folder:
-            folder.close()
     agree(comm, err)
     seconds = time.time() - t0
     if on_device:
@@ -292,9 +287,6 @@ def parse(argv):
                     help="where rows are folded: c (the C library, on the CPU), torch (float64 "
                     "QR on the model's device) or auto (torch on a GPU, else c) [auto]")
     ap.add_argument("--model-name", help="the output's model attribute [--model]")
-    ap.add_argument("--fold-thread", type=int, choices=(0, 1), default=1,
-                    help="1: fold in a thread of its own while the model runs on; 0: in line; "
-                    "the same result either way [1]")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args(argv)
     if args.ranks and args.eps is not None:
