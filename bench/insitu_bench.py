@@ -18,9 +18,11 @@ does not grow with the tokens.
 
 The overhead of in-situ calibration over the forward pass is measured in
 one process, where the two alternate sequence by sequence (forward then
-in-situ, then the other way round, --repeat times over the windows):
-separate processes differ by more than the overhead from run to run (CPU
-clocks, caches, the first sequence's warm-up).
+in-situ, then the other way round, --repeat times over the windows), as
+the median of the per-window ratios: separate processes differ by more
+than the overhead from run to run (CPU clocks, caches, other load).  The
+fold alone of one window's activations is timed too: the floor of the
+overhead when the fold runs in line.
 
     bench/insitu_bench.py [--model ID] [--seq-len 512] [--num-seqs 16] [--scale 2]
                           [--repeat 2] [--work DIR] [--json FILE] [--threads N]
@@ -54,7 +56,8 @@ print(f"loop {{time.time() - t0:.3f}}")
 """
 
 # Forward and in-situ passes alternating in one process (kqsvd.insitu, as
-# calibrate_hf folds): "pairs F I" in seconds.
+# calibrate_hf folds): a line "pair F I" (seconds) per sequence and pass;
+# then the fold alone of one window's activations, "fold S".
 PAIRS = """
 import sys, time, torch
 sys.path.insert(0, {python!r})
@@ -65,9 +68,9 @@ model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
 seqs, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
                  info.head_dim, info.hidden_size)
-spent = [0.0, 0.0]
 for rep in range({repeat}):
     for i in range(len(seqs)):
+        spent = [0.0, 0.0]
         for kind in ((0, 1) if (i + rep) % 2 == 0 else (1, 0)):
             t0 = time.time()
             if kind == 0:
@@ -75,8 +78,25 @@ for rep in range({repeat}):
                     model(input_ids=torch.from_numpy(seqs[i][None]), use_cache=False)
             else:
                 fold_sequences(model, info, seqs[i:i + 1], cal, "cpu")
-            spent[kind] += time.time() - t0
-print(f"pairs {{spent[0]:.3f}} {{spent[1]:.3f}}")
+            spent[kind] = time.time() - t0
+        print(f"pair {{spent[0]:.4f}} {{spent[1]:.4f}}")
+# The fold alone, on the activations of the first window (what the pairs'
+# difference should be, without the model).
+acts = []
+from kqsvd.capture import Capture
+cap = Capture(model, info.model_type, model.config, lambda l, k, t: acts.append((l, k, t[0].clone())))
+with torch.no_grad():
+    model(input_ids=torch.from_numpy(seqs[0][None]), use_cache=False)
+cap.close()
+group = info.num_heads // info.num_kv_heads
+t0 = time.time()
+for l, k, t in acts:
+    for h in range(t.shape[0]):
+        if k == "q":
+            cal.absorb("queries", l, h // group, t[h], query=h % group)
+        else:
+            cal.absorb({{"k": "keys", "v": "values"}}[k], l, h, t[h])
+print(f"fold {{time.time() - t0:.4f}}")
 """
 
 
@@ -142,7 +162,15 @@ def main():
     _, _, out = run([py, "-c", PAIRS.format(python=os.path.join(ROOT, "python"), model=a.model,
                                             text=a.text, seq_len=a.seq_len, num_seqs=a.num_seqs,
                                             repeat=a.repeat)], env)
-    pair_f, pair_i = (float(x) for x in re.search(r"pairs ([0-9.]+) ([0-9.]+)", out).groups())
+    pairs = [(float(x), float(y)) for x, y in re.findall(r"pair ([0-9.]+) ([0-9.]+)", out)]
+    pair_f, pair_i = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    fold_alone = float(re.search(r"fold ([0-9.]+)", out).group(1))
+    # The median of the pairs' ratios: a burst of load from elsewhere that
+    # hits one pass of one pair moves it far less than it moves the sums.
+    ratios = sorted(y / x - 1 for x, y in pairs)
+    median = ratios[len(ratios) // 2] if len(ratios) % 2 else 0.5 * (
+        ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
+    quart = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
 
     for name, n in (("insitu", a.num_seqs), (f"insitu x{a.scale}", a.num_seqs * a.scale)):
         folder = os.path.join(work, name.replace(" ", ""))
@@ -173,7 +201,9 @@ def main():
     f, i = rows["forward"], rows["insitu"]
     summary = dict(model=a.model, seq_len=a.seq_len, num_seqs=a.num_seqs, threads=a.threads,
                    repeat=a.repeat, pairs_forward_s=pair_f, pairs_insitu_s=pair_i,
-                   overhead=pair_i / pair_f - 1,
+                   overhead=median, overhead_quartiles=quart, overhead_sums=pair_i / pair_f - 1,
+                   fold_alone_per_window_s=fold_alone,
+                   fold_share=fold_alone * len(pairs) / pair_f,
                    overhead_loop=i["loop"] / f["loop"] - 1, overhead_wall=i["wall"] / f["wall"] - 1,
                    rss_growth=rows[f"insitu x{a.scale}"]["rss_mib"] / i["rss_mib"] - 1,
                    twostep_over_insitu=rows["twostep"]["wall"] / i["wall"], rows=rows)
@@ -185,9 +215,12 @@ def main():
         rate = r["tokens"] / r["loop"] if r["loop"] == r["loop"] else r["tokens"] / r["wall"]
         print(f"{name:<12} {r['tokens']:>7} {r['wall']:>8.2f} {r['loop']:>8.2f} {rate:>8.0f} "
               f"{r['disk'] / 1e6:>8.1f} MB {r['rss_mib']:>6.0f} MiB")
-    print(f"in-situ overhead over the forward pass: {100 * summary['overhead']:+.1f}% (alternating "
-          f"in one process: {pair_f:.2f} s forward, {pair_i:.2f} s in situ over {a.repeat} x "
-          f"{tokens} tokens); between the processes above {100 * summary['overhead_loop']:+.1f}% "
+    print(f"in-situ overhead over the forward pass: {100 * median:+.1f}% (median of {len(pairs)} "
+          f"windows run both ways in one process; quartiles {100 * quart[0]:+.1f}% and "
+          f"{100 * quart[1]:+.1f}%; sums {pair_f:.2f} s and {pair_i:.2f} s: "
+          f"{100 * summary['overhead_sums']:+.1f}%); the fold alone: {fold_alone:.3f} s a window, "
+          f"{100 * summary['fold_share']:.1f}% of the forward pass; between the processes above "
+          f"{100 * summary['overhead_loop']:+.1f}% "
           f"(loop), {100 * summary['overhead_wall']:+.1f}% (whole process); peak RSS at "
           f"{a.scale}x the tokens: {100 * summary['rss_growth']:+.1f}%; export + calibrate took "
           f"{summary['twostep_over_insitu']:.2f}x the in-situ time and wrote "
