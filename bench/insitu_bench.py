@@ -63,7 +63,7 @@ import sys, time, torch
 sys.path.insert(0, {python!r})
 from kqsvd import models
 from kqsvd.binding import Calibrator
-from kqsvd.insitu import fold_sequences
+from kqsvd.insitu import fold_heads, fold_sequences
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
 seqs, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
@@ -91,11 +91,7 @@ cap.close()
 group = info.num_heads // info.num_kv_heads
 t0 = time.time()
 for l, k, t in acts:
-    for h in range(t.shape[0]):
-        if k == "q":
-            cal.absorb("queries", l, h // group, t[h], query=h % group)
-        else:
-            cal.absorb({{"k": "keys", "v": "values"}}[k], l, h, t[h])
+    fold_heads(cal, group, l, k, t)
 print(f"fold {{time.time() - t0:.4f}}")
 """
 

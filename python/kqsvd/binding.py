@@ -162,20 +162,28 @@ def rows_of(x):
     return ptr, _DTYPES[name], int(x.shape[0]), int(strides[0]) if x.shape[0] > 1 else int(x.shape[1]), x
 
 
-class Result:
-    """Projections, spectra and ranks of the three methods (kqsvd_result_t)."""
-
-    def __init__(self, handle, shape):
-        self._h, self.shape = handle, shape
+class _Handle:
+    """An opaque C handle, freed once by `_free` (a kqsvd_*_free taking its
+    address), on close() or when collected."""
+    _free = None
+    _h = None
 
     def __del__(self):
         self.close()
 
     def close(self):
-        if getattr(self, "_h", None):
+        if self._h:
             h = ctypes.c_void_p(self._h)
-            library().kqsvd_result_free(ctypes.byref(h))
+            getattr(library(), self._free)(ctypes.byref(h))
             self._h = None
+
+
+class Result(_Handle):
+    """Projections, spectra and ranks of the three methods (kqsvd_result_t)."""
+    _free = "kqsvd_result_free"
+
+    def __init__(self, handle, shape):
+        self._h, self.shape = handle, shape
 
     def ranks(self, method):
         """(rank_k, rank_v) lists over layers."""
@@ -191,9 +199,10 @@ class Result:
                f"writing {path}")
 
 
-class Calibrator:
+class Calibrator(_Handle):
     """A kqsvd accumulator for one model shape: float64 R factors of every
     (layer, KV head)'s keys, stacked queries, values and W^O."""
+    _free = "kqsvd_acc_free"
 
     def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
                  mem_limit_mib=0.0):
@@ -206,15 +215,6 @@ class Calibrator:
         _check(lib.kqsvd_acc_init(ctypes.byref(self.shape), ctypes.byref(opt), ctypes.byref(h)),
                "creating the accumulator")
         self._h = h.value
-
-    def __del__(self):
-        self.close()
-
-    def close(self):
-        if getattr(self, "_h", None):
-            h = ctypes.c_void_p(self._h)
-            library().kqsvd_acc_free(ctypes.byref(h))
-            self._h = None
 
     def absorb(self, tensor, layer, kv_head, rows, query=0):
         """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of

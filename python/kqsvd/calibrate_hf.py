@@ -136,8 +136,10 @@ class Checkpoint:
         if os.path.exists(path):
             os.remove(path)
         cal.save(path)
-        write_atomic(self.index, lambda tmp: json.dump(
-            {"inputs": self.inputs, "done": done, "state": state}, open(tmp, "w")))
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump({"inputs": self.inputs, "done": done, "state": state}, f)
+        write_atomic(self.index, write)
         if self.current and self.current != state:
             os.remove(os.path.join(self.folder, self.current))
         self.current = state
@@ -210,6 +212,7 @@ def run(args):
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, lambda num, _f: stop.update(signal=num))
     saved_at = time.time()
+    stop_after = int(os.environ.get("KQSVD_TEST_STOP_AFTER", "0"))  # tests: die as a kill would
 
     def after(i):
         nonlocal saved_at
@@ -217,7 +220,6 @@ def run(args):
         if bar:
             bar.advance(args.seq_len * size if comm else args.seq_len)
         n = done + i + 1
-        hook = os.environ.get("KQSVD_TEST_STOP_AFTER")  # tests: die as a kill would
         if ckpt and (stop["signal"] or time.time() - saved_at >= args.checkpoint_every or
                      n == last - first):
             if on_device:
@@ -228,7 +230,7 @@ def run(args):
             else:
                 ckpt.save(cal, n)
             saved_at = time.time()
-        if hook and n == int(hook) and rank == 0:
+        if n == stop_after and rank == 0:
             os._exit(9)
         if stop["signal"]:
             raise InterruptedError

@@ -9,6 +9,20 @@ forward pass against +2.1 to +2.2% in line): the fold's thread preempts
 PyTorch's OpenMP threads, which then wait for each other."""
 
 
+_NAMES = {"q": "queries", "k": "keys", "v": "values"}
+
+
+def fold_heads(cal, group, layer, kind, t):
+    """Folds one layer's rows of one kind ("q", "k" or "v"; t [heads, T,
+    d]) into a Calibrator, head by head; a group's query heads share the
+    KV head's factor."""
+    for h in range(t.shape[0]):
+        if kind == "q":
+            cal.absorb("queries", layer, h // group, t[h], query=h % group)
+        else:
+            cal.absorb(_NAMES[kind], layer, h, t[h])
+
+
 def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
     """Runs the model over each row of seqs ([n, T] token ids) and folds
     every layer's post-RoPE queries and keys and its values into cal as
@@ -18,17 +32,11 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
     import torch
     from .capture import Capture
     group = info.num_heads // info.num_kv_heads
-    names = {"q": "queries", "k": "keys", "v": "values"}
-
-    def fold(layer, kind, t):
-        if isinstance(cal, TorchFold):
-            cal.absorb(layer, kind, t)
-            return
-        for h in range(t.shape[0]):
-            if kind == "q":
-                cal.absorb("queries", layer, h // group, t[h], query=h % group)
-            else:
-                cal.absorb(names[kind], layer, h, t[h])
+    if isinstance(cal, TorchFold):
+        fold = cal.absorb
+    else:
+        def fold(layer, kind, t):
+            fold_heads(cal, group, layer, kind, t)
 
     def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
         fold(layer, kind, t[0].detach())
@@ -58,7 +66,6 @@ class TorchFold:
 
     def __init__(self, info, device):
         import torch
-        self.group = info.num_heads // info.num_kv_heads
         self.R = torch.zeros(3, info.num_layers, info.num_kv_heads, info.head_dim, info.head_dim,
                              dtype=torch.float64, device=device)
 
@@ -75,19 +82,22 @@ class TorchFold:
                              f"row {bad[1]} of the head's rows")
         self.R[k, layer] = torch.linalg.qr(torch.cat([self.R[k, layer], rows], dim=1), mode="r")[1]
 
+    def _each(self):
+        """(kind index, layer, KV head) of every factor."""
+        for k in range(3):
+            for layer in range(self.R.shape[1]):
+                for g in range(self.R.shape[2]):
+                    yield k, layer, g
+
     def into(self, cal):
         """Adds every factor to cal (a Calibrator; empty for the result to
         be exactly these factors)."""
         R = self.R.cpu()
-        for k in range(3):
-            for layer in range(R.shape[1]):
-                for g in range(R.shape[2]):
-                    cal.absorb(self.NAMES[k], layer, g, R[k, layer, g])
+        for k, layer, g in self._each():
+            cal.absorb(self.NAMES[k], layer, g, R[k, layer, g])
 
     def load(self, cal):
         """Takes cal's factors (a loaded checkpoint) as the starting point."""
         import torch
-        for k in range(3):
-            for layer in range(self.R.shape[1]):
-                for g in range(self.R.shape[2]):
-                    self.R[k, layer, g] = torch.from_numpy(cal.factor(self.NAMES[k], layer, g))
+        for k, layer, g in self._each():
+            self.R[k, layer, g] = torch.from_numpy(cal.factor(self.NAMES[k], layer, g))

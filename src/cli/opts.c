@@ -58,9 +58,7 @@ kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status
 }
 
 void kqsvd_usage_hint(const char *cmd) {
-  if (kqsvd_error_origin() != KQSVD_ERR_USAGE || !kqsvd_error_report_here() ||
-      strstr(kqsvd_error_message(), "--help)"))
-    return;
+  if (kqsvd_error_origin() != KQSVD_ERR_USAGE || !kqsvd_error_report_here()) return;
   const bool collective = kqsvd_error_is_collective();
   add_hint(cmd);
   if (collective) kqsvd_error_mark_collective(true);

@@ -63,7 +63,9 @@ kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c) {
               kqsvd_calib_qr_name(c->qr));
   KQSVD_CHECK(c->qr_block >= 1 && c->mem_mib >= 1 && c->read_rows >= 0 && c->beta > 0 &&
                   c->ckpt_every >= 0 && c->nshards >= 0,
-              KQSVD_ERR_USAGE, "calibration config: qr_block, mem_mib, beta must be positive");
+              KQSVD_ERR_USAGE,
+              "calibration config: qr_block, mem_mib and beta must be positive, read_rows, "
+              "ckpt_every and nshards not negative");
   if (c->manifest_path) {
     KQSVD_CHECK(!c->force, KQSVD_ERR_USAGE,
                 "--force does not apply to --manifest, which remakes only the outputs whose "
