@@ -186,6 +186,10 @@ typedef struct kqsvd_write_options {
   int64_t tokens;    /* the root attribute `tokens`; 0: kqsvd_acc_tokens [0] */
   int causal;        /* the attribute `causal`: 1 for decoders, 0 for encoders [1] */
   int force;         /* replace an existing file [0: refuse] */
+  /* The root attribute `inputs_hash` (at most 63 characters): what the
+   * caller made the result from, so that a later run can tell the file is
+   * up to date and skip it (calibrate_hf --skip-done) [NULL: none]. */
+  const char *inputs_hash;
 } kqsvd_write_options_t;
 
 /* Fills *opt with the defaults above.  Not collective; cannot fail. */

@@ -97,6 +97,31 @@ def file_identity(path):
     return h.hexdigest()
 
 
+def inputs_hash(args, model_path):
+    """What the output is made from (the files' identities and every option
+    that changes a number), stored as its `inputs_hash`: --skip-done skips
+    an output whose hash matches.  The rank count is left out: 1 and N ranks
+    agree to round-off."""
+    from . import __version__
+    return hashlib.sha256(json.dumps(
+        [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
+         args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,
+         __version__]).encode()).hexdigest()[:32]
+
+
+def up_to_date(path, want):
+    """Whether `path` is a projections file made from the same inputs."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        import h5py
+        with h5py.File(path, "r") as f:
+            have = f.attrs.get("inputs_hash")
+    except (OSError, ImportError):
+        return False
+    return (have.decode() if isinstance(have, bytes) else have) == want
+
+
 class Checkpoint:
     """One rank's progress in DIR: the accumulator's factors (the C
     library's checkpoint format) in STATE-NNNNNN.h5 after NNNNNN sequences,
@@ -160,9 +185,21 @@ def run(args):
     comm = world()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     err, stop = None, {"signal": None}
+    made_from = skip = None
+    try:
+        made_from = inputs_hash(args, models.resolve(args.model))
+        skip = rank == 0 and args.skip_done and up_to_date(args.out, made_from)
+    except (KqsvdError, OSError) as e:
+        err = e
+    agree(comm, err)
+    if comm:
+        skip = comm.bcast(skip, root=0)
+    if skip:
+        log(comm, f"{args.out} is up to date (made from these inputs and options): nothing to do")
+        return
     try:
         if rank == 0:
-            check_output(args.out, args.force)
+            check_output(args.out, args.force or args.skip_done)
         if args.checkpoint:
             os.makedirs(args.checkpoint, exist_ok=True)
             if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
@@ -255,7 +292,8 @@ def run(args):
             cal.absorb_oproj(l, w.detach())
         res = cal.finish(args.ranks, args.beta)
         res.write(args.out, model=args.model_name or args.model,
-                  tokens=args.num_seqs * args.seq_len, causal=info.causal, force=args.force)
+                  tokens=args.num_seqs * args.seq_len, causal=info.causal,
+                  force=args.force or args.skip_done, inputs_hash=made_from)
         rk, rv = res.ranks("kqsvd")
         print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections of "
               f"{info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on {size} "
@@ -290,6 +328,9 @@ def parse(argv):
                     "QR on the model's device) or auto (torch on a GPU, else c) [auto]")
     ap.add_argument("--model-name", help="the output's model attribute [--model]")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
+    ap.add_argument("--skip-done", action="store_true",
+                    help="do nothing when --out exists and was made from the same model, text "
+                    "and options; replace it otherwise")
     args = ap.parse_args(argv)
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")

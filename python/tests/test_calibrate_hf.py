@@ -190,6 +190,24 @@ class InSitu(unittest.TestCase):
         insitu(self.model, os.path.join(folder, "proj.h5"))
         self.assertEqual(os.listdir(folder), ["proj.h5"])
 
+    def test_skip_done(self):
+        """--skip-done leaves an output made from the same inputs alone and
+        redoes one made with other options, on 1 rank and on 2."""
+        out = os.path.join(self.wd, "skip.h5")
+        insitu(self.model, out, "--skip-done")
+        with h5py.File(out) as f:
+            self.assertRegex(f.attrs["inputs_hash"], "^[0-9a-f]{32}$")
+        before = os.stat(out).st_mtime_ns
+        for np_ in (None, 2):
+            p = insitu(self.model, out, "--skip-done", np_=np_)
+            self.assertIn("is up to date", p.stderr)
+            self.assertEqual(p.stderr.count("is up to date"), 1)
+            self.assertEqual(os.stat(out).st_mtime_ns, before)
+        p = insitu(self.model, out, "--skip-done", "--eps", "0.05")
+        self.assertIn("no caches written", p.stdout)
+        with h5py.File(out) as f:
+            self.assertEqual(f.attrs["rank_policy"], "eps:0.05")
+
     def test_killed_run_resumes_bit_for_bit(self):
         whole, cut = os.path.join(self.wd, "whole.h5"), os.path.join(self.wd, "cut.h5")
         ckpt = os.path.join(self.wd, "ckpt")

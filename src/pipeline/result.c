@@ -202,6 +202,7 @@ void kqsvd_write_options_default(kqsvd_write_options_t *opt) {
   opt->tokens = 0;
   opt->causal = 1;
   opt->force = 0;
+  opt->inputs_hash = NULL;
 }
 
 kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
@@ -217,6 +218,9 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "%.64s...: path too long", path);
   KQSVD_CHECK(!(opt && opt->force) ? stat(path, &sb) != 0 : 1, KQSVD_ERR_USAGE,
               "%s exists; set force in kqsvd_write_options_t to replace it", path);
+  const char *hash = opt && opt->inputs_hash && *opt->inputs_hash ? opt->inputs_hash : NULL;
+  KQSVD_CHECK(!hash || strlen(hash) < 64, KQSVD_ERR_USAGE,
+              "kqsvd_result_write: inputs_hash longer than 63 characters");
   snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
   kqsvd_proj_meta_t meta;
   memset(&meta, 0, sizeof meta);
@@ -233,6 +237,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.shards = 0;
   meta.qr_block = r->block_rows;
   meta.rank_policy = r->policy;
+  meta.inputs_hash = hash;
   kqsvd_h5guard_enter(&guard);
   locked = 1;
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));
