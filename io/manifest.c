@@ -18,8 +18,11 @@
  * manifest would otherwise print one line per line of it. */
 enum { MAX_REPORTED = 1000 };
 
-static const char *const ROLE_NAME[] = {"already the output", "the MODEL_H5", "a SHARD_GLOB file",
-                                        "a VALID_GLOB file", "the manifest itself"};
+static const char *const ROLE_NAME[] = {
+    [ROLE_OUTPUT] = "already the output",  [ROLE_MODEL] = "the MODEL_H5",
+    [ROLE_SHARD] = "a SHARD_GLOB file",    [ROLE_VALID] = "a VALID_GLOB file",
+    [ROLE_MANIFEST] = "the manifest itself", [ROLE_HF_MODEL] = "the MODEL",
+    [ROLE_TEXT] = "the TEXT",              [ROLE_VALID_TEXT] = "the VALID_TEXT"};
 
 kqsvd_status_t manifest_note(manifest_reader_t *r, int line, const char *fmt, ...) {
   kqsvd_status_t st = KQSVD_OK;
@@ -278,6 +281,8 @@ void kqsvd_manifest_free(kqsvd_manifest_t *m) {
     free(e->output);
     free(e->shard_glob);
     free(e->valid_glob);
+    free(e->text);
+    free(e->valid_text);
     free_list(e->shards, e->nshards);
     free_list(e->valid, e->nvalid);
   }

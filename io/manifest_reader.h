@@ -13,7 +13,16 @@
 
 /* The files a line names, by identity: how outputs are told apart from
  * inputs whatever their spelling (links, symlinked folders). */
-enum manifest_role { ROLE_OUTPUT, ROLE_MODEL, ROLE_SHARD, ROLE_VALID, ROLE_MANIFEST };
+enum manifest_role {
+  ROLE_OUTPUT,
+  ROLE_MODEL,
+  ROLE_SHARD,
+  ROLE_VALID,
+  ROLE_MANIFEST,
+  ROLE_HF_MODEL,
+  ROLE_TEXT,
+  ROLE_VALID_TEXT
+};
 
 typedef struct manifest_ident {
   dev_t dev;

@@ -48,16 +48,21 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
   if (argc == 2 && (strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0)) {
     if (cli->rank == 0)
       printf("usage: kqsvd manifest MANIFEST [--lists DIR]\n\n"
-             "Checks MANIFEST (lines 'NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB [EPS [VALID_GLOB]]',\n"
-             "'#' comments, paths relative to its folder) and prints one line per model,\n"
-             "fields separated by tabs: NAME, MODEL_H5, OUTPUT_H5, the rank policy ('-' for\n"
-             "the default), the number of shards, SHARD_GLOB and VALID_GLOB ('-' if none),\n"
-             "with absolute, normalised paths.  Every bad line is reported, as\n"
-             "MANIFEST:LINE: reason; paths holding control characters (tabs, newlines)\n"
-             "are refused, so the fields cannot shift.\n"
-             "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid, the matching\n"
-             "files in the order calibrate uses, each path followed by a NUL byte\n"
-             "(bash: mapfile -d '' files < DIR/NAME.shards).\n");
+             "Checks MANIFEST ('#' comments, paths relative to its folder), whose lines\n"
+             "name cache shards or, with hf:, a model to calibrate in situ:\n"
+             "  NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB [EPS [VALID_GLOB]]\n"
+             "  NAME hf:MODEL OUTPUT_H5 TEXT SEQ_LEN NUM_SEQS [EPS [VALID_TEXT]]\n"
+             "and prints one line per model, 8 fields separated by tabs, with absolute,\n"
+             "normalised paths:\n"
+             "  NAME MODEL_H5 OUTPUT_H5 POLICY SHARDS SHARD_GLOB VALID_GLOB -\n"
+             "  NAME hf:MODEL OUTPUT_H5 POLICY NUM_SEQS TEXT VALID_TEXT SEQ_LEN\n"
+             "where POLICY and VALID_* are '-' when not given and SHARDS counts the\n"
+             "shards.  Every bad line is reported, as MANIFEST:LINE: reason; paths\n"
+             "holding control characters (tabs, newlines) are refused, so the fields\n"
+             "cannot shift.\n"
+             "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid for each cache\n"
+             "line, the matching files in the order calibrate uses, each path followed\n"
+             "by a NUL byte (bash: mapfile -d '' files < DIR/NAME.shards).\n");
     return KQSVD_OK;
   }
   if (argc != 2) {
@@ -71,6 +76,7 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
   /* The lists first: a table on stdout means every list was written. */
   for (int i = 0; lists && cli->rank == 0 && i < m.n; i++) {
     const kqsvd_manifest_entry_t *e = &m.e[i];
+    if (e->insitu) continue;
     KQSVD_CALL(write_list(lists, e->name, "shards", e->shards, e->nshards));
     if (e->valid_glob) KQSVD_CALL(write_list(lists, e->name, "valid", e->valid, e->nvalid));
   }
@@ -78,8 +84,13 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
     const kqsvd_manifest_entry_t *e = &m.e[i];
     char policy[64] = "-";
     if (e->has_policy) kqsvd_rank_policy_format(&e->policy, policy, sizeof policy);
-    printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\n", e->name, e->model, e->output, policy, e->nshards,
-           e->shard_glob, e->valid_glob ? e->valid_glob : "-");
+    if (e->insitu)
+      printf("%s\thf:%s\t%s\t%s\t%lld\t%s\t%s\t%lld\n", e->name, e->model, e->output, policy,
+             (long long)e->num_seqs, e->text, e->valid_text ? e->valid_text : "-",
+             (long long)e->seq_len);
+    else
+      printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\t-\n", e->name, e->model, e->output, policy,
+             e->nshards, e->shard_glob, e->valid_glob ? e->valid_glob : "-");
   }
 done:
   kqsvd_manifest_free(&m);

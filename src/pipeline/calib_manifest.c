@@ -40,6 +40,20 @@ kqsvd_status_t calib_manifest(calib_t *base) {
   /* Every output's folder before any work, so a typo in the last line does
    * not surface hours later. */
   for (int i = 0; i < m.n; i++) {
+    /* Folding a model's activations takes the model and PyTorch, which
+     * this program has neither of: such a line is refused before any
+     * model is calibrated, not met halfway through. */
+    if (m.e[i].insitu) {
+      int more = 0;
+      for (int k = i + 1; k < m.n; k++) more += m.e[k].insitu;
+      st = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                           "%s:%d: %s names a model (hf:), not cache shards%s; kqsvd calibrate "
+                           "reads caches: submit the manifest with slurm/kqsvd-submit, which runs "
+                           "python -m kqsvd.calibrate_hf for such lines",
+                           m.path, m.e[i].line, m.e[i].name,
+                           more ? " (and so do later lines)" : "");
+      break;
+    }
     /* A manifest remakes outputs whose inputs changed: no --force needed. */
     st = kqsvd_check_output("OUTPUT_H5", m.e[i].output, 1);
     if (st == KQSVD_OK && base->cfg.ckpt_dir) {

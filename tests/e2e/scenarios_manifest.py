@@ -1,8 +1,9 @@
 """The manifest reader (`kqsvd manifest`, `calibrate --manifest`) on hostile
 and large manifests: special files, long lines, control characters in lines
 and in resolved paths, every bad line reported, normalised paths and
-NUL-separated file lists, thousands of lines in well under a second, and
-outputs that are another line's (or the same line's) inputs.  Runs alone,
+NUL-separated file lists, lines naming a model (hf:) instead of caches,
+thousands of lines in well under a second, and outputs that are another
+line's (or the same line's) inputs.  Runs alone,
 as ctest's e2e_manifest_reader and e2e_slurm_scripts do:
 `python3 scenarios_manifest.py manifest_reader|slurm_scripts` (the second,
 the job scripts against stand-ins for SLURM, is in scenarios_slurm.py)."""
@@ -174,6 +175,8 @@ def normalised(wd):
              f"{real}/v/*.h5"],
             # link/.. is the folder holding link's target, as the kernel sees it.
             ["y", f"{real}/a/model.h5", f"{real}/out/y.h5", "-", "2", f"{real}/a/shard-*.h5", "-"]]
+    for r in want:
+        r.append("-")  # the SEQ_LEN of an in-situ line
     check(rows == want, f"normalised paths: {rows} vs {want}")
     raw = open(os.path.join(lists, "x.shards"), "rb").read()
     check(raw == f"{real}/a/shard-0.h5\0{real}/a/shard-1.h5\0".encode(), f"x.shards: {raw!r}")
@@ -181,6 +184,65 @@ def normalised(wd):
     check(raw == f"{real}/v/s 0.h5\0".encode(), f"x.valid: {raw!r}")
     p = run(["manifest", "--help"])
     check("NUL" in p.stdout and "mapfile -d ''" in p.stdout, f"--help: {p.stdout}")
+
+
+def insitu_lines(wd):
+    """Lines naming a model (hf:) beside a cache line: the table's eight
+    fields, no file lists for them, their own refusals (several on one
+    manifest), and calibrate --manifest refusing them by line."""
+    files(wd, "a/model.h5", "a/shard-0.h5", "m/config.json", "g/tiny.gguf", "t/calib.txt",
+          "t/valid.txt")
+    os.makedirs(os.path.join(wd, "out"))
+    real = os.path.realpath(wd)
+    m = write(os.path.join(wd, "hf.txt"),
+              "c a/model.h5 out/c.h5 a/shard-*.h5\n"
+              "h hf:m out/h.h5 t/calib.txt 2048 128   # a folder\n"
+              "g hf:./g/../g/tiny.gguf out/g.h5 t/calib.txt 64 12 0.2 t/valid.txt\n")
+    lists = os.path.join(wd, "lists")
+    os.makedirs(lists)
+    p = manifest_cmd(m, "--lists", lists)
+    check(p is not None and p.returncode == 0, f"in-situ lines: {p and p.stderr}")
+    rows = [ln.split("\t") for ln in p.stdout.splitlines()] if p else []
+    want = [["c", f"{real}/a/model.h5", f"{real}/out/c.h5", "-", "1", f"{real}/a/shard-*.h5", "-",
+             "-"],
+            ["h", f"hf:{real}/m", f"{real}/out/h.h5", "-", "128", f"{real}/t/calib.txt", "-", "2048"],
+            ["g", f"hf:{real}/g/tiny.gguf", f"{real}/out/g.h5", "eps:0.2", "12",
+             f"{real}/t/calib.txt", f"{real}/t/valid.txt", "64"]]
+    check(rows == want, f"in-situ table: {rows} vs {want}")
+    check(sorted(os.listdir(lists)) == ["c.shards"], f"lists: {os.listdir(lists)}")
+
+    bad = write(os.path.join(wd, "hfbad.txt"),
+                "a hf:none out/1.h5 t/calib.txt 64 2\n"                # 1: no model
+                "b hf: out/2.h5 t/calib.txt 64 2\n"                    # 2: empty
+                "c hf:m out/3.h5 t/calib.txt 0 2\n"                    # 3: SEQ_LEN
+                "d hf:m out/4.h5 t/calib.txt 64 16777217\n"            # 4: NUM_SEQS
+                "e hf:m out/5.h5 t/calib.txt 64\n"                     # 5: fields
+                "f hf:m out/6.h5 t/nope.txt 64 2\n"                    # 6: no text
+                "g hf:m out/7.h5 t 64 2\n"                             # 7: a folder
+                "h hf:m t/calib.txt t/valid.txt 64 2\n"                # 8: output = text
+                "i hf:g/tiny.gguf g/tiny.gguf t/calib.txt 64 2\n"      # 9: output = model
+                "j hf:m out/10.h5 t/calib.txt 64 2 eps:2\n"            # 10: policy
+                "k hf:m out/11.h5 t/calib.txt 64 2 0.1 t/calib.txt x\n")  # 11: fields
+    p = manifest_cmd(bad)
+    refused("bad in-situ lines", p, "hfbad.txt: 11 bad lines",
+            f"hfbad.txt:1: MODEL {real}/none: No such file or directory",
+            "hfbad.txt:2: MODEL 'hf:' names no model",
+            "hfbad.txt:3: SEQ_LEN '0' must be a whole number from 1 to 16777216",
+            "hfbad.txt:4: NUM_SEQS '16777217' must be",
+            "hfbad.txt:5: 5 fields, expected NAME hf:MODEL OUTPUT_H5 TEXT SEQ_LEN NUM_SEQS",
+            f"hfbad.txt:6: TEXT {real}/t/nope.txt: No such file",
+            f"hfbad.txt:7: TEXT {real}/t is not a regular file",
+            f"hfbad.txt:8: OUTPUT_H5 {real}/t/calib.txt is the TEXT of line",
+            f"hfbad.txt:9: OUTPUT_H5 {real}/g/tiny.gguf is the MODEL of this line",
+            "hfbad.txt:10: EPS 'eps:2'",
+            "hfbad.txt:11: too many fields: expected NAME hf:MODEL")
+    # kqsvd calibrate reads caches: the good manifest is refused by line,
+    # before anything is made.
+    p = run(["calibrate", "--progress", "off", "--manifest", m], np_=2, expect=1)
+    check(p.stderr.count("error") == 1 and "hf.txt:2: h names a model (hf:), not cache shards "
+          "(and so do later lines)" in p.stderr and "slurm/kqsvd-submit" in p.stderr,
+          f"calibrate --manifest with hf: lines: {p.stderr}")
+    check(os.listdir(os.path.join(wd, "out")) == [], "calibrate --manifest wrote an output")
 
 
 def thousands(wd):
@@ -255,7 +317,7 @@ def manifest_reader():
     special_files(wd)
     control_characters(wd)
     all_bad_lines(wd)
-    for name, fn in (("normalised", normalised), ("thousands", thousands),
+    for name, fn in (("normalised", normalised), ("insitu", insitu_lines), ("thousands", thousands),
                      ("roles", outputs_are_inputs)):
         sub = os.path.join(wd, name)
         os.makedirs(sub)
