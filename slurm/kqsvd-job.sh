@@ -1,5 +1,5 @@
-# Sourced by the job templates (calibrate.sbatch, evaluate.sbatch,
-# export.sbatch).  Finds kqsvd, picks the launcher, passes on the signals
+# Sourced by the job templates (calibrate.sbatch, calibrate_hf.sbatch,
+# evaluate.sbatch, export.sbatch).  Finds kqsvd, picks the launcher, passes on the signals
 # SLURM sends before a time limit or on preemption, and in array mode (set
 # up by kqsvd-submit) finds the task's model, its log and its status file.
 #
@@ -8,6 +8,7 @@
 #   KQSVD_ROOT     the repository [the folder sbatch was run from]
 #   KQSVD_LAUNCH   mpirun (default: one rank per SLURM task), srun, or a
 #                  whole command such as "srun --mpi=pmix"
+#   KQSVD_HF_PYTHON  the Python of the model jobs [KQSVD_ROOT/.venv/bin/python3]
 #   KQSVD_REQUEUE  1: a calibration stopped by the time-limit signal (exit
 #                  status 75, checkpoint saved) requeues its job [0]
 #   KQSVD_SUBMISSION, KQSVD_LOGDIR, KQSVD_CKPT_DIR   set by kqsvd-submit
@@ -75,10 +76,27 @@ kqsvd_requeue() {
   return 1
 }
 
+# The Python that runs the model jobs (python -m kqsvd.calibrate_hf,
+# kqsvd.quality): KQSVD_HF_PYTHON [the repository's .venv, made by
+# scripts/hf-env.sh], with the repository's package on its path.  Sets
+# kqsvd_python; fails with a message when it is missing.
+kqsvd_hf_python() {
+  kqsvd_python=${KQSVD_HF_PYTHON:-$KQSVD_ROOT/.venv/bin/python3}
+  [ -x "$kqsvd_python" ] || {
+    echo "kqsvd job: $kqsvd_python not found: run scripts/hf-env.sh or set KQSVD_HF_PYTHON" >&2
+    exit 1
+  }
+  export PYTHONPATH=$KQSVD_ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+}
+
 # Array mode: reads line SLURM_ARRAY_TASK_ID + 1 of the submission's
-# resolved manifest into job_name, job_model, job_output, job_policy and
-# job_valid (the paths of the model's files are in SUBMISSION/NAME.shards
-# and NAME.valid, each followed by a NUL byte: kqsvd_read_list), sends
+# resolved manifest (`kqsvd manifest`'s 8 fields) into job_name,
+# job_model, job_output, job_policy, job_count, job_inputs, job_valid and
+# job_seq_len.  A cache line's job_model is its MODEL_H5 and the paths of
+# its files are in SUBMISSION/NAME.shards and NAME.valid, each followed by
+# a NUL byte (kqsvd_read_list); an in-situ line's job_model is hf:MODEL,
+# job_inputs its TEXT, job_valid its VALID_TEXT (or -), job_count and
+# job_seq_len its NUM_SEQS and SEQ_LEN.  Sends
 # everything after this point to LOGDIR/NAME.KIND.log, and marks
 # LOGDIR/NAME.KIND.status as started: only kqsvd_task_end writes an exit
 # code there, so a job that SLURM cancels or times out never reads as a
@@ -87,7 +105,8 @@ kqsvd_array_task() {
   local kind=$1 line tsv=$KQSVD_SUBMISSION/manifest.tsv
   line=$(sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" "$tsv")
   [ -n "$line" ] || { echo "kqsvd job: no line $((SLURM_ARRAY_TASK_ID + 1)) in $tsv" >&2; exit 1; }
-  IFS=$'\t' read -r job_name job_model job_output job_policy _ _ job_valid <<<"$line"
+  IFS=$'\t' read -r job_name job_model job_output job_policy job_count job_inputs job_valid \
+    job_seq_len <<<"$line"
   status_file=$KQSVD_LOGDIR/$job_name.$kind.status
   echo "started by job ${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}, no exit code: killed?" > "$status_file"
   exec >>"$KQSVD_LOGDIR/$job_name.$kind.log" 2>&1

@@ -119,6 +119,8 @@ STUBS = {
               '[ "$(wc -l < "$STUB_DIR/squeue.calls")" -gt "${STUB_LIVE:-0}" ] || echo 4242_0',
     # The launcher: its arguments NUL-separated; with STUB_SIGNAL, waits
     # for USR1 and exits 75 as kqsvd calibrate does after its checkpoint.
+    # The model jobs' Python (KQSVD_HF_PYTHON), when run without a launcher.
+    "hf-python": 'printf "%s\\0" "$@" > "$STUB_DIR/python.args"',
     "launch": 'printf "%s\\0" "$@" > "$STUB_DIR/launch.args"\n'
               'if [ -n "${STUB_SIGNAL:-}" ]; then\n'
               '  trap \'echo USR1 > "$STUB_DIR/launch.signal"; exit 75\' USR1\n'
@@ -249,7 +251,67 @@ def slurm_scripts():
     log = open(os.path.join(logs, "x.calibrate.log")).read()
     check("SIGUSR1: passing it on" in log and "requeueing job 78" in log and
           "exit code 75 (after SIGTERM)" in log, f"calibrate log:\n{log}")
+    model_lines(wd, env, job, stub)
     finish("slurm_scripts")
+
+
+def model_lines(wd, env, job, stub):
+    """Manifest lines naming a model (hf:): calibrate.sbatch launches
+    calibrate_hf on the ranks with the line's fields, evaluate.sbatch runs
+    kqsvd.quality alone on held-out text; a missing Python fails the task,
+    and kqsvd-submit refuses to submit when it cannot import the model
+    stack."""
+    real = os.path.realpath(wd)
+    for n in ("hf/m/config.json", "hf/calib.txt", "hf/valid.txt"):
+        os.makedirs(os.path.dirname(os.path.join(wd, n)), exist_ok=True)
+        open(os.path.join(wd, n), "w").close()
+    mpath = os.path.join(wd, "hf.txt")
+    with open(mpath, "w") as f:
+        f.write("h hf:hf/m out/h.h5 hf/calib.txt 64 12 budget:0.4\n"
+                "g hf:hf/m out/g.h5 hf/calib.txt 32 5 0.2 hf/valid.txt\n")
+    sub = os.path.join(wd, "sub-hf")
+    os.makedirs(sub)
+    with open(os.path.join(sub, "manifest.tsv"), "w") as f:
+        f.write(run(["manifest", mpath, "--lists", sub]).stdout)
+    python = os.path.join(stub, "hf-python")
+    job = dict(job, KQSVD_SUBMISSION=sub, KQSVD_HF_PYTHON=python)
+    model = ["--model", f"{real}/hf/m"]
+    rc, out = run_job(job, "calibrate.sbatch")
+    got = open(os.path.join(wd, "launch.args")).read().split("\0")[:-1]
+    want = [python, "-m", "kqsvd.calibrate_hf", *model, "--text", f"{real}/hf/calib.txt",
+            "--seq-len", "64", "--num-seqs", "12", "--out", f"{real}/out/h.h5", "--checkpoint",
+            os.path.join(wd, "ck", "h"), "--skip-done", "--ranks", "budget:0.4"]
+    check(rc == 0 and got == want, f"calibrate.sbatch, hf: line: {rc} {out}\n{got}\nvs {want}")
+    for task, text, seqs, policy in (("0", "calib.txt", "8", "budget:0.4"),
+                                     ("1", "valid.txt", "5", "eps:0.2")):
+        if os.path.exists(os.path.join(wd, "launch.args")):
+            os.remove(os.path.join(wd, "launch.args"))
+        rc, out = run_job(dict(job, SLURM_ARRAY_TASK_ID=task), "evaluate.sbatch")
+        got = open(os.path.join(wd, "python.args")).read().split("\0")[:-1]
+        name = "hg"[int(task)]
+        want = ["-m", "kqsvd.quality", *model, "--text", f"{real}/hf/{text}", "--split",
+                "validation", "--seq-len", "64" if task == "0" else "32", "--num-seqs", seqs,
+                "--proj", f"{real}/out/{name}.h5", "--ranks", policy, "--json",
+                f"{real}/out/{name}.quality.json"]
+        check(rc == 0 and got == want and not os.path.exists(os.path.join(wd, "launch.args")),
+              f"evaluate.sbatch, hf: line {task}: {rc} {out}\n{got}\nvs {want}")
+    rc, _ = run_job(dict(job, KQSVD_HF_PYTHON=os.path.join(wd, "no-python")), "calibrate.sbatch")
+    log = open(os.path.join(job["KQSVD_LOGDIR"], "h.calibrate.log")).read()
+    check(rc == 1 and "no-python not found: run scripts/hf-env.sh or set KQSVD_HF_PYTHON" in log,
+          f"missing Python: {rc} {log[-500:]}")
+
+    before = len(calls(os.path.join(wd, "sbatch.calls")))
+    submit = [os.path.join(ROOT, "slurm", "kqsvd-submit"), mpath]
+    p = subprocess.run(submit, capture_output=True, text=True, timeout=60,
+                       env=dict(env, KQSVD_HF_PYTHON="/bin/false"))
+    check(p.returncode == 2 and "h names a model (hf:), whose job runs /bin/false" in p.stderr
+          and len(calls(os.path.join(wd, "sbatch.calls"))) == before,
+          f"kqsvd-submit without the model stack: {p.returncode} {p.stderr}")
+    p = subprocess.run(submit, capture_output=True, text=True, timeout=60,
+                       env=dict(env, KQSVD_HF_PYTHON=python))
+    cal = calls(os.path.join(wd, "sbatch.calls"))[-1]
+    check(p.returncode == 0 and any(a.startswith("--export=") and f"KQSVD_HF_PYTHON={python}" in a
+                                    for a in cal), f"kqsvd-submit, hf: lines: {p.stderr} {cal}")
 
 
 # ---- SLURM ------------------------------------------------------------------
