@@ -92,7 +92,7 @@ def manifest_cmds(label, env, wd, model, shards):
     expect(f"{label}: manifest", p, 0)
     quiet(f"{label}: manifest", p)
     want = "\t".join(["alpha", model, os.path.join(wd, "out", "alpha.h5"), "fixed:2",
-                      str(len(shards)), f"{set_dir}/shard-*.h5", "-"]) + "\n"
+                      str(len(shards)), f"{set_dir}/shard-*.h5", "-", "-"]) + "\n"
     check(p.stdout == want, f"{label}: manifest table {p.stdout!r}, expected {want!r}")
     lists = os.path.join(wd, "lists-" + label.replace(" ", "-"))
     os.makedirs(lists, exist_ok=True)

@@ -86,6 +86,8 @@ def manifest():
            ("missing model", "x nope.h5 out/x.h5 a/shard-*.h5\n", ":1: MODEL_H5"),
            ("empty", "# nothing\n", "names no model"),
            ("seven fields", "x a/model.h5 out/x.h5 a/shard-*.h5 0.1 a/shard-*.h5 extra\n",
+            ":1: 7 fields, expected NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB"),
+           ("nine fields", "x a/model.h5 out/x.h5 a/shard-*.h5 0.1 a/shard-*.h5 a b c\n",
             ":1: too many fields"),
            ("one output spelled twice", "x a/model.h5 out/x.h5 a/shard-*.h5\n"
             "y b/model.h5 ./out//x.h5 b/shard-*.h5\n", ":2: OUTPUT_H5"),
