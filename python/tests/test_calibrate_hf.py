@@ -269,9 +269,44 @@ class InSitu(unittest.TestCase):
             self.assertIn("exceeds the model's max_position_embeddings", bad)
             self.assertRegex(bad, r"exit code [1-9]")
             self.assertFalse(os.path.exists(out + ".bad"))
+            self.submit_model_line(wd, env, ref)
         finally:
             if own:
                 subprocess.run([os.path.join(ROOT, "slurm", "local-cluster.sh"), "stop", own], env=env)
+
+    def submit_model_line(self, wd, env, ref):
+        """slurm/kqsvd-submit with a manifest line naming the model: the
+        calibrate task (2 ranks) equals a 1-rank run, the evaluate task
+        writes a quality report, and a resubmission skips the done model."""
+        import subprocess
+        manifest = os.path.join(wd, "models.txt")
+        with open(manifest, "w") as f:
+            f.write(f"tiny hf:{self.model} out/tiny.h5 {TEXT} 64 12\n")
+        os.makedirs(os.path.join(wd, "out"))
+        cmd = [os.path.join(ROOT, "slurm", "kqsvd-submit"), manifest, "--ntasks-per-node", "2",
+               "--evaluate", "--wait", "--poll", "1"]
+        env = dict(env, KQSVD_HF_PYTHON=sys.executable)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        logs = os.path.join(wd, "kqsvd-logs")
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr + "".join(
+            open(os.path.join(logs, f)).read() for f in os.listdir(logs) if f.endswith(".log")))
+        self.assertRegex(p.stdout, r"tiny +calibrate +ok")
+        self.assertRegex(p.stdout, r"tiny +evaluate +ok")
+        out = os.path.join(wd, "out", "tiny.h5")
+        self.assertLess(worst_rel(datasets(out), datasets(ref)), 1e-10)
+        self.assertIn("on 2 ranks", open(os.path.join(logs, "tiny.calibrate.log")).read())
+        with open(os.path.join(wd, "out", "tiny.quality.json")) as f:
+            report = json.load(f)
+        self.assertEqual(report["kqsvd_format"], "quality")
+        self.assertEqual((report["split"], report["seq_len"], report["num_seqs"]),
+                         ("validation", 64, 8))
+        self.assertEqual({r["policy"] for r in report["results"]}, {"eps:0.1"})
+        mtime = os.stat(out).st_mtime_ns
+        p = subprocess.run(cmd[:4] + ["--wait", "--poll", "1"], capture_output=True, text=True,
+                           env=env, timeout=600)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        self.assertIn("is up to date", open(os.path.join(logs, "tiny.calibrate.log")).read())
+        self.assertEqual(os.stat(out).st_mtime_ns, mtime)
 
     def test_bad_input(self):
         wd = workdir("insitu-bad")
