@@ -47,7 +47,7 @@ import sys, time, torch
 sys.path.insert(0, {python!r})
 from kqsvd import models
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
-seqs, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
+seqs, _, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 t0 = time.time()
 for row in seqs:
     with torch.no_grad():
@@ -65,7 +65,7 @@ from kqsvd import models
 from kqsvd.binding import Calibrator
 from kqsvd.insitu import fold_heads, fold_sequences
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
-seqs, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
+seqs, _, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
                  info.head_dim, info.hidden_size)
 for rep in range({repeat}):

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from .errors import KqsvdError
-from .models import DECODERS
+from .models import COMPRESSIBLE
 from .projections import check_sizes
 
 
@@ -66,8 +66,8 @@ def fold_o_proj(o_weight, value_up, num_heads):
 def _layers(model):
     base = getattr(model, "model", model)
     mtype = getattr(model.config, "model_type", None)
-    if mtype not in DECODERS or not hasattr(base, "layers"):
-        raise KqsvdError(f"compressed attention supports {', '.join(DECODERS)} decoders, "
+    if mtype not in COMPRESSIBLE or not hasattr(base, "layers"):
+        raise KqsvdError(f"compressed attention supports {', '.join(COMPRESSIBLE)} decoders, "
                          f"not '{mtype}'")
     return list(base.layers)
 

@@ -3,8 +3,8 @@ caches on disk.  The model runs over the calibration sequences; the
 post-RoPE queries and keys and the values of every layer (kqsvd.capture,
 the exporter's capture code) are folded into the C library's accumulator
 (kqsvd.Calibrator) as they are produced; W^O comes from the weights.  The
-result equals `examples/export_hf.py --dtype f32` then `kqsvd calibrate`
-on the same tokens, to round-off.
+result equals `examples/export_hf.py --dtype f32 --weights-dtype f32` then
+`kqsvd calibrate` on the same tokens, to round-off.
 
 Under `mpirun -np N` (with mpi4py), each rank runs the model on its share
 of the sequences and the factors are merged across ranks (TSQR); rank 0
@@ -106,7 +106,7 @@ def inputs_hash(args, model_path):
     return hashlib.sha256(json.dumps(
         [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
          args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,
-         __version__]).encode()).hexdigest()[:32]
+         __version__] + ([] if not args.no_bos else ["no-bos"])).encode()).hexdigest()[:32]
 
 
 def up_to_date(path, want):
@@ -148,7 +148,7 @@ class Checkpoint:
             raise KqsvdError(f"{self.index}: not a calibrate_hf checkpoint ({e}); remove it") from None
         if inputs != self.inputs:
             raise KqsvdError(f"{self.index}: field 'inputs' differs: the checkpoint is from other "
-                             "inputs or options (model, text, --seq-len, --num-seqs, --dtype, "
+                             "inputs or options (model, text, --seq-len, --num-seqs, --dtype, --no-bos, "
                              "--qr-block or rank count); remove the folder or use another")
         cal.load(os.path.join(self.folder, state))
         self.current = state
@@ -205,10 +205,12 @@ def run(args):
             if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
                     os.path.realpath(args.checkpoint) + os.sep):
                 raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}")
+        models.check_device(args.device)
         dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
         model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
         models.check_positions(info, model.config, args.seq_len)
-        seqs, ntok, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs, "train")
+        seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
+                                                "train", bos=not args.no_bos)
         def new_cal():
             return Calibrator(info.num_layers, info.num_kv_heads,
                               info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,
@@ -229,7 +231,8 @@ def run(args):
         if args.checkpoint:
             inputs = hashlib.sha256(json.dumps(
                 [file_identity(models.resolve(args.model)), file_identity(args.text), args.seq_len,
-                 args.num_seqs, args.dtype, args.qr_block, rank, size]).encode()).hexdigest()
+                 args.num_seqs, args.dtype, args.qr_block, rank, size, args.no_bos]).encode()
+            ).hexdigest()
             ckpt = Checkpoint(args.checkpoint, rank, size, inputs)
             done = ckpt.resume(cal)
             if on_device and done:
@@ -323,6 +326,9 @@ def parse(argv):
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32",
                     help="the model's precision, as export_hf.py --dtype f32/f64 runs it [f32]")
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] [cpu]")
+    ap.add_argument("--no-bos", action="store_true",
+                    help="windows without the BOS token the tokenizer adds in normal use, as "
+                         "export_hf.py --no-bos")
     ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
                     help="where rows are folded: c (the C library, on the CPU), torch (float64 "
                     "QR on the model's device) or auto (torch on a GPU, else c) [auto]")

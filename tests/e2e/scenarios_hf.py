@@ -32,6 +32,18 @@ def hf_export():
     finish("hf_export")
 
 
+def hf_export_runs():
+    """A crash mid-export resumes to the same shards; batches, device maps,
+    BOS and weight types (tests/e2e/hf_export_runs.py)."""
+    need_venv("hf_export_runs")
+    wd = workdir("hf_export_runs")
+    p = subprocess.run([VENV_PY, os.path.join(HERE, "hf_export_runs.py"), wd],
+                       capture_output=True, text=True, timeout=550)
+    print(p.stdout)
+    check(p.returncode == 0, f"hf_export_runs.py failed:\n{p.stdout}\n{p.stderr[-3000:]}")
+    finish("hf_export_runs")
+
+
 def hf_minilm():
     """all-MiniLM-L6-v2 on the bundled text, disjoint splits: the tool agrees
     with the reference, and KQ-SVD is best on what attention uses."""
