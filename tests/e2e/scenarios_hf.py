@@ -22,13 +22,30 @@ def need_venv(name):
 
 
 def hf_export():
-    """Exported Q, K, V, W^O reproduce each attention module's output."""
+    """Exported Q, K, V, W^O reproduce each attention module's output, for
+    every family; each tiny family's caches calibrate and evaluate."""
     need_venv("hf_export")
     wd = workdir("hf_export")
     p = subprocess.run([VENV_PY, os.path.join(HERE, "hf_consistency.py"), wd],
                        capture_output=True, text=True, timeout=550)
     print(p.stdout)
     check(p.returncode == 0, f"hf_consistency.py failed:\n{p.stdout}\n{p.stderr[-3000:]}")
+    # Every family's tiny export goes on through calibrate (2 ranks) and
+    # evaluate (3 ranks), against the brute-force reference.
+    for kind in ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma", "starcoder2"):
+        out = os.path.join(wd, f"tiny-{kind}-out")
+        if not os.path.isdir(out):
+            continue  # hf_consistency.py failed before it, and said so
+        model = os.path.join(out, "model.h5")
+        shards = sorted(os.path.join(out, f) for f in os.listdir(out) if f.startswith("shard-"))
+        proj, rj = os.path.join(wd, f"{kind}-proj.h5"), os.path.join(wd, f"{kind}-report.json")
+        calibrate(model, proj, shards, np_=2)
+        run(["evaluate", "--progress", "off", "--model", model, "--proj", proj, "--json", rj]
+            + shards, np_=3)
+        rep = json.load(open(rj))
+        worst, where = compare(rep, ref_evaluate(model, proj, shards, report_ranks(rep)))
+        check(worst <= 1e-9, f"{kind}: report vs reference: {worst:.2e} at {where}")
+        print(f"tiny {kind}: calibrated and evaluated, reference deviation {worst:.1e}")
     finish("hf_export")
 
 
