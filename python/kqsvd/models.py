@@ -248,7 +248,10 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     model.eval()
     if not device_map:
         model.to(device)
-    tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise KqsvdError(f"{path}: transformers cannot load its tokenizer: {e}") from None
     return model, tok, info
 
 

@@ -11,7 +11,8 @@ Python (.venv), on tiny random decoders built by hf_consistency.py:
   first key of every window is the same), --no-bos leaves it out, and the
   shard says which;
 - --weights-dtype: the checkpoint's own type by default, f16 on the CPU
-  refused.
+  refused;
+- a folder without its weights or its tokenizer: one message.
 
     .venv/bin/python3 tests/e2e/hf_export_runs.py WORKDIR
 """
@@ -162,6 +163,17 @@ def main():
         check(json.loads(f.attrs["export_request"])["weights_dtype"] == "bf16", "weights_dtype")
     p = export(half, os.path.join(wd, "out-f16"), "--weights-dtype", "f16", expect=2)
     check("--weights-dtype f16 needs a CUDA device" in p.stderr, f"f16 on the CPU: {p.stderr}")
+    # A folder missing its weights or its tokenizer: one message, no traceback.
+    import shutil
+    for missing, needle in (("model.safetensors", "cannot load the weights"),
+                            ("tokenizer.json", "cannot load its tokenizer")):
+        broken = os.path.join(wd, "no-" + missing)
+        shutil.copytree(llama, broken)
+        for f in os.listdir(broken):
+            if f == missing or (missing.startswith("tokenizer") and "token" in f or f == "vocab.txt"):
+                os.remove(os.path.join(broken, f))
+        p = export(broken, os.path.join(wd, "out-no-" + missing), expect=1)
+        check(needle in p.stderr, f"without {missing}: {p.stderr}")
     print(f"hf_export_runs: {len(hf_consistency.FAILURES)} failures")
     sys.exit(1 if hf_consistency.FAILURES else 0)
 
