@@ -16,7 +16,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaForCausalLM, Mistr
                           MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
                           Starcoder2Config, Starcoder2ForCausalLM)
 
-from test_gguf import (TEXT, base_meta, llama_cpp_permute, log, logits, max_rel_diff,  # noqa: E402
+from test_gguf import (TEXT, Base, base_meta, llama_cpp_permute, log, logits, max_rel_diff,  # noqa: E402
                        roundtrip, train_tokenizer, write_raw)
 from kqsvd.errors import KqsvdError  # noqa: E402
 from kqsvd.gguf_loader import GGUFError, load_gguf  # noqa: E402
@@ -135,22 +134,6 @@ def write_family(path, model, family, tok, qtype=QT.F32, kv=None, drop=(), extra
     tensors += list((extra or {}).items())
     tensors = [(n, a) for n, a in tensors if n not in drop]
     write_raw(path, arch or GGUF_ARCH[family], meta, tensors, qtype)
-
-
-class Base(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.tok = train_tokenizer()
-        cls.vocab = cls.tok.get_vocab_size()
-        cls.ids = cls.tok.encode(TEXT[:400]).ids[:48]
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def path(self, name):
-        return os.path.join(self.tmp.name, name)
 
 
 class TestFamilies(Base):

@@ -21,15 +21,21 @@ def need_venv(name):
         raise SystemExit(77)
 
 
+def venv_script(name, script):
+    """Runs tests/e2e/SCRIPT WORKDIR with .venv's Python; returns WORKDIR."""
+    need_venv(name)
+    wd = workdir(name)
+    p = subprocess.run([VENV_PY, os.path.join(HERE, script), wd], capture_output=True, text=True,
+                       timeout=550)
+    print(p.stdout)
+    check(p.returncode == 0, f"{script} failed:\n{p.stdout}\n{p.stderr[-3000:]}")
+    return wd
+
+
 def hf_export():
     """Exported Q, K, V, W^O reproduce each attention module's output, for
     every family; each tiny family's caches calibrate and evaluate."""
-    need_venv("hf_export")
-    wd = workdir("hf_export")
-    p = subprocess.run([VENV_PY, os.path.join(HERE, "hf_consistency.py"), wd],
-                       capture_output=True, text=True, timeout=550)
-    print(p.stdout)
-    check(p.returncode == 0, f"hf_consistency.py failed:\n{p.stdout}\n{p.stderr[-3000:]}")
+    wd = venv_script("hf_export", "hf_consistency.py")
     # Every family's tiny export goes on through calibrate (2 ranks) and
     # evaluate (3 ranks), against the brute-force reference.
     for kind in ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma", "starcoder2"):
@@ -52,12 +58,7 @@ def hf_export():
 def hf_export_runs():
     """A crash mid-export resumes to the same shards; batches, device maps,
     BOS and weight types (tests/e2e/hf_export_runs.py)."""
-    need_venv("hf_export_runs")
-    wd = workdir("hf_export_runs")
-    p = subprocess.run([VENV_PY, os.path.join(HERE, "hf_export_runs.py"), wd],
-                       capture_output=True, text=True, timeout=550)
-    print(p.stdout)
-    check(p.returncode == 0, f"hf_export_runs.py failed:\n{p.stdout}\n{p.stderr[-3000:]}")
+    venv_script("hf_export_runs", "hf_export_runs.py")
     finish("hf_export_runs")
 
 
