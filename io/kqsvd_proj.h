@@ -64,7 +64,8 @@ kqsvd_status_t kqsvd_proj_close(kqsvd_proj_writer_t **w);
 typedef struct kqsvd_proj_reader kqsvd_proj_reader_t;
 
 /* Opens `path` and checks the header and that every dataset of the
- * contract is there with its shape and kind (float or integer); the
+ * contract is there with its shape and kind (float or integer), and the
+ * per-head ranks extension where present (both of the pair, shape); the
  * headers are read in a child process first (kqsvd_h5_isolate).  Errors:
  * KQSVD_ERR_INPUT naming the file and what is wrong. */
 kqsvd_status_t kqsvd_proj_open(const char *path, kqsvd_proj_reader_t **r);
@@ -89,5 +90,18 @@ kqsvd_status_t kqsvd_proj_read(kqsvd_proj_reader_t *r, const char *group, const 
  * Errors: KQSVD_ERR_INPUT, _HDF5. */
 kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, int32_t *rank_k,
                                      int32_t *rank_v);
+
+/* Whether method m's group holds per-(layer, KV head) ranks, the extension
+ * datasets rank_k_heads and rank_v_heads (docs/formats.md 5.3).
+ * kqsvd_proj_open has checked that they come in pairs with shape [L, Hkv]
+ * and integer elements. */
+int kqsvd_proj_has_head_ranks(const kqsvd_proj_reader_t *r, kqsvd_method_t m);
+
+/* Reads a method's per-head ranks ([L][Hkv] each; the method must have
+ * them) and checks 1 <= r <= d and that rank_k / rank_v of each layer
+ * equal the largest of its heads' ranks.  Errors: KQSVD_ERR_INPUT naming
+ * the file and dataset, those of kqsvd_proj_read_ranks, _NOMEM, _HDF5. */
+kqsvd_status_t kqsvd_proj_read_head_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m,
+                                          int32_t *rank_k_heads, int32_t *rank_v_heads);
 
 #endif

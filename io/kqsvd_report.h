@@ -21,6 +21,13 @@ typedef struct kqsvd_report {
   double beta;      /* of the eigen method */
   int causal;       /* of the validation caches */
   int64_t calib_tokens;
+  /* Per-head ranks (docs/formats.md 5.5): rank_k_heads, rank_v_heads
+   * [KQSVD_NMETHODS][layers][kv_heads], listed for the methods with
+   * heads[m] set; NULL (and heads all 0) when the ranks are per layer.
+   * rank_k / rank_v then hold each layer's maximum over its heads. */
+  int kv_heads;
+  const int32_t *rank_k_heads, *rank_v_heads;
+  int heads[KQSVD_NMETHODS];
 } kqsvd_report_t;
 
 /* Mean over layers of one method's metric. */

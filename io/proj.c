@@ -230,6 +230,7 @@ struct kqsvd_proj_reader {
   double eps, beta;
   int64_t tokens;
   char policy[64];
+  int head_ranks[KQSVD_NMETHODS]; /* the group holds rank_k_heads and rank_v_heads */
 };
 
 /* Checks that group/name exists with the shape of the contract and
@@ -255,6 +256,29 @@ static kqsvd_status_t check_dataset(kqsvd_proj_reader_t *r, const char *group, c
 done:
   kqsvd_h5_close(&type);
   kqsvd_h5_close(&ds);
+  return st;
+}
+
+/* The per-head ranks extension of one method's group: absent, or both
+ * datasets, [L, Hkv] integers (docs/formats.md 5.3).  Their values are
+ * checked where they are used (kqsvd_proj_read_head_ranks), as rank_k's. */
+static kqsvd_status_t check_head_ranks(kqsvd_proj_reader_t *r, const char *group, int *has) {
+  kqsvd_status_t st = KQSVD_OK;
+  char k[96], v[96];
+  snprintf(k, sizeof k, "%s/rank_k_heads", group);
+  snprintf(v, sizeof v, "%s/rank_v_heads", group);
+  const int hk = H5Lexists(r->file, k, H5P_DEFAULT) > 0;
+  const int hv = H5Lexists(r->file, v, H5P_DEFAULT) > 0;
+  /* One without the other would leave one side of the cache unspecified. */
+  KQSVD_CHECK(hk == hv, KQSVD_ERR_INPUT,
+              "%s: dataset '%s' is missing; per-head ranks need both '%s' and '%s'", r->path,
+              hk ? v : k, k, v);
+  *has = hk;
+  if (hk) {
+    KQSVD_CALL(check_dataset(r, group, "rank_k_heads", 2, H5T_INTEGER));
+    KQSVD_CALL(check_dataset(r, group, "rank_v_heads", 2, H5T_INTEGER));
+  }
+done:
   return st;
 }
 
@@ -302,6 +326,8 @@ static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out
       KQSVD_CALL(check_dataset(r, groups[m], g_pnames[i],
                                i <= P_VALUE_UP ? 4 : i <= P_SIGMA_V ? 3 : 1,
                                i >= P_RANK_K ? H5T_INTEGER : H5T_FLOAT));
+  for (int m = 0; m < KQSVD_NMETHODS; m++)
+    KQSVD_CALL(check_head_ranks(r, groups[m], &r->head_ranks[m]));
   for (int i = 0; i < S_N; i++) KQSVD_CALL(check_dataset(r, "spectra", g_snames[i], 3, H5T_FLOAT));
   r->beta = 1.0;
   KQSVD_H5_ID(grp, H5Gopen2(r->file, "eigen", H5P_DEFAULT));
@@ -333,6 +359,9 @@ double kqsvd_proj_beta(const kqsvd_proj_reader_t *r) { return r->beta; }
 double kqsvd_proj_eps(const kqsvd_proj_reader_t *r) { return r->eps; }
 int64_t kqsvd_proj_tokens(const kqsvd_proj_reader_t *r) { return r->tokens; }
 const char *kqsvd_proj_policy(const kqsvd_proj_reader_t *r) { return r->policy; }
+int kqsvd_proj_has_head_ranks(const kqsvd_proj_reader_t *r, kqsvd_method_t m) {
+  return m >= 0 && m < KQSVD_NMETHODS && r->head_ranks[m];
+}
 
 kqsvd_status_t kqsvd_proj_read(kqsvd_proj_reader_t *r, const char *group, const char *name,
                                int64_t layer, double *buf) {
@@ -389,5 +418,55 @@ kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, i
 done:
   if (st != KQSVD_OK) kqsvd_error_context(r->path);
   kqsvd_h5_close(&ds);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_read_head_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m,
+                                          int32_t *rank_k_heads, int32_t *rank_v_heads) {
+  kqsvd_status_t st = KQSVD_OK;
+  hid_t ds = -1;
+  int32_t *layer = NULL;
+  int64_t *wide = NULL;
+  const int64_t L = r->dims.layers, H = r->dims.kv_heads, d = r->dims.head_dim;
+  const char *g = kqsvd_method_name(m);
+  KQSVD_CHECK(kqsvd_proj_has_head_ranks(r, m), KQSVD_ERR_BUG,
+              "%s: group '/%s' has no per-head ranks", r->path, g);
+  KQSVD_MALLOC(layer, (size_t)(2 * L), "ranks");
+  /* Read 64 bits wide, so that a message quotes a large value as stored
+   * rather than as HDF5 clamps it to 32 bits. */
+  KQSVD_MALLOC(wide, (size_t)(L * H), "per-head ranks");
+  KQSVD_CALL(kqsvd_proj_read_ranks(r, m, layer, layer + L));
+  for (int side = 0; side < 2; side++) {
+    char full[96];
+    int32_t *v = side ? rank_v_heads : rank_k_heads;
+    const char *name = side ? "rank_v" : "rank_k";
+    snprintf(full, sizeof full, "%s/%s_heads", g, name);
+    KQSVD_H5_ID(ds, H5Dopen2(r->file, full, H5P_DEFAULT));
+    KQSVD_H5(H5Dread(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide));
+    kqsvd_h5_close(&ds);
+    for (int64_t l = 0; l < L; l++) {
+      int32_t top = 0;
+      for (int64_t h = 0; h < H; h++) {
+        const int64_t x = wide[l * H + h];
+        KQSVD_CHECK(x >= 1 && x <= d, KQSVD_ERR_INPUT,
+                    "%s: dataset '%s': layer %lld, KV head %lld has rank %lld, outside [1, "
+                    "head_dim = %lld]",
+                    r->path, full, (long long)l, (long long)h, (long long)x, (long long)d);
+        v[l * H + h] = (int32_t)x;
+        top = (int32_t)x > top ? (int32_t)x : top;
+      }
+      /* A reader of the per-layer form alone must still keep every head's
+       * columns, so the per-layer rank is the heads' maximum, no more. */
+      KQSVD_CHECK(layer[side * L + l] == top, KQSVD_ERR_INPUT,
+                  "%s: dataset '%s/%s': layer %lld has rank %d, but the largest of its KV heads' "
+                  "ranks in '%s' is %d (they must be equal)",
+                  r->path, g, name, (long long)l, layer[side * L + l], full, top);
+    }
+  }
+done:
+  if (st != KQSVD_OK) kqsvd_error_context(r->path);
+  kqsvd_h5_close(&ds);
+  free(layer);
+  free(wide);
   return st;
 }

@@ -33,6 +33,13 @@ static void put_metrics(FILE *f, const double *v) {
     fprintf(f, "%s\"%s\": %.17g", k ? ", " : "", kqsvd_metric_name(k), v[k]);
 }
 
+/* "key": [a, b, ...] of n ints and ", " after it. */
+static void put_ints(FILE *f, const char *key, const int32_t *v, int n) {
+  fprintf(f, "\"%s\": [", key);
+  for (int k = 0; k < n; k++) fprintf(f, "%s%d", k ? ", " : "", v[k]);
+  fprintf(f, "], ");
+}
+
 static void put_report(FILE *f, const kqsvd_report_t *r) {
   fprintf(f, "{\n  \"model\": ");
   kqsvd_json_put_string(f, r->model);
@@ -50,6 +57,11 @@ static void put_report(FILE *f, const kqsvd_report_t *r) {
     for (int l = 0; l < r->layers; l++) {
       fprintf(f, "        {\"layer\": %d, \"rank_k\": %d, \"rank_v\": %d, ", l,
               r->rank_k[m * r->layers + l], r->rank_v[m * r->layers + l]);
+      if (r->rank_k_heads && r->heads[m]) {
+        const size_t at = ((size_t)m * r->layers + l) * r->kv_heads;
+        put_ints(f, "rank_k_heads", r->rank_k_heads + at, r->kv_heads);
+        put_ints(f, "rank_v_heads", r->rank_v_heads + at, r->kv_heads);
+      }
       put_metrics(f, r->err + ((size_t)m * r->layers + l) * KQSVD_NMETRICS);
       fprintf(f, "}%s\n", l + 1 < r->layers ? "," : "");
     }

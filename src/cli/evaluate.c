@@ -118,6 +118,11 @@ static void print_table(const kqsvd_eval_result_t *res) {
   printf("%s: %s tokens in %lld sequence%s, %d layers, ranks %s of d = %lld%s\n", r->model, tok,
          (long long)r->sequences, r->sequences == 1 ? "" : "s", L, r->rank_policy,
          (long long)res->head_dim, r->causal ? ", causal" : "");
+  int per_head = 0;
+  for (int m = 0; m < KQSVD_NMETHODS; m++) per_head |= r->rank_k_heads && r->heads[m];
+  if (per_head)
+    printf("ranks per KV head: rank_k and rank_v below are each layer's largest; --json lists "
+           "every head's\n");
   const char *rk = same ? "rank_k rank_v" : "rank_k/rank_v: kqsvd ksvd eigen";
   const int w = (int)strlen(rk);
   /* Each block of three columns is 27 wide after a 2-space gap. */

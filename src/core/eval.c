@@ -197,7 +197,8 @@ kqsvd_status_t kqsvd_eval_group(kqsvd_eval_ws_t *ws, int g, const double *K, con
   for (int meth = 0; meth < KQSVD_NMETHODS; meth++) {
     const double *A = L->proj[meth][0] + g * d * d, *B = L->proj[meth][1] + g * d * d;
     const double *Av = L->proj[meth][2] + g * d * d, *Bv = L->proj[meth][3] + g * d * d;
-    const int64_t rk = L->rank_k[meth], rv = L->rank_v[meth];
+    const int64_t rk = L->rank_k_heads[meth] ? L->rank_k_heads[meth][g] : L->rank_k[meth];
+    const int64_t rv = L->rank_v_heads[meth] ? L->rank_v_heads[meth][g] : L->rank_v[meth];
     double *num = sums->num[meth];
     /* Only the first nk keys and values are ever looked at. */
     gemm(CblasNoTrans, nk, rk, d, 1.0, K, d, A, d, 0.0, ws->KA, rk);

@@ -36,11 +36,15 @@ double kqsvd_eval_ratio(const kqsvd_eval_sums_t *s, int method, int metric);
 
 /* One layer as the evaluation sees it: projections proj[m][k] for method m
  * and k = key_down, query_down, value_down, value_up, each [Hkv][d][d] as
- * in proj.h5, cut to the ranks rank_k[m] / rank_v[m]; o_proj [D][Hq*d]. */
+ * in proj.h5, cut to the ranks rank_k[m] / rank_v[m]; o_proj [D][Hq*d].
+ * Where rank_k_heads[m] and rank_v_heads[m] are not NULL ([Hkv] each), KV
+ * head g of method m is cut to its own ranks rank_k_heads[m][g] and
+ * rank_v_heads[m][g] instead (per-head ranks, docs/formats.md 5.3). */
 typedef struct kqsvd_eval_layer {
   int heads, kv_heads, d, hidden, causal;
   const double *proj[KQSVD_NMETHODS][4];
   int rank_k[KQSVD_NMETHODS], rank_v[KQSVD_NMETHODS];
+  const int32_t *rank_k_heads[KQSVD_NMETHODS], *rank_v_heads[KQSVD_NMETHODS];
   const double *o_proj;
 } kqsvd_eval_layer_t;
 

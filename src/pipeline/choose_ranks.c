@@ -1,8 +1,11 @@
 /* kqsvd_proj_choose_ranks: the one place where `evaluate --ranks` and
- * `ranks --ranks` choose ranks from a projections file's stored spectra. */
+ * `ranks --ranks` choose ranks from a projections file's stored spectra;
+ * kqsvd_proj_choose_head_ranks: the stored per-head ranks both use
+ * without --ranks. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kqsvd_pipeline.h"
 
@@ -44,5 +47,36 @@ kqsvd_status_t kqsvd_proj_choose_ranks(kqsvd_proj_reader_t *proj, const kqsvd_ra
   kqsvd_rank_policy_format(policy, policy_buf, n);
 done:
   free(sig);
+  return st;
+}
+
+kqsvd_status_t kqsvd_proj_choose_head_ranks(kqsvd_proj_reader_t *proj, int32_t **head_k,
+                                            int32_t **head_v, int *has) {
+  kqsvd_status_t st = KQSVD_OK;
+  const kqsvd_dims_t *dims = kqsvd_proj_dims(proj);
+  const size_t per = (size_t)dims->layers * (size_t)dims->kv_heads;
+  int any = 0;
+  *head_k = *head_v = NULL;
+  for (int m = 0; m < KQSVD_NMETHODS; m++) {
+    has[m] = kqsvd_proj_has_head_ranks(proj, (kqsvd_method_t)m);
+    any |= has[m];
+  }
+  /* Files without the extension allocate nothing: callers take NULL for
+   * "per layer", which keeps their outputs exactly as before. */
+  if (!any) goto done;
+  KQSVD_MALLOC(*head_k, KQSVD_NMETHODS * per, "per-head ranks");
+  KQSVD_MALLOC(*head_v, KQSVD_NMETHODS * per, "per-head ranks");
+  memset(*head_k, 0, KQSVD_NMETHODS * per * sizeof **head_k);
+  memset(*head_v, 0, KQSVD_NMETHODS * per * sizeof **head_v);
+  for (int m = 0; m < KQSVD_NMETHODS; m++)
+    if (has[m])
+      KQSVD_CALL(kqsvd_proj_read_head_ranks(proj, (kqsvd_method_t)m, *head_k + m * per,
+                                            *head_v + m * per));
+done:
+  if (st != KQSVD_OK) {
+    free(*head_k);
+    free(*head_v);
+    *head_k = *head_v = NULL;
+  }
   return st;
 }

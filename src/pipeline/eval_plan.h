@@ -24,6 +24,10 @@ typedef struct evaluation {
   int64_t *seq_shard, *seq_off, *seq_len; /* [nseq]: shard, first row, length */
   size_t elem_max;                        /* widest element type of the inputs */
   int32_t *rank_k, *rank_v;               /* [KQSVD_NMETHODS][L] */
+  /* The stored per-head ranks, [KQSVD_NMETHODS][L][Hkv], of the methods
+   * with has_heads[m]; NULL when none has them or under --ranks. */
+  int32_t *head_k, *head_v;
+  int has_heads[KQSVD_NMETHODS];
   char policy[96];
   /* plan: work units are (layer, sequence, block of query rows) in that
    * order; this rank takes the contiguous range [u0, u1) */

@@ -71,9 +71,14 @@ static kqsvd_status_t load_layer(run_t *r, int64_t l) {
     KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld",
                 e->cfg.model_path, (long long)l, (long long)(row + bad / hd));
   }
+  const int64_t H = e->dims.kv_heads;
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     r->layer.rank_k[m] = e->rank_k[m * L + l];
     r->layer.rank_v[m] = e->rank_v[m * L + l];
+    /* NULL keeps the per-layer ranks, so files without per-head ranks are
+     * evaluated exactly as before. */
+    r->layer.rank_k_heads[m] = e->has_heads[m] ? e->head_k + (m * L + l) * H : NULL;
+    r->layer.rank_v_heads[m] = e->has_heads[m] ? e->head_v + (m * L + l) * H : NULL;
   }
   r->cur_layer = l;
 done:

@@ -67,9 +67,10 @@ done:
   return st;
 }
 
-/* The stored ranks, or those of --ranks from the stored spectra
- * (kqsvd_proj_choose_ranks, shared with `kqsvd ranks`).  Every rank
- * computes the same (deterministic, from the same file). */
+/* The stored ranks (per KV head where the file has them), or those of
+ * --ranks from the stored spectra (kqsvd_proj_choose_ranks, shared with
+ * `kqsvd ranks`).  Every rank computes the same (deterministic, from the
+ * same file). */
 static kqsvd_status_t choose_ranks(evaluation_t *e) {
   kqsvd_status_t st = KQSVD_OK;
   const size_t n = (size_t)KQSVD_NMETHODS * (size_t)e->dims.layers;
@@ -77,6 +78,8 @@ static kqsvd_status_t choose_ranks(evaluation_t *e) {
   KQSVD_MALLOC(e->rank_v, n, "ranks");
   KQSVD_CALL(kqsvd_proj_choose_ranks(e->proj, e->cfg.ranks, e->rank_k,
                                      e->rank_v, e->policy, sizeof e->policy));
+  if (!e->cfg.ranks)
+    KQSVD_CALL(kqsvd_proj_choose_head_ranks(e->proj, &e->head_k, &e->head_v, e->has_heads));
 done:
   return st;
 }
@@ -146,6 +149,8 @@ void kqsvd_eval_result_free(kqsvd_eval_result_t *res) {
   kqsvd_report_t *r = &res->report;
   free((void *)r->rank_k);
   free((void *)r->rank_v);
+  free((void *)r->rank_k_heads);
+  free((void *)r->rank_v_heads);
   free((void *)r->err);
   free((void *)r->model);
   free((void *)r->rank_policy);
@@ -173,11 +178,25 @@ static kqsvd_status_t fill_result(evaluation_t *e, kqsvd_eval_result_t *res) {
   memcpy(model, e->dims.model, strlen(e->dims.model) + 1);
   memcpy(policy, e->policy, strlen(e->policy) + 1);
   res->head_dim = e->d;
-  res->report = (kqsvd_report_t){model, e->tokens, e->nseq, (int)e->dims.layers, e->rank_k, e->rank_v,
-                        e->err, e->cfg.proj_path, policy, kqsvd_proj_beta(e->proj),
-                        (int)e->dims.causal, kqsvd_proj_tokens(e->proj)};
+  res->report = (kqsvd_report_t){.model = model,
+                                 .tokens = e->tokens,
+                                 .sequences = e->nseq,
+                                 .layers = (int)e->dims.layers,
+                                 .rank_k = e->rank_k,
+                                 .rank_v = e->rank_v,
+                                 .err = e->err,
+                                 .proj = e->cfg.proj_path,
+                                 .rank_policy = policy,
+                                 .beta = kqsvd_proj_beta(e->proj),
+                                 .causal = (int)e->dims.causal,
+                                 .calib_tokens = kqsvd_proj_tokens(e->proj),
+                                 .kv_heads = (int)e->dims.kv_heads,
+                                 .rank_k_heads = e->head_k,
+                                 .rank_v_heads = e->head_v};
+  for (int m = 0; m < KQSVD_NMETHODS; m++) res->report.heads[m] = e->head_k && e->has_heads[m];
   model = policy = NULL;
   e->rank_k = e->rank_v = NULL;
+  e->head_k = e->head_v = NULL;
   e->err = NULL;
 done:
   free(model);
@@ -215,6 +234,8 @@ done:
   free(e.seq_len);
   free(e.rank_k);
   free(e.rank_v);
+  free(e.head_k);
+  free(e.head_v);
   free(e.err);
   return st;
 }

@@ -133,6 +133,16 @@ kqsvd_status_t kqsvd_proj_choose_ranks(kqsvd_proj_reader_t *proj, const kqsvd_ra
                                        int32_t *rank_k, int32_t *rank_v, char *policy_buf,
                                        size_t n);
 
+/* The stored per-(layer, KV head) ranks (docs/formats.md 5.3) that
+ * `evaluate` and `ranks` use without --ranks.  has[m] (KQSVD_NMETHODS
+ * entries) says which methods hold them.  When one does, *head_k and
+ * *head_v are new [KQSVD_NMETHODS][L][Hkv] arrays (rows of methods without
+ * them are zero; free them); when none does, both are NULL.  Not
+ * collective.  Errors: those of kqsvd_proj_read_head_ranks (KQSVD_ERR_INPUT
+ * naming the file and dataset), _NOMEM. */
+kqsvd_status_t kqsvd_proj_choose_head_ranks(kqsvd_proj_reader_t *proj, int32_t **head_k,
+                                            int32_t **head_v, int *has);
+
 /* Checks file arguments before any work: no input given twice (its rows
  * would count twice) and no output that is one of the inputs (the final
  * rename would replace it).  The inputs are `named` (named_opts[i] gives

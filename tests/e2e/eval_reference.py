@@ -45,8 +45,14 @@ def rel(num, den):
     return 1.0 if num > 0 else 0.0
 
 
+def head_rank(r, g):
+    """Rank of KV head g: r is the layer's rank, or a list with one per KV head."""
+    return int(r) if np.ndim(r) == 0 else int(r[g])
+
+
 def layer_errors(K, V, Q, O, proj, l, ranks, causal):
-    """Errors of one sequence in layer l: {method: {metric: value}}."""
+    """Errors of one sequence in layer l: {method: {metric: value}}.  ranks:
+    {method: (rank_k, rank_v)}, each an int or a list of one per KV head."""
     Hkv, d = K.shape[1], K.shape[3]
     Hq = Q.shape[1]
     m = Hq // Hkv
@@ -65,10 +71,10 @@ def layer_errors(K, V, Q, O, proj, l, ranks, causal):
         den["err_v"] += (V[l, g] ** 2).sum()
     den["err_out"] = (exact ** 2).sum()
     for meth in METHODS:
-        rk, rv = ranks[meth]
         num = dict.fromkeys(METRICS, 0.0)
         approx = 0.0
         for g in range(Hkv):
+            rk, rv = (head_rank(r, g) for r in ranks[meth])
             A = proj[meth]["key_down"][l, g][:, :rk]
             B = proj[meth]["query_down"][l, g][:, :rk]
             Av = proj[meth]["value_down"][l, g][:, :rv]
@@ -95,7 +101,8 @@ def load_proj_mats(path):
 
 
 def evaluate(model, proj_path, shards, ranks):
-    """ranks: {method: [(rank_k, rank_v) per layer]}.  Returns
+    """ranks: {method: [(rank_k, rank_v) per layer]}, each an int or a list
+    of one per KV head (per-head ranks, docs/formats.md 5.3).  Returns
     {method: {"layers": [{metric: value}], "mean": {metric: value}}}."""
     O = load_oproj(model)
     proj = load_proj_mats(proj_path)
@@ -118,7 +125,10 @@ def evaluate(model, proj_path, shards, ranks):
 
 
 def report_ranks(report):
-    return {m: [(x["rank_k"], x["rank_v"]) for x in report["methods"][m]["layers"]]
+    """{method: [(rank_k, rank_v) per layer]} as the report evaluated them:
+    the lists rank_k_heads / rank_v_heads where it has them, else ints."""
+    return {m: [(x.get("rank_k_heads", x["rank_k"]), x.get("rank_v_heads", x["rank_v"]))
+                for x in report["methods"][m]["layers"]]
             for m in METHODS}
 
 

@@ -272,6 +272,40 @@ def catalogue(info):
     add("proj-rank_policy-1MiB", "proj", "any", lambda f, _c: set_attr(f, "rank_policy", "e" * (1 << 20)))
     add("proj-format-cache", "proj", "refuse", lambda f, _c: set_attr(f, "kqsvd_format", "cache"))
 
+    # Per-head ranks (docs/formats.md 5.3): a valid pair is evaluated, each
+    # kind of bad one refused naming the file.
+    def heads(edit=None, group="kqsvd"):
+        def m(f, _c):
+            L, H, d = (int(f.attrs[k]) for k in ("num_layers", "num_kv_heads", "head_dim"))
+            rk = (np.arange(L * H).reshape(L, H) % d + 1).astype(np.int64)
+            rv = (d - np.arange(L * H).reshape(L, H) % d).astype(np.int64)
+            replace(f, f"{group}/rank_k_heads", rk)
+            replace(f, f"{group}/rank_v_heads", rv)
+            f[group]["rank_k"][...] = rk.max(1)
+            f[group]["rank_v"][...] = rv.max(1)
+            if edit:
+                edit(f, f"{group}/rank_k_heads", rk)
+        return m
+    add("proj-heads-valid", "proj", "same", heads())
+    add("proj-heads-valid-eigen", "proj", "same", heads(group="eigen"))
+    for v in (0, -1, 9, 1 << 40, -(1 << 62)):
+        def one(v):
+            def e(f, name, rk):
+                rk = rk.copy()
+                rk[-1, -1] = v
+                replace(f, name, rk)
+            return e
+        add(f"proj-heads-{v}", "proj", "refuse", heads(one(v)))
+    add("proj-heads-single", "proj", "refuse",
+        heads(lambda f, _n, _r: f.__delitem__("kqsvd/rank_v_heads")))
+    add("proj-heads-shape", "proj", "refuse",
+        heads(lambda f, n, rk: replace(f, n, np.concatenate([rk, rk[:, :1]], 1))))
+    add("proj-heads-3d", "proj", "refuse", heads(lambda f, n, rk: replace(f, n, rk[None])))
+    add("proj-heads-float", "proj", "refuse",
+        heads(lambda f, n, rk: replace(f, n, rk.astype(np.float64))))
+    add("proj-heads-not-max", "proj", "refuse",
+        heads(lambda f, n, rk: f["kqsvd/rank_k"].__setitem__(0, int(rk[0].max()) - 1)))
+
     # --- checkpoints (resume) ---
     def ck_attr(name, value, dtype=None):
         return lambda f, _c: set_attr(f, name, value, dtype)
