@@ -9,11 +9,11 @@
 numpy and h5py suffice for load_projections; compress and
 export_safetensors need torch (and transformers' models)."""
 from .errors import KqsvdError, UsageError
-from .projections import METHODS, Projections, load_projections, policy_ranks
+from .projections import METHODS, Projections, load_projections, policy_ranks, save_ranks
 
 __version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
-           "policy_ranks", "compress", "fold_o_proj", "cache_bytes", "probe_errors",
+           "policy_ranks", "save_ranks", "compress", "fold_o_proj", "cache_bytes", "probe_errors",
            "export_safetensors", "read_dataset"]
 
 

@@ -41,6 +41,22 @@ class LayerProjection:
         self.Av = t(proj.value_down[layer])                                  # [Hkv, d, rv]
         self.BvT = t(proj.value_up[layer]).transpose(1, 2).repeat_interleave(g, 0)  # [Hq, rv, d]
         self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads) if fold else None
+        # Heads with ranks of their own: the cache holds each KV head's own
+        # columns side by side, [b, 1, T, sum of ranks], not the widest.
+        self.ragged = proj.per_head(layer)
+        if self.ragged:
+            rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
+            self.rk, self.rv = [int(x) for x in rk], [int(x) for x in rv]
+            self.ko = [0] + list(torch.tensor(self.rk).cumsum(0).tolist())
+            self.vo = [0] + list(torch.tensor(self.rv).cumsum(0).tolist())
+            self.A = [self.A[j, :, :r] for j, r in enumerate(self.rk)]
+            self.Bq = [t(proj.query_down[layer][j, :, :r]) for j, r in enumerate(self.rk)]
+            self.Av = [self.Av[j, :, :r] for j, r in enumerate(self.rv)]
+            self.BvT = [t(proj.value_up[layer][j, :, :r]).T for j, r in enumerate(self.rv)]
+            if self.o_folded is not None:  # each head's own columns of the padded fold
+                wide = int(rv.max())
+                cols = [h * wide + c for h in range(heads) for c in range(self.rv[h // g])]
+                self.o_folded = self.o_folded[:, cols]
         if self.o_folded is not None:
             self.o_folded = self.o_folded.to(dtype=dtype, device=device)
 
@@ -103,34 +119,45 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_k
     v = self.v_proj(hidden_states).view(b, T, hkv, d).transpose(1, 2)
     q, k = _rope(self, q, k, v, position_ids, position_embeddings, past_key_value, T)
     g = hq // hkv
-    kc, vc = k @ P.A, v @ P.Av                      # what the cache holds: [b, Hkv, T, r]
+    if P.ragged:
+        kc = torch.cat([k[:, j:j + 1] @ a for j, a in enumerate(P.A)], -1)   # [b, 1, T, sum rk]
+        vc = torch.cat([v[:, j:j + 1] @ a for j, a in enumerate(P.Av)], -1)
+    else:
+        kc, vc = k @ P.A, v @ P.Av                  # what the cache holds: [b, Hkv, T, r]
     if past_key_value is not None:
         kc, vc = past_key_value.update(kc, vc, self.layer_idx, {"cache_position": cache_position})
-    qc = q @ P.Bq                                   # [b, Hq, T, rk]
     mask = attention_mask[:, :, :, :kc.shape[-2]] if attention_mask is not None else None
 
-    def attend(qq, kk, vv):
-        s = qq @ kk.repeat_interleave(g, 1).transpose(2, 3)
+    def attend(qq, kk, vv, rep=g):
+        s = qq @ kk.repeat_interleave(rep, 1).transpose(2, 3)
         w = s / math.sqrt(d)
         if mask is not None:
             w = w + mask
         w = torch.nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(qq.dtype)
-        return s, w, w @ vv.repeat_interleave(g, 1)
+        return s, w, w @ vv.repeat_interleave(rep, 1)
 
-    s_c, w, oc = attend(qc, kc, vc)                 # oc: [b, Hq, T, rv]
+    if P.ragged:  # each KV group with its own ranks, its query heads together
+        parts = [attend(q[:, j * g:(j + 1) * g] @ P.Bq[j], kc[..., P.ko[j]:P.ko[j + 1]],
+                        vc[..., P.vo[j]:P.vo[j + 1]]) for j in range(hkv)]
+        s_c, w = torch.cat([x[0] for x in parts], 1), torch.cat([x[1] for x in parts], 1)
+        oc = torch.cat([x[2].transpose(1, 2).reshape(b, T, -1) for x in parts], -1)
+        heads = torch.cat([x[2] @ P.BvT[j] for j, x in enumerate(parts)], 1)
+    else:
+        s_c, w, oc = attend(q @ P.Bq, kc, vc)       # oc: [b, Hq, T, rv]
+        heads = oc @ P.BvT                          # back to [b, Hq, T, d]
+        oc = oc.transpose(1, 2).reshape(b, T, -1)
     if self._kqsvd_probe is not None:
-        return _probe(self, P, attend(q, k, v), s_c, oc, past_key_value, kc.shape[-2])
+        return _probe(self, attend(q, k, v), s_c, heads, past_key_value, kc.shape[-2])
     if P.o_folded is not None:
-        out = oc.transpose(1, 2).reshape(b, T, -1) @ P.o_folded.T
+        out = oc @ P.o_folded.T
         if self.o_proj.bias is not None:
             out = out + self.o_proj.bias
     else:
-        heads = oc @ P.BvT                          # back to [b, Hq, T, d]
         out = self.o_proj(heads.transpose(1, 2).reshape(b, T, hq * d))
     return out, (w if output_attentions else None), past_key_value
 
 
-def _probe(self, P, exact_attn, s_c, oc, past_key_value, keys):
+def _probe(self, exact_attn, s_c, heads_c, past_key_value, keys):
     """Probe mode: records the score and output errors of each sequence
     (err_kq and err_out, W^O without its bias as the contract has it) and
     returns the exact output, so the next layer sees the full model's."""
@@ -140,7 +167,7 @@ def _probe(self, P, exact_attn, s_c, oc, past_key_value, keys):
         raise KqsvdError("probe mode measures whole sequences; call the model without a cache")
     wo = self.o_proj.weight
     y = exact.transpose(1, 2).reshape(b, T, hq * d) @ wo.T
-    y_c = (oc @ P.BvT).transpose(1, 2).reshape(b, T, hq * d) @ wo.T
+    y_c = heads_c.transpose(1, 2).reshape(b, T, hq * d) @ wo.T
     for i in range(b):
         self._kqsvd_probe.append((
             float(((s[i] - s_c[i]) ** 2).sum() / (s[i] ** 2).sum()),

@@ -23,10 +23,13 @@ MATRICES = ("key_down", "query_down", "value_down", "value_up")
 
 @dataclass
 class Projections:
-    """One method's projections, cut at per-layer ranks.
+    """One method's projections, cut at per-(layer, KV head) ranks.
 
-    key_down[l], query_down[l]: float64 [Hkv, d, rank_k[l]] (A and B);
-    value_down[l], value_up[l]: float64 [Hkv, d, rank_v[l]] (A_v and B_v).
+    rank_k_heads, rank_v_heads: int [L, Hkv], each head's ranks; rank_k,
+    rank_v: [L], each layer's largest.  key_down[l], query_down[l]: float64
+    [Hkv, d, rank_k[l]] (A and B); value_down[l], value_up[l]: float64
+    [Hkv, d, rank_v[l]] (A_v and B_v); a head's columns past its own rank
+    are zero, so the padded matrices compute the same as each head's own.
     Compressed keys are K @ A, queries q @ B, values V @ A_v, and each query
     head h of KV group g uses B_v[g]^T W^O_h in place of W^O_h."""
     path: str
@@ -44,14 +47,22 @@ class Projections:
     query_down: List[np.ndarray] = field(repr=False)
     value_down: List[np.ndarray] = field(repr=False)
     value_up: List[np.ndarray] = field(repr=False)
+    rank_k_heads: np.ndarray = None
+    rank_v_heads: np.ndarray = None
 
     def sizes(self):
         return {k: getattr(self, k) for k in h5io.SIZE_ATTRS}
 
+    def per_head(self, layer):
+        """Whether the heads of `layer` have ranks of their own (not all alike)."""
+        return bool((self.rank_k_heads[layer] != self.rank_k[layer]).any() or
+                    (self.rank_v_heads[layer] != self.rank_v[layer]).any())
+
     def cache_kept(self):
-        """The fraction of the full KV cache kept: sum(rank_k + rank_v) / (2 d L)."""
-        return float((self.rank_k.sum() + self.rank_v.sum()) /
-                     (2 * self.head_dim * self.num_layers))
+        """The fraction of the full KV cache kept: the sum over layers and KV
+        heads of (rank_k + rank_v) / (2 d L Hkv)."""
+        return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
+                     (2 * self.head_dim * self.num_layers * self.num_kv_heads))
 
 
 def kqsvd_binary():
@@ -91,33 +102,62 @@ def policy_ranks(path, policy=None):
     return json.loads(p.stdout)
 
 
-def _rank_lists(ranks, L, d, path, method):
-    """Normalises the `ranks` argument of load_projections to two int arrays."""
+def _rank_lists(ranks, L, H, d, path):
+    """Normalises the `ranks` argument of load_projections to two int arrays
+    [L, Hkv]: per layer (broadcast over the heads) or per head."""
     if isinstance(ranks, (int, np.integer)):
         rk = rv = np.full(L, int(ranks))
     elif isinstance(ranks, dict):
-        rk, rv = np.asarray(ranks["rank_k"]), np.asarray(ranks["rank_v"])
-    elif isinstance(ranks, tuple) and len(ranks) == 2 and np.ndim(ranks[0]) == 1:
+        rk = np.asarray(ranks.get("rank_k_heads", ranks["rank_k"]))
+        rv = np.asarray(ranks.get("rank_v_heads", ranks["rank_v"]))
+    elif isinstance(ranks, tuple) and len(ranks) == 2 and np.ndim(ranks[0]) in (1, 2):
         rk, rv = np.asarray(ranks[0]), np.asarray(ranks[1])
     else:
         rk = rv = np.asarray(ranks)
+    out = []
     for name, r in (("rank_k", rk), ("rank_v", rv)):
-        if r.shape != (L,) or not np.issubdtype(r.dtype, np.integer):
-            raise UsageError(f"ranks for {path}: {name} must be {L} whole numbers, one per layer "
-                             f"(got {r.tolist()!r})")
-        bad = [int(x) for x in r if not 0 <= x <= d]
+        if r.shape == (L,):
+            r = np.repeat(r[:, None], H, 1)
+        if r.shape != (L, H) or not np.issubdtype(r.dtype, np.integer):
+            raise UsageError(f"ranks for {path}: {name} must be {L} whole numbers, one per layer, "
+                             f"or [{L}, {H}], one per layer and KV head (got {r.tolist()!r})")
+        bad = [int(x) for x in r.ravel() if not 0 <= x <= d]
         if bad:
             raise UsageError(f"ranks for {path}: {name} = {bad[0]} is outside 0..head_dim = {d}")
-    return rk.astype(np.int64), rv.astype(np.int64)
+        out.append(r.astype(np.int64))
+    return out
+
+
+def _stored_ranks(f, path, method, L, H):
+    """The ranks stored in the file: per head where the group carries
+    rank_k_heads/rank_v_heads (docs/formats.md section 5.3), else per layer."""
+    g = f[method]
+    if ("rank_k_heads" in g) != ("rank_v_heads" in g):
+        raise KqsvdError(f"{path}: group '{method}' has only one of rank_k_heads and rank_v_heads")
+    if "rank_k_heads" not in g:
+        return g["rank_k"][...].astype(np.int64), g["rank_v"][...].astype(np.int64)
+    heads = []
+    for side in ("k", "v"):
+        ds = g[f"rank_{side}_heads"]
+        if ds.shape != (L, H) or not np.issubdtype(ds.dtype, np.integer):
+            raise KqsvdError(f"{path}: dataset '{method}/rank_{side}_heads' must be integers of "
+                             f"shape [{L}, {H}], not {ds.dtype} {list(ds.shape)}")
+        r = ds[...].astype(np.int64)
+        if not np.array_equal(g[f"rank_{side}"][...].astype(np.int64), r.max(1)):
+            raise KqsvdError(f"{path}: dataset '{method}/rank_{side}' is not each layer's largest "
+                             f"'{method}/rank_{side}_heads'")
+        heads.append(r)
+    return tuple(heads)
 
 
 def load_projections(path, method="kqsvd", ranks=None):
     """Reads one method's projections from proj.h5.
 
-    ranks: None for the ranks stored in the file; an int for that rank in
-    every layer; a policy string ("eps:0.1", "fixed:16", "budget:0.25")
-    resolved by `kqsvd ranks`; a list of L ints (keys and values alike); a
-    pair (rank_k list, rank_v list) or a dict with those keys.
+    ranks: None for the ranks stored in the file (per head where it has
+    them); an int for that rank everywhere; a policy string ("eps:0.1",
+    "fixed:16", "budget:0.25") resolved by `kqsvd ranks`; a list of L ints
+    (keys and values alike); a pair (rank_k, rank_v) of [L] or [L, Hkv]
+    arrays, or a dict with keys rank_k/rank_v (or rank_k_heads/rank_v_heads).
     Returns a Projections.  Raises KqsvdError naming the file and field for
     a bad file, UsageError for an unknown method or impossible ranks."""
     if method not in METHODS:
@@ -134,24 +174,59 @@ def load_projections(path, method="kqsvd", ranks=None):
         if isinstance(ranks, str):
             policy = ranks
             got = policy_ranks(path, ranks)["methods"][method]
-            rk, rv = _rank_lists((got["rank_k"], got["rank_v"]), L, d, path, method)
+            rk, rv = _rank_lists((got["rank_k"], got["rank_v"]), L, H, d, path)
         elif ranks is None:
             policy = str(h5io.attr(f, "rank_policy", "") or "stored")
-            rk, rv = _rank_lists((f[f"{method}/rank_k"][...].astype(np.int64),
-                                  f[f"{method}/rank_v"][...].astype(np.int64)), L, d, path, method)
+            rk, rv = _rank_lists(_stored_ranks(f, path, method, L, H), L, H, d, path)
         else:
-            rk, rv = _rank_lists(ranks, L, d, path, method)
-            policy = "fixed:%d" % rk[0] if len(set(rk) | set(rv)) == 1 else "per-layer"
+            rk, rv = _rank_lists(ranks, L, H, d, path)
+            policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
+                      else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
+                      else "per-layer")
         mats = {}
         for n in MATRICES:
             ds, r = f[f"{method}/{n}"], rk if n.startswith(("key", "query")) else rv
-            mats[n] = [np.ascontiguousarray(ds[l, :, :, :int(r[l])], dtype=np.float64)
-                       for l in range(L)]
-            for l, m in enumerate(mats[n]):
+            mats[n] = []
+            for l in range(L):
+                m = np.array(ds[l, :, :, :int(r[l].max())], dtype=np.float64)
+                for g in range(H):
+                    m[g, :, r[l, g]:] = 0.0
                 if not np.isfinite(m).all():
                     raise KqsvdError(f"{path}: dataset '{method}/{n}': NaN or Inf at layer {l}")
+                mats[n].append(m)
         return Projections(path=path, method=method, policy=policy,
-                           model=str(h5io.attr(f, "model", "")), rank_k=rk, rank_v=rv, **s, **mats)
+                           model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
+                           rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, **s, **mats)
+
+
+def save_ranks(src, dst, ranks, policy):
+    """Writes a copy of the projections file `src` to `dst` whose stored
+    ranks are `ranks`: {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, as
+    per-head datasets with the per-layer ones their maxima, and whose
+    rank_policy is `policy` (docs/formats.md section 5.3).  Methods not in
+    `ranks` keep theirs.  Written under a temporary name and renamed."""
+    import h5py
+    from .files import write_atomic
+    with h5io.open_file(src, "projections") as f:
+        s = h5io.sizes(f, src)
+    L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
+    checked = {m: _rank_lists(r, L, H, d, src) for m, r in ranks.items()}
+    for m, (rk, rv) in checked.items():
+        if m not in METHODS or min(rk.min(), rv.min()) < 1:
+            raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
+
+    def write(tmp):
+        shutil.copyfile(src, tmp)
+        with h5py.File(tmp, "r+") as f:
+            for m, (rk, rv) in checked.items():
+                for side, r in (("k", rk), ("v", rv)):
+                    for name, data in ((f"rank_{side}_heads", r), (f"rank_{side}", r.max(1))):
+                        if name in f[m]:
+                            del f[m][name]
+                        f[m].create_dataset(name, data=data.astype(np.int32))
+            f.attrs["rank_policy"] = policy
+    write_atomic(dst, write)
+    return dst
 
 
 def check_sizes(proj_sizes, proj_path, model_sizes, model_path="the model"):

@@ -236,6 +236,8 @@ def run(a):
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
               "full": full, "results": []}
     for (pol, m, p), r in zip(pairs, results):
+        if any(p.per_head(l) for l in range(p.num_layers)):
+            r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
         r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
                  cache_kept=p.cache_kept(), cache_bytes_ratio=r["cache_bytes"] / full["cache_bytes"])
         report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |

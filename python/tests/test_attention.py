@@ -103,6 +103,76 @@ class Cache(unittest.TestCase):
             self.assertAlmostEqual(got / kqsvd.cache_bytes(fullc), proj.cache_kept())
 
 
+class PerHead(unittest.TestCase):
+    """Ranks of their own per (layer, KV head): the cache holds each head's
+    own columns, and the result equals the zero-padded matrices' (which
+    compute the same scores and outputs the slow way)."""
+
+    def ranks(self, info):
+        rng = np.random.default_rng(7)
+        shape = (info.num_layers, info.num_kv_heads)
+        return (rng.integers(1, info.head_dim + 1, shape), rng.integers(1, info.head_dim + 1, shape))
+
+    def test_ragged_equals_padded_and_cache_bytes(self):
+        c = Calibrated.get("llama")
+        model, tok, info = load_lm(c.model)
+        rk, rv = self.ranks(info)
+        ids = torch.from_numpy(windows(tok, 2, 24))
+        for m in kqsvd.METHODS:
+            proj = kqsvd.load_projections(c.proj, m, (rk, rv))
+            self.assertEqual(proj.policy, "per-head")
+            self.assertTrue(all(proj.per_head(l) for l in range(info.num_layers)))
+            with torch.no_grad():
+                kqsvd.compress(model, proj)
+                self.assertTrue(model.model.layers[0].self_attn._kqsvd.ragged)
+                step = model(input_ids=ids, use_cache=True)
+                ragged = step.logits
+                T = ids.shape[1]
+                self.assertEqual(kqsvd.cache_bytes(step.past_key_values),
+                                 4 * 2 * T * int(rk.sum() + rv.sum()))
+                for fold in (True, False):
+                    kqsvd.compress(model, proj, fold=fold)
+                    for layer in model.model.layers:  # the padded path, the same numbers
+                        P = layer.self_attn._kqsvd
+                        if not fold:
+                            layer.self_attn._kqsvd = padded(proj, layer, info, P)
+                    got = model(input_ids=ids).logits
+                    self.assertLess(rel(got, ragged), 1e-5, f"{m} fold={fold}")
+                kqsvd.compress(model, None)
+        self.assertAlmostEqual(proj.cache_kept(), (rk.sum() + rv.sum()) /
+                               (2 * info.head_dim * info.num_layers * info.num_kv_heads))
+
+    def test_stored_per_head_ranks_round_trip(self):
+        c = Calibrated.get("llama")
+        _, _, info = load_lm(c.model)
+        rk, rv = self.ranks(info)
+        out = os.path.join(c.wd, "per-head.h5")
+        kqsvd.save_ranks(c.proj, out, {"kqsvd": (rk, rv)}, "test:per-head")
+        p = kqsvd.load_projections(out, "kqsvd")
+        self.assertEqual(p.policy, "test:per-head")
+        np.testing.assert_array_equal(p.rank_k_heads, rk)
+        np.testing.assert_array_equal(p.rank_v, rv.max(1))
+        other = kqsvd.load_projections(out, "ksvd")  # untouched: per layer, as stored
+        np.testing.assert_array_equal(other.rank_k_heads[:, 0], other.rank_k)
+        import h5py
+        with h5py.File(out, "r+") as f:
+            f["kqsvd/rank_k"][0] += 1
+        with self.assertRaisesRegex(KqsvdError, "'kqsvd/rank_k' is not each layer's largest"):
+            kqsvd.load_projections(out, "kqsvd")
+
+
+def padded(proj, layer, info, ragged):
+    """A LayerProjection computing with the zero-padded per-layer matrices."""
+    from kqsvd.attention import LayerProjection
+    p = next(layer.parameters())
+    flat = kqsvd.load_projections(proj.path, proj.method, (proj.rank_k_heads, proj.rank_v_heads))
+    flat.rank_k_heads = np.repeat(flat.rank_k[:, None], info.num_kv_heads, 1)
+    flat.rank_v_heads = np.repeat(flat.rank_v[:, None], info.num_kv_heads, 1)
+    P = LayerProjection(flat, layer.self_attn.layer_idx, info.num_heads, p.dtype, p.device)
+    assert not P.ragged and ragged.ragged
+    return P
+
+
 class TiedToEvaluate(unittest.TestCase):
     def test_probe_equals_kqsvd_evaluate(self):
         c = Calibrated.get("llama")
