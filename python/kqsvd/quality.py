@@ -35,7 +35,11 @@ def parse(argv):
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
     ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
-                    "fixed:R, budget:F, or 'stored'")
+                    "fixed:R, budget:F, quality-budget:F, or 'stored'")
+    ap.add_argument("--calib-seqs", type=int, default=4,
+                    help="quality-budget: windows of the train split its ranks are fitted on [4]")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="quality-budget: refinement rounds (kqsvd.allocate) [6]")
     ap.add_argument("--split", choices=("train", "validation"), default="validation",
                     help="windows from the text's start (train) or end (validation) [validation]")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence [256]")
@@ -52,7 +56,9 @@ def parse(argv):
     ap.add_argument("--json", required=True, help="the report")
     ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
     a = ap.parse_args(argv)
-    for k in ("seq_len", "num_seqs"):
+    if a.rounds < 0:
+        ap.error("--rounds must be 0 or more")
+    for k in ("seq_len", "num_seqs", "calib_seqs"):
         if getattr(a, k) < (2 if k == "seq_len" else 1):
             ap.error(f"--{k.replace('_', '-')} must be at least {2 if k == 'seq_len' else 1}")
     a.policies = [p.strip() for p in a.ranks.split(",") if p.strip()]
@@ -76,17 +82,28 @@ def parse(argv):
     return a
 
 
-def resolve_policies(a, L):
-    """[(policy, method, Projections)] for every pair; UsageError on a bad policy."""
+def resolve_policies(a, L, quality=None):
+    """[(policy, method, Projections)] for every pair; UsageError on a bad
+    policy.  quality(F): {method: (rank_k, rank_v)} of quality-budget:F,
+    fitted on the model (kqsvd.allocate)."""
+    from .allocate import parse_policy
     pairs = []
     for pol in a.policies:
+        frac = parse_policy(pol)
+        if frac is not None:
+            if quality is None:
+                raise UsageError(f"--ranks {pol}: needs the model")
+            for m, r in quality(frac).items():
+                pairs.append((pol, m, load_projections(a.proj, m, r)))
+            continue
         got = policy_ranks(a.proj, None if pol == "stored" else pol)
         for m in a.methods:
             r = got["methods"][m]
             if len(r["rank_k"]) != L:
                 raise KqsvdError(f"{a.proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
             pairs.append((got["policy"] if pol == "stored" else pol, m,
-                          load_projections(a.proj, m, (r["rank_k"], r["rank_v"]))))
+                          load_projections(a.proj, m, (r.get("rank_k_heads", r["rank_k"]),
+                                                       r.get("rank_v_heads", r["rank_v"])))))
     return pairs
 
 
@@ -222,7 +239,16 @@ def run(a):
                          f"({', '.join(models.DECODERS)}), not '{info.model_type}'")
     check_sizes(psizes, a.proj, info.sizes(), a.model)
     models.check_positions(info, model.config, a.seq_len)
-    pairs = resolve_policies(a, info.num_layers)
+
+    def quality(frac):
+        from .allocate import allocate
+        cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs, "train",
+                                   bos=not a.no_bos)[0]
+        got = allocate(model, info, a.proj, frac, cal, a.methods, rounds=a.rounds,
+                       log=lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True))
+        return {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+
+    pairs = resolve_policies(a, info.num_layers, quality)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos)
     print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
@@ -231,7 +257,8 @@ def run(a):
     full, results = measure(a, model, seqs, pairs)
     report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
               "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
-              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "token_range": [start, start + seqs.size - bos * a.num_seqs], "bos": bos,
+              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "bos": bos,
+              "token_range": [start, start + seqs.size - bos * a.num_seqs],
               "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
               "full": full, "results": []}

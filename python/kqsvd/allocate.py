@@ -1,0 +1,443 @@
+"""python -m kqsvd.allocate: ranks per (layer, KV head) that spend a given
+fraction of the full KV cache where the model's loss needs it most (the
+policy quality-budget:F).
+
+The energy rules (eps:, budget:) look only at singular values, whose
+scales differ between keys and values and between layers; what a
+truncation costs the model depends on how its loss reacts.  Here each
+unit u (a layer's KV head, keys or values) gets a predicted cost of being
+cut to rank r, from one forward and backward pass per calibration window
+of the full model:
+
+    s_u(r) = sum over tokens t of (g_t . (x_t - x_t A_r B_r^T))^2
+
+where x_t is the unit's key (after RoPE) or value row, g_t the gradient of
+the windows' negative log-likelihood with respect to it, and A_r B_r^T the
+method's rank-r map (keys: scores q B_r (k A_r)^T = q (k A_r B_r^T)^T;
+values: V A_v B_v^T).  It is the squared first-order change of the loss,
+token by token (the empirical Fisher information along the truncation's
+direction), so a direction the queries never look at costs nothing, as
+for KQ-SVD it should.  The ranks minimising the sum of s_u(r_u) under the
+budget are found exactly for the convex hulls of the curves (segments
+taken by decreasing slope; ties by unit order, so the result is
+deterministic), each unit between 1 and head_dim.
+
+The model itself then decides: the allocation and the uniform one of the
+same budget are measured (KL to the full model on the calibration
+windows), the better is the start, and refine() moves columns between
+units by the first-order change of that KL at the allocation where it
+stands (the gradient of gates on every column), keeping a move only when
+the measured KL falls.  So the policy is never worse than uniform ranks on
+the text it was calibrated on."""
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from .errors import KqsvdError, UsageError
+
+PREFIX = "quality-budget:"
+
+
+def parse_policy(policy):
+    """The fraction F of 'quality-budget:F', or None for another policy.
+    Raises UsageError for F outside (0, 1]."""
+    if not policy.startswith(PREFIX):
+        return None
+    try:
+        f = float(policy[len(PREFIX):])
+    except ValueError:
+        f = float("nan")
+    if not 0.0 < f <= 1.0:
+        raise UsageError(f"--ranks {policy}: the fraction must be in (0, 1]")
+    return f
+
+
+def budget_ranks(fraction, units, d):
+    """The whole number of rank columns a fraction of the cache buys."""
+    total = int(round(fraction * units * d))
+    if total < units:
+        raise UsageError(f"{PREFIX}{fraction:g} buys {total} columns for {units} keys and values of "
+                         f"KV heads; each needs at least 1 (the least fraction is "
+                         f"{1.0 / d:.4g})")
+    return total
+
+
+def uniform(total, L, H):
+    """[2, L, H] ranks of one size everywhere, the remainder given to the
+    first units in order (keys before values, layer by layer)."""
+    n = 2 * L * H
+    r = np.full(n, total // n, dtype=np.int64)
+    r[:total % n] += 1
+    return r.reshape(2, L, H)
+
+
+def hull_segments(cost):
+    """The lower convex hull of a decreasing-ish curve cost[0..d-1] (cost of
+    rank 1..d) as segments (slope per column, columns), steepest first."""
+    pts = [(1, float(cost[0]))]
+    for r in range(2, len(cost) + 1):
+        pts.append((r, float(cost[r - 1])))
+    hull = []
+    for p in pts:
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (y2 - y1) * (p[0] - x1) >= (p[1] - y1) * (x2 - x1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    segs = []
+    for (x1, y1), (x2, y2) in zip(hull, hull[1:]):
+        gain = (y1 - y2) / (x2 - x1)
+        if gain <= 0:
+            break  # more columns buy nothing
+        segs.append((gain, x2 - x1))
+    return segs
+
+
+def allocate_costs(costs, total):
+    """costs: [U, d] predicted loss of each unit at ranks 1..d.  Returns
+    int ranks [U] with sum == total, 1 <= r <= d, minimising the sum of the
+    convexified costs."""
+    U, d = costs.shape
+    if not U <= total <= U * d:
+        raise UsageError(f"a budget of {total} columns for {U} units of 1..{d} columns each")
+    ranks = np.ones(U, dtype=np.int64)
+    left = total - U
+    segs = sorted(((-gain, u, k, n) for u in range(U)
+                   for k, (gain, n) in enumerate(hull_segments(costs[u]))))
+    for _, u, _, n in segs:
+        if left == 0:
+            break
+        take = min(n, left)
+        ranks[u] += take
+        left -= take
+    # Columns that buy nothing at all: spread over the units with room.
+    u = 0
+    while left > 0:
+        if ranks[u] < d:
+            ranks[u] += 1
+            left -= 1
+        u = (u + 1) % U
+    return ranks
+
+
+class Sensitivity:
+    """Accumulates s_u(r) for every method, unit and rank over windows."""
+
+    def __init__(self, projs, info):
+        self.info = info
+        self.mats = {}
+        for m, p in projs.items():
+            self.mats[m] = {"k": (p.key_down, p.query_down), "v": (p.value_down, p.value_up)}
+        L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+        self.cost = {m: np.zeros((2, L, H, d)) for m in projs}
+
+    def add(self, layer, kind, x, g, joint):
+        """x, g: float64 [b, H, T, d] rows and their loss gradients.  joint:
+        square each window's sum over tokens (the Fisher form, with
+        random-sign gradients), else each token's term."""
+        side = 0 if kind == "k" else 1
+        gx = (x * g).sum(-1)                                  # [b, H, T]
+        for m, mats in self.mats.items():
+            A, B = mats[kind][0][layer], mats[kind][1][layer]  # [H, d, d]
+            xa = np.einsum("bhtd,hde->bhte", x, A)
+            gb = np.einsum("bhtd,hde->bhte", g, B)
+            c = gx[..., None] - np.cumsum(xa * gb, -1)       # g.(x - x A_r B_r^T), r = 1..d
+            if joint:
+                self.cost[m][side, layer] += (c.sum(2) ** 2).sum(0)
+            else:
+                self.cost[m][side, layer] += (c ** 2).sum((0, 2))
+
+
+def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
+    """Forward and backward passes of the full model over the windows;
+    returns {method: costs [2, L, Hkv, d]}.  draws = 0: the gradient of
+    the windows' NLL, squared token by token; draws = n: n passes per batch
+    with next tokens sampled from the model and random signs per position,
+    whose squared sums estimate the Fisher quadratic form (the KL's second
+    order) without bias."""
+    import torch
+    from .capture import Capture
+    sens = Sensitivity(projs, info)
+    live = []
+
+    def sink(layer, kind, t):
+        if kind == "k" and t.requires_grad:
+            live.append((layer, kind, t))
+            t.retain_grad()
+
+    # Gradients for the activations only: the weights' would double the
+    # backward pass's work for nothing.
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    hooks = [model.get_input_embeddings().register_forward_hook(
+        lambda _m, _i, out: out.requires_grad_(True))]
+    for l, lay in enumerate(model.model.layers):  # the v_proj output the model uses
+        def vhook(_mod, _inp, out, l=l):
+            out.retain_grad()
+            live.append((l, "vraw", out))
+        hooks.append(lay.self_attn.v_proj.register_forward_hook(vhook))
+    cap = Capture(model.model, info.model_type, model.config, sink)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for i, _ in ((i, k) for i in range(0, len(seqs), batch) for k in range(max(draws, 1))):
+            ids = torch.from_numpy(seqs[i:i + batch]).to(next(model.parameters()).device)
+            live.clear()
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], -1)
+            if draws:
+                probs = logp.detach().exp().cpu()
+                y = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=gen)
+                sign = torch.randint(0, 2, y.shape, generator=gen).double() * 2 - 1
+                y = y.view(*probs.shape[:2], 1).to(logp.device)
+                loss = (logp.gather(2, y)[..., 0] * sign.view(probs.shape[:2]).to(logp)).sum()
+            else:
+                loss = -logp.gather(2, ids[:, 1:, None]).sum()
+            loss.backward()
+            for layer, kind, t in live:
+                g = t.grad
+                if kind == "vraw":
+                    b, T, _ = t.shape
+                    shape = (b, T, info.num_kv_heads, info.head_dim)
+                    x = t.detach().view(shape).transpose(1, 2)
+                    g = g.view(shape).transpose(1, 2)
+                    kind = "v"
+                else:
+                    x = t.detach()
+                sens.add(layer, kind, x.double().cpu().numpy(), g.double().cpu().numpy(),
+                         joint=draws > 0)
+    finally:
+        cap.close()
+        for h in hooks:
+            h.remove()
+        for p in params:
+            p.requires_grad_(True)
+    return sens.cost
+
+
+class Gates:
+    """Every layer's compressed attention at full width, each column of A
+    and A_v multiplied by a gate (1 kept, 0 cut): the gradient of the loss
+    with respect to the gates is the first-order change of the loss when a
+    unit gains or loses a column, at the allocation where it is taken."""
+
+    def __init__(self, model, proj_full, info):
+        import torch
+        from .attention import compress
+        compress(model, proj_full)
+        self.layers = [lay.self_attn._kqsvd for lay in model.model.layers]
+        self.A = [P.A.detach().clone() for P in self.layers]
+        self.Av = [P.Av.detach().clone() for P in self.layers]
+        L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+        self.mask = torch.zeros(2, L, H, d, dtype=self.A[0].dtype, device=self.A[0].device)
+
+    def set(self, ranks):
+        import torch
+        d = self.mask.shape[-1]
+        cols = torch.arange(d, device=self.mask.device)
+        r = torch.as_tensor(ranks, device=self.mask.device)
+        self.mask = (cols < r[..., None]).to(self.mask.dtype).requires_grad_(True)
+
+    def install(self):
+        for l, P in enumerate(self.layers):
+            P.A = self.A[l] * self.mask[0, l][:, None, :]
+            P.Av = self.Av[l] * self.mask[1, l][:, None, :]
+
+
+def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=None):
+    # The Fisher costs are a second-order guess made at the full model; at
+    # half the cache the model is far from it, and the gates' gradients
+    # measured where the allocation stands say better where a column pays.
+    """Moves columns between units while the measured KL to the full model
+    on the windows falls: each round takes the gates' gradients (one
+    forward and backward pass), pairs the units whose last column costs
+    least with those whose next column gains most, and keeps the move only
+    if the measured KL is lower (else halves the move).  The budget and the
+    bounds hold throughout.  Returns (ranks [2, L, H], KL)."""
+    import torch
+    from .attention import compress
+    from .projections import load_projections
+    d = info.head_dim
+    gates = Gates(model, load_projections(proj_path, method, d), info)
+    ranks = np.array(ranks, dtype=np.int64)
+
+    def kl_at(r, grad):
+        gates.set(r)
+        total, n = 0.0, 0
+        for i in range(0, len(seqs), 4):
+            gates.install()
+            ids = torch.from_numpy(seqs[i:i + 4]).to(gates.mask.device)
+            with torch.set_grad_enabled(grad):
+                logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1]
+                                         .double(), -1)
+                ref = full_logp[i // 4]
+                kl = (ref.exp() * (ref - logp)).sum()
+                if grad:
+                    kl.backward()
+            total += float(kl)
+            n += ref.shape[0] * ref.shape[1]
+        return total / n
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        best = kl_at(ranks, True)
+        step = max(1, ranks[0].size // 4)
+        for it in range(iters):
+            g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
+            flat = ranks.reshape(-1)
+            idx = np.arange(flat.size)
+            drop = np.where(flat > 1, -g[idx, np.maximum(flat - 1, 0)], np.inf)
+            add = np.where(flat < d, g[idx, np.minimum(flat, d - 1)], np.inf)
+            order_drop, order_add = np.argsort(drop, kind="stable"), np.argsort(add, kind="stable")
+            moved, trial, used = 0, flat.copy(), set()
+            for u, v in zip(order_drop, order_add):
+                if moved == step or drop[u] + add[v] >= 0:
+                    break
+                if u == v or u in used or v in used:
+                    continue
+                trial[u] -= 1
+                trial[v] += 1
+                used.update((u, v))
+                moved += 1
+            if moved == 0:
+                break
+            kl = kl_at(trial.reshape(ranks.shape), False)
+            if log:
+                log(f"{method}: round {it + 1} of {iters}: {moved} columns moved, KL {kl:.4f} "
+                    f"(was {best:.4f})")
+            if kl < best:
+                ranks, best = trial.reshape(ranks.shape), kl
+                kl_at(ranks, True)
+            else:
+                step = max(1, step // 2)
+                if moved == 1:
+                    break
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+        compress(model, None)
+    return ranks, best
+
+
+def kl_to_full(model, seqs, full_logp, batch=4):
+    """Mean KL(full || model) per predicted token over the windows."""
+    import torch
+    kl, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            ids = torch.from_numpy(seqs[i:i + batch]).to(next(model.parameters()).device)
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1]
+                                     .double(), -1)
+            ref = full_logp[i // batch]
+            kl += float((ref.exp() * (ref - logp)).sum())
+            n += ref.shape[0] * ref.shape[1]
+    return kl / max(n, 1)
+
+
+def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6, log=None):
+    """Quality-aware ranks for each method: {method: dict(rank_k [L, H],
+    rank_v [L, H], start ("fisher" or "uniform"), kl_fisher, kl_uniform,
+    kl)}, kl being the final allocation's KL to the full model on the
+    windows (never above the other two).  model: the causal LM
+    (kqsvd.models.load); seqs: int64 [n, T] calibration windows; draws:
+    sampled passes per batch for the Fisher costs; rounds: refinement
+    rounds (see refine).  Not collective.  Raises UsageError for an
+    impossible fraction, KqsvdError for a bad projections file or model."""
+    import torch
+    from .attention import compress
+    from .projections import load_projections
+    L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+    total = budget_ranks(fraction, 2 * L * H, d)
+    full = {m: load_projections(proj_path, m, d) for m in methods}
+    compress(model, None)
+    costs = measure_costs(model, info, seqs, full, draws=draws)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        full_logp = [torch.log_softmax(model(input_ids=torch.from_numpy(seqs[i:i + 4]).to(device),
+                                             use_cache=False).logits[:, :-1].double(), -1)
+                     for i in range(0, len(seqs), 4)]
+    out = {}
+    for m in methods:
+        cands = {"fisher": allocate_costs(costs[m].reshape(2 * L * H, d), total).reshape(2, L, H),
+                 "uniform": uniform(total, L, H)}
+        kls = {}
+        for name, r in cands.items():
+            compress(model, load_projections(proj_path, m, (r[0], r[1])))
+            kls[name] = kl_to_full(model, seqs, full_logp)
+        compress(model, None)
+        start = min(kls, key=lambda k: (kls[k], k != "fisher"))
+        ranks, _ = refine(model, info, proj_path, m, cands[start], seqs, full_logp, rounds,
+                          log=log)
+        # Measured as the candidates were (the gates' path differs in the
+        # last bits), so that the comparison is fair.
+        compress(model, load_projections(proj_path, m, (ranks[0], ranks[1])))
+        kl = kl_to_full(model, seqs, full_logp)
+        compress(model, None)
+        if kl > kls[start]:
+            ranks, kl = cands[start], kls[start]
+        out[m] = dict(rank_k=ranks[0], rank_v=ranks[1], start=start, kl_fisher=kls["fisher"],
+                      kl_uniform=kls["uniform"], kl=kl)
+        if log:
+            log(f"{PREFIX}{fraction:g} {m}: keys {int(ranks[0].sum())} and values "
+                f"{int(ranks[1].sum())} of {L * H * d} columns each; calibration KL "
+                f"{kl:.4f} (uniform {kls['uniform']:.4f}, Fisher allocation {kls['fisher']:.4f})")
+    return out
+
+
+def main(argv=None):
+    from . import models
+    from .projections import METHODS, save_ranks
+    ap = argparse.ArgumentParser(prog="python -m kqsvd.allocate",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="calibration text (its train split is used)")
+    ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("--budget", required=True, type=float,
+                    help="fraction F of the full KV cache to keep, 0 < F <= 1")
+    ap.add_argument("--out", required=True, help="the projections file to write, with the ranks")
+    ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per window [256]")
+    ap.add_argument("--num-seqs", type=int, default=4, help="calibration windows [4]")
+    ap.add_argument("--no-bos", action="store_true", help="windows without the BOS token")
+    ap.add_argument("--rounds", type=int, default=6, help="refinement rounds [6]")
+    ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
+    a = ap.parse_args(argv)
+    methods = [m for m in a.methods.split(",") if m]
+    try:
+        if not methods or any(m not in METHODS for m in methods):
+            raise UsageError(f"--methods {a.methods}: expected some of {', '.join(METHODS)}")
+        parse_policy(f"{PREFIX}{a.budget}")
+        models.check_device(a.device)
+        import torch
+        model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
+        if info.model_type not in models.COMPRESSIBLE:
+            raise KqsvdError(f"{a.model}: quality-aware ranks need a decoder whose attention "
+                             f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "
+                             f"'{info.model_type}'")
+        models.check_positions(info, model.config, a.seq_len)
+        seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train",
+                                    bos=not a.no_bos)[0]
+        got = allocate(model, info, a.proj, a.budget, seqs, methods, rounds=a.rounds,
+                       log=lambda s: print(f"allocate: {s}", file=sys.stderr))
+        save_ranks(a.proj, a.out, {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()},
+                   f"{PREFIX}{a.budget:g}")
+    except UsageError as e:
+        print(f"kqsvd.allocate: error: {e}", file=sys.stderr)
+        return 2
+    except KqsvdError as e:
+        print(f"kqsvd.allocate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {a.out}: {PREFIX}{a.budget:g} ranks per layer and KV head for "
+          f"{', '.join(methods)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
