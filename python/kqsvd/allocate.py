@@ -30,7 +30,6 @@ stands (the gradient of gates on every column), keeping a move only when
 the measured KL falls.  So the policy is never worse than uniform ranks on
 the text it was calibrated on."""
 import argparse
-import math
 import sys
 
 import numpy as np

@@ -22,7 +22,8 @@ import time
 
 from .errors import KqsvdError, UsageError
 from .files import write_atomic
-from .projections import METHODS, load_projections, policy_ranks
+from .allocate import parse_policy
+from .projections import METHODS, load_projections, policy_ranks, save_ranks
 
 PROG = "python -m kqsvd.quality"
 
@@ -86,7 +87,6 @@ def resolve_policies(a, L, quality=None):
     """[(policy, method, Projections)] for every pair; UsageError on a bad
     policy.  quality(F): {method: (rank_k, rank_v)} of quality-budget:F,
     fitted on the model (kqsvd.allocate)."""
-    from .allocate import parse_policy
     pairs = []
     for pol in a.policies:
         frac = parse_policy(pol)
@@ -246,8 +246,15 @@ def run(a):
                                    bos=not a.no_bos)[0]
         got = allocate(model, info, a.proj, frac, cal, a.methods, rounds=a.rounds,
                        log=lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True))
-        return {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+        ranks = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+        # The fitted ranks in a projections file beside the report, so that
+        # every tool (kqsvd evaluate, compress) can use exactly these.
+        stem = a.json[:-5] if a.json.endswith(".json") else a.json
+        saved[frac] = save_ranks(a.proj, f"{stem}.quality-budget-{frac:g}.h5", ranks,
+                                 f"quality-budget:{frac:g}")
+        return ranks
 
+    saved = {}
     pairs = resolve_policies(a, info.num_layers, quality)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos)
@@ -263,6 +270,9 @@ def run(a):
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
               "full": full, "results": []}
     for (pol, m, p), r in zip(pairs, results):
+        frac = parse_policy(pol)
+        if frac is not None:
+            r["proj"] = saved[frac]
         if any(p.per_head(l) for l in range(p.num_layers)):
             r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
         r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),

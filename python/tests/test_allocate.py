@@ -153,6 +153,14 @@ class Commands(unittest.TestCase):
             if r["policy"].startswith("quality"):
                 heads = np.array(r["rank_k_heads"] + r["rank_v_heads"])
                 self.assertTrue(1 <= heads.min() and heads.max() <= d)
+                # The fitted ranks are written beside the report, for every tool.
+                self.assertEqual(r["proj"], rep[:-5] + ".quality-budget-0.5.h5")
+                stored = kqsvd.load_projections(r["proj"], r["method"])
+                self.assertEqual(stored.policy, "quality-budget:0.5")
+                self.assertEqual(stored.rank_k_heads.tolist(), r["rank_k_heads"])
+                self.assertEqual(stored.rank_v_heads.tolist(), r["rank_v_heads"])
+                got = kqsvd.policy_ranks(r["proj"])["methods"][r["method"]]
+                self.assertEqual(got["rank_k_heads"], r["rank_k_heads"])
 
 
 if __name__ == "__main__":
