@@ -247,7 +247,7 @@ class Gates:
             P.Av = self.Av[l] * self.mask[1, l][:, None, :]
 
 
-def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=None):
+def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=None, step=None):
     # The Fisher costs are a second-order guess made at the full model; at
     # half the cache the model is far from it, and the gates' gradients
     # measured where the allocation stands say better where a column pays.
@@ -286,9 +286,9 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
         p.requires_grad_(False)
     try:
         best = kl_at(ranks, True)
-        step = max(1, ranks[0].size // 4)
+        g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
+        step = step or max(1, ranks.size // 8)
         for it in range(iters):
-            g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
             flat = ranks.reshape(-1)
             idx = np.arange(flat.size)
             drop = np.where(flat > 1, -g[idx, np.maximum(flat - 1, 0)], np.inf)
@@ -313,7 +313,8 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
             if kl < best:
                 ranks, best = trial.reshape(ranks.shape), kl
                 kl_at(ranks, True)
-            else:
+                g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
+            else:  # the gradient where the allocation still stands holds
                 step = max(1, step // 2)
                 if moved == 1:
                     break

@@ -79,6 +79,24 @@ class OnTinyModel(unittest.TestCase):
         # Mostly falling: the hull decides where it does not.
         self.assertGreater(float((np.diff(cost, axis=-1) <= 1e-12).mean()), 0.8)
 
+    def test_refine_never_raises_the_kl(self):
+        """Many rounds, so that some moves are measured worse and undone."""
+        L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
+        kqsvd.compress(self.model, None)
+        ref = self.full_logp(self.seqs)
+        start = al.uniform(al.budget_ranks(0.25, 2 * L * H, d), L, H)
+        seen = []
+        ranks, kl = al.refine(self.model, self.info, self.c.proj, "kqsvd", start, self.seqs, ref,
+                              iters=25, log=seen.append, step=4)
+        kls = [float(s.split("KL ")[1].split()[0]) for s in seen]
+        was = [float(s.split("was ")[1].rstrip(")")) for s in seen]
+        self.assertTrue(any(k >= w for k, w in zip(kls, was)), seen)  # a move undone
+        self.assertEqual(int(ranks.sum()), int(start.sum()))
+        kqsvd.compress(self.model, kqsvd.load_projections(self.c.proj, "kqsvd", (start[0], start[1])))
+        before = al.kl_to_full(self.model, self.seqs, ref)
+        kqsvd.compress(self.model, None)
+        self.assertLessEqual(kl, before + 1e-9)
+
     def test_budget_exact_bounded_deterministic_and_not_worse_than_uniform(self):
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
         for frac in (0.5, 0.25):
