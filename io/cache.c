@@ -22,6 +22,7 @@ struct kqsvd_shard {
   int64_t T, S;
   int64_t *seq_lens;
   tensor_t t[3];
+  char rope[32];
 };
 
 struct kqsvd_model {
@@ -29,6 +30,7 @@ struct kqsvd_model {
   hid_t file;
   kqsvd_dims_t dims;
   tensor_t o;
+  char rope[32];
 };
 
 static void tensor_close(tensor_t *t) {
@@ -85,6 +87,22 @@ static kqsvd_status_t tensor_read(tensor_t *t, const char *path, const char *nam
 done:
   kqsvd_h5_close(&fspace);
   kqsvd_h5_close(&mspace);
+  return st;
+}
+
+/* The optional attribute `rope`: "pre", "post", or "" when absent.  Any
+ * other value is refused: a reader that took it for "post" would mix keys
+ * before and after RoPE. */
+static kqsvd_status_t read_rope(hid_t file, const char *path, char *buf, size_t n) {
+  kqsvd_status_t st = KQSVD_OK;
+  htri_t has = -1;
+  buf[0] = '\0';
+  KQSVD_H5_ID(has, H5Aexists(file, "rope"));
+  if (!has) goto done;
+  KQSVD_CALL(kqsvd_h5_attr_str(file, path, "rope", buf, n));
+  KQSVD_CHECK(strcmp(buf, "pre") == 0 || strcmp(buf, "post") == 0, KQSVD_ERR_INPUT,
+              "%s: attribute 'rope' is \"%s\", expected \"pre\" or \"post\"", path, buf);
+done:
   return st;
 }
 
@@ -150,6 +168,7 @@ kqsvd_status_t kqsvd_shard_open(const char *path, MPI_Comm comm, kqsvd_shard_t *
   KQSVD_CALL(tensor_open(sh->file, path, "values", 4, want_v, labels, &sh->t[KQSVD_VALUES]));
   KQSVD_CALL(tensor_open(sh->file, path, "queries", 4, want_q, labels, &sh->t[KQSVD_QUERIES]));
   KQSVD_CALL(read_seq_lens(sh));
+  KQSVD_CALL(read_rope(sh->file, path, sh->rope, sizeof sh->rope));
   *out = sh;
   sh = NULL;
 done:
@@ -175,6 +194,7 @@ const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh) { return sh->seq_le
 kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t) {
   return sh->t[t].type;
 }
+const char *kqsvd_shard_rope(const kqsvd_shard_t *sh) { return sh->rope; }
 
 kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t layer,
                                 int64_t head0, int64_t nheads, int64_t row0, int64_t nrows,
@@ -222,6 +242,7 @@ static kqsvd_status_t model_open_here(const char *path, kqsvd_model_t **out) {
   static const char *const labels[3] = {"num_layers", "hidden_size", "num_heads*head_dim"};
   const int64_t want[3] = {m->dims.layers, m->dims.hidden, m->dims.heads * m->dims.head_dim};
   KQSVD_CALL(tensor_open(m->file, path, "o_proj", 3, want, labels, &m->o));
+  KQSVD_CALL(read_rope(m->file, path, m->rope, sizeof m->rope));
   *out = m;
   m = NULL;
 done:
@@ -240,6 +261,7 @@ void kqsvd_model_close(kqsvd_model_t **m) {
 
 const kqsvd_dims_t *kqsvd_model_dims(const kqsvd_model_t *m) { return &m->dims; }
 kqsvd_dtype_t kqsvd_model_dtype(const kqsvd_model_t *m) { return m->o.type; }
+const char *kqsvd_model_rope(const kqsvd_model_t *m) { return m->rope; }
 
 kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0,
                                       int64_t nrows, int64_t col0, int64_t ncols, void *buf) {

@@ -33,6 +33,10 @@ int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh);    /* T */
 int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh); /* S */
 const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh); /* [S] */
 kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t);
+/* The extension attribute `rope` (docs/formats.md 5.6), checked by the
+ * open: "pre" (keys and queries taken before RoPE), "post", or "" when
+ * the file has none, which means "post". */
+const char *kqsvd_shard_rope(const kqsvd_shard_t *sh);
 
 /* Not collective (independent I/O).  Reads the raw elements
  * tensor[layer][head0 .. head0+nheads)[row0 .. row0+nrows)[:] into buf
@@ -50,6 +54,7 @@ kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **m);
 void kqsvd_model_close(kqsvd_model_t **m);
 const kqsvd_dims_t *kqsvd_model_dims(const kqsvd_model_t *m);
 kqsvd_dtype_t kqsvd_model_dtype(const kqsvd_model_t *m);
+const char *kqsvd_model_rope(const kqsvd_model_t *m); /* as kqsvd_shard_rope */
 
 /* Not collective.  Reads the raw block o_proj[layer][row0 .. row0+nrows,
  * col0 .. col0+ncols) into buf (nrows x ncols, row-major).  Errors: _HDF5. */

@@ -16,6 +16,8 @@ typedef struct kqsvd_proj_meta {
   int64_t qr_block;        /* extension: rows per Householder update */
   const char *rank_policy; /* extension: the policy that chose the ranks */
   const char *inputs_hash; /* extension: what calibrate --manifest compares */
+  const char *rope;        /* extension: "pre" or "post", where the caches' keys were
+                              taken (docs/formats.md 5.3); NULL: no attribute */
 } kqsvd_proj_meta_t;
 
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;

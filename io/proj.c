@@ -74,6 +74,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   KQSVD_CALL(kqsvd_h5_put_str(w->file, "kqsvd_version", KQSVD_VERSION));
   if (meta->rank_policy) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rank_policy", meta->rank_policy));
   if (meta->inputs_hash) KQSVD_CALL(kqsvd_h5_put_str(w->file, "inputs_hash", meta->inputs_hash));
+  if (meta->rope) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rope", meta->rope));
 
   const hsize_t mat[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
                           (hsize_t)dm->head_dim};

@@ -190,6 +190,10 @@ typedef struct kqsvd_write_options {
    * caller made the result from, so that a later run can tell the file is
    * up to date and skip it (calibrate_hf --skip-done) [NULL: none]. */
   const char *inputs_hash;
+  /* The root attribute `rope` (docs/formats.md 5.3): "pre" when the folded
+   * keys and queries were taken before RoPE, "post" after it [NULL: none,
+   * which readers take as "post"]. */
+  const char *rope;
 } kqsvd_write_options_t;
 
 /* Fills *opt with the defaults above.  Not collective; cannot fail. */

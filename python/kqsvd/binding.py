@@ -52,7 +52,7 @@ class _FinishOptions(ctypes.Structure):
 
 class _WriteOptions(ctypes.Structure):
     _fields_ = [("model", ctypes.c_char_p), ("tokens", ctypes.c_int64), ("causal", ctypes.c_int),
-                ("force", ctypes.c_int), ("inputs_hash", ctypes.c_char_p)]
+                ("force", ctypes.c_int), ("inputs_hash", ctypes.c_char_p), ("rope", ctypes.c_char_p)]
 
 
 def _candidates():
@@ -192,11 +192,14 @@ class Result(_Handle):
         rk, rv = lib.kqsvd_result_rank_k(self._h, m), lib.kqsvd_result_rank_v(self._h, m)
         return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
 
-    def write(self, path, model="", tokens=0, causal=1, force=False, inputs_hash=None):
+    def write(self, path, model="", tokens=0, causal=1, force=False, inputs_hash=None,
+              rope=None):
         """proj.h5 (docs/formats.md section 3), under a temporary name;
-        inputs_hash, when given, is stored as the root attribute of that name."""
+        inputs_hash and rope ("pre" or "post"), when given, are stored as the
+        root attributes of those names."""
         opt = _WriteOptions(model.encode(), tokens, causal, 1 if force else 0,
-                            inputs_hash.encode() if inputs_hash else None)
+                            inputs_hash.encode() if inputs_hash else None,
+                            rope.encode() if rope else None)
         _check(library().kqsvd_result_write(self._h, os.fsencode(path), ctypes.byref(opt)),
                f"writing {path}")
 

@@ -32,6 +32,7 @@ typedef struct calib {
   int64_t own0, own1; /* items this rank solves */
   uint64_t fingerprint;
   char inputs_hash[32]; /* written to the output: what a manifest run may skip */
+  char rope[32];        /* the model file's `rope` attribute, "" when absent */
   char about[256];
   /* working state: the accumulator (include/kqsvd/accumulator.h) holds the
    * factors; state is its packed K, Q, V state (kqsvd_acc_state), read and

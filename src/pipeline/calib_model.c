@@ -62,8 +62,11 @@ static kqsvd_status_t validate_inputs(calib_t *c) {
   c->group = c->dims.heads / c->dims.kv_heads;
   c->nitems = c->dims.layers * c->dims.kv_heads;
   KQSVD_CALL(kqsvd_scan_shards(&c->ctx, c->obs, "calibrate", c->cfg.shards, c->cfg.nshards, &c->dims,
-                               c->cfg.model_path, kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0,
-                               &set));
+                               c->cfg.model_path, kqsvd_model_rope(c->model),
+                               kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0, &set));
+  /* Carried into the output, so the projections say which keys they are
+   * for; the shards agree with it (kqsvd_scan_shards). */
+  snprintf(c->rope, sizeof c->rope, "%s", kqsvd_model_rope(c->model));
   c->shard_rows = set.rows;
   set.rows = NULL;
   c->elem_max = set.elem_max;

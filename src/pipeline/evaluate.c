@@ -39,8 +39,8 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
   e->d = e->dims.head_dim;
   e->group = e->dims.heads / e->dims.kv_heads;
   KQSVD_CALL(kqsvd_scan_shards(&e->ctx, e->obs, "evaluate", e->cfg.shards, e->cfg.nshards, &e->dims,
-                               e->cfg.model_path, kqsvd_dtype_size(kqsvd_model_dtype(e->model)), 1,
-                               &set));
+                               e->cfg.model_path, kqsvd_model_rope(e->model),
+                               kqsvd_dtype_size(kqsvd_model_dtype(e->model)), 1, &set));
   e->nseq = set.sequences;
   e->tokens = set.tokens;
   e->elem_max = set.elem_max;

@@ -181,13 +181,15 @@ typedef struct kqsvd_shard_set {
 /* Collective.  Reads each shard's header once, round robin over the ranks:
  * checks it against `dims` (read from `model_path`), warns through `obs`
  * (on the rank that read it) when its model name differs, and shares the
- * sizes with every rank (and every sequence length when want_lens).
- * Errors, agreed by all ranks: KQSVD_ERR_INPUT naming the file and field,
- * or a set without tokens. */
+ * sizes with every rank (and every sequence length when want_lens).  `rope`
+ * is the model file's attribute (kqsvd_model_rope): a shard whose keys
+ * were taken on the other side of RoPE is refused (no attribute counts as
+ * "post").  Errors, agreed by all ranks: KQSVD_ERR_INPUT naming the file
+ * and field, or a set without tokens. */
 kqsvd_status_t kqsvd_scan_shards(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *obs,
                                  const char *cmd, char **paths, int n, const kqsvd_dims_t *dims,
-                                 const char *model_path, size_t elem_min, int want_lens,
-                                 kqsvd_shard_set_t *set);
+                                 const char *model_path, const char *rope, size_t elem_min,
+                                 int want_lens, kqsvd_shard_set_t *set);
 void kqsvd_shard_set_free(kqsvd_shard_set_t *set);
 
 /* Marks a usage error that every rank of ctx found alike (from the same

@@ -203,6 +203,7 @@ void kqsvd_write_options_default(kqsvd_write_options_t *opt) {
   opt->causal = 1;
   opt->force = 0;
   opt->inputs_hash = NULL;
+  opt->rope = NULL;
 }
 
 kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
@@ -221,6 +222,9 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   const char *hash = opt && opt->inputs_hash && *opt->inputs_hash ? opt->inputs_hash : NULL;
   KQSVD_CHECK(!hash || strlen(hash) < 64, KQSVD_ERR_USAGE,
               "kqsvd_result_write: inputs_hash longer than 63 characters");
+  const char *rope = opt ? opt->rope : NULL;
+  KQSVD_CHECK(!rope || strcmp(rope, "pre") == 0 || strcmp(rope, "post") == 0, KQSVD_ERR_USAGE,
+              "kqsvd_result_write: rope is \"%s\", expected \"pre\", \"post\" or NULL", rope);
   snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
   kqsvd_proj_meta_t meta;
   memset(&meta, 0, sizeof meta);
@@ -238,6 +242,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.qr_block = r->block_rows;
   meta.rank_policy = r->policy;
   meta.inputs_hash = hash;
+  meta.rope = rope;
   kqsvd_h5guard_enter(&guard);
   locked = 1;
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));

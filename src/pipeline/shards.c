@@ -13,17 +13,27 @@ void kqsvd_shard_set_free(kqsvd_shard_set_t *set) {
   memset(set, 0, sizeof *set);
 }
 
+/* A rope attribute as it reads: none means keys after RoPE. */
+static const char *rope_or_post(const char *rope) { return *rope ? rope : "post"; }
+
 /* This rank's shards: validate, count, keep their sequence lengths. */
 static kqsvd_status_t scan_own(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *obs, const char *cmd,
                                char **paths, int n, const kqsvd_dims_t *dims,
-                               const char *model_path, kqsvd_shard_set_t *set, int64_t **lens,
-                               int *esz) {
+                               const char *model_path, const char *rope, kqsvd_shard_set_t *set,
+                               int64_t **lens, int *esz) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_shard_t *sh = NULL;
   for (int s = ctx->rank; s < n; s += ctx->size) {
     KQSVD_CALL(kqsvd_shard_check(paths[s]));
     KQSVD_CALL(kqsvd_shard_open(paths[s], MPI_COMM_NULL, &sh));
     KQSVD_CALL(kqsvd_dims_match(kqsvd_shard_dims(sh), paths[s], dims, model_path));
+    /* Keys before RoPE and keys after it span different spaces: one set,
+     * one kind. */
+    KQSVD_CHECK(strcmp(rope_or_post(kqsvd_shard_rope(sh)), rope_or_post(rope)) == 0,
+                KQSVD_ERR_INPUT,
+                "%s: attribute 'rope' is \"%s\", but %s says \"%s\": caches of keys before and "
+                "after RoPE do not mix",
+                paths[s], rope_or_post(kqsvd_shard_rope(sh)), model_path, rope_or_post(rope));
     set->rows[s] = kqsvd_shard_tokens(sh);
     set->seqs[s] = kqsvd_shard_sequences(sh);
     for (int t = 0; t < 3; t++) {
@@ -47,8 +57,8 @@ done:
 
 kqsvd_status_t kqsvd_scan_shards(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *obs,
                                  const char *cmd, char **paths, int n, const kqsvd_dims_t *dims,
-                                 const char *model_path, size_t elem_min, int want_lens,
-                                 kqsvd_shard_set_t *set) {
+                                 const char *model_path, const char *rope, size_t elem_min,
+                                 int want_lens, kqsvd_shard_set_t *set) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
   MPI_Comm comm = ctx->comm;
   int64_t **lens = NULL;
@@ -62,7 +72,7 @@ kqsvd_status_t kqsvd_scan_shards(const kqsvd_ctx_t *ctx, const kqsvd_observer_t 
     local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
                             "cannot allocate the tables of %d shards", n);
   if (local == KQSVD_OK)
-    local = scan_own(ctx, obs, cmd, paths, n, dims, model_path, set, lens, &esz);
+    local = scan_own(ctx, obs, cmd, paths, n, dims, model_path, rope, set, lens, &esz);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->rows, n, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seqs, n, MPI_INT64_T, MPI_SUM, comm));

@@ -84,6 +84,8 @@ static kqsvd_status_t replay(int argc, char **argv) {
   wo.model = dm->model;
   wo.causal = (int)dm->causal;
   wo.force = 1;
+  /* As calibrate carries it: the caches' rope attribute, absent stays absent. */
+  wo.rope = *kqsvd_model_rope(model) ? kqsvd_model_rope(model) : NULL;
   KQSVD_CALL(kqsvd_result_write(res, argv[4], &wo));
 done:
   free(buf);
