@@ -12,7 +12,7 @@ attention computes them).
 
     examples/export_hf.py --model PATH_OR_ID --text FILE --seq-len 2048 --num-seqs 128 \\
         --split train|validation [--shard-seqs 8] [--dtype bf16|f16|f32|f64] \\
-        [--weights-dtype bf16|f16|f32] [--batch N] [--no-bos] \\
+        [--weights-dtype bf16|f16|f32] [--batch N] [--no-bos] [--keys post-rope|pre-rope] \\
         [--device cpu|cuda[:N] | --device-map auto] --out DIR
 
 --model is a model folder, a GGUF file, or an id resolved offline
@@ -30,6 +30,10 @@ each window is that token and --seq-len - 1 tokens of text (--no-bos: text
 only).  The model runs in --weights-dtype (default: the checkpoint's own;
 float16 checkpoints in float32 on the CPU, which has no float16 products),
 --batch windows at a time (the caches are those of one window at a time).
+--keys pre-rope (decoders) stores the queries and keys before RoPE, as q_proj
+and k_proj give them, for projections fused into k_proj (Palu's way); every
+file then says rope = "pre" ("post" by default), and kqsvd calibrate carries
+it into the projections.
 
 Shards are written one at a time (NAME.tmp, then renamed), so memory holds
 one batch's activations, and model.h5 is written last: its presence means
@@ -55,6 +59,7 @@ try:
     import transformers  # noqa: F401 - checked here, used through its Auto classes
     from kqsvd import models
     from kqsvd.cache_export import Exporter, request, survey
+    from kqsvd.capture import KEYS, rope_of
     from kqsvd.errors import KqsvdError, UsageError
 except ImportError as e:
     print(f"export_hf: error: {e.name} is missing; scripts/hf-env.sh prepares .venv with "
@@ -74,9 +79,10 @@ def export(args):
     model, tok, info = models.load(args.model, lm_head=False, device=args.device,
                                    weights=weights, device_map=args.device_map)
     models.check_positions(info, model.config, args.seq_len)
+    rope = rope_of(info.model_type, args.keys)
     seqs, ntok, start, bos = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
                                                   args.split, bos=not args.no_bos)
-    req = request(args, models.resolve(args.model), info.weights, bos)
+    req = request(args, models.resolve(args.model), info.weights, bos, rope)
     job = Exporter(model, info, args, req, seqs, start, bos)
     done, complete = survey(args.out, req, job.nshards)
     name = args.model_name or args.model
@@ -96,7 +102,8 @@ def export(args):
     L, hq, hkv, d = info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim
     print(f"wrote {args.out}/model.h5 and {job.nshards} {args.dtype} "
           f"shard{'s' if job.nshards > 1 else ''}: {args.num_seqs} x {args.seq_len} tokens "
-          f"({args.split} split of {ntok} tokens{', each after BOS' if bos else ''}) of {name} "
+          f"({args.split} split of {ntok} tokens{', each after BOS' if bos else ''}"
+          f"{', keys before RoPE' if rope == 'pre' else ''}) of {name} "
           f"({info.model_type}, {L} layers, {hq}/{hkv} heads, d = {d}, {info.weights} weights) "
           f"in {time.time() - t0:.1f} s")
 
@@ -117,6 +124,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1, help="windows per forward pass [1]")
     ap.add_argument("--no-bos", action="store_true",
                     help="windows of text only, without the tokenizer's BOS token")
+    ap.add_argument("--keys", choices=tuple(KEYS), default="post-rope",
+                    help="queries and keys after RoPE, as the scores use them, or before it "
+                         "(decoders) [post-rope]")
     ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
     ap.add_argument("--device-map", choices=("auto",),
                     help="spread the layers over the GPUs torch sees (model folders)")

@@ -12,11 +12,26 @@ configurations.  Works with model(...) and generate(); the cache
 (transformers' DynamicCache) then holds r-wide tensors, and cache_bytes()
 measures them.
 
+Projections of keys taken before RoPE (the file's `rope` attribute is
+"pre": `examples/export_hf.py --keys pre-rope` or `calibrate_hf --keys
+pre-rope`) are used as Palu uses them: the cache holds the compressed
+pre-RoPE keys k_pre A (r columns per KV head; A could as well be fused into
+k_proj), and at attention time every cached key is brought back,
+k_hat = RoPE((k_pre A) B^T) at its own position, and scored against the
+full post-RoPE queries (no B on the query side: RoPE does not commute with
+a projection, so it must act on d-wide keys).  The cache does not hold
+positions: key n of the cache sits at the model's position n - (c - p),
+where c and p are the cache index and position of the newest token (the
+model's own positions whenever they are contiguous within a row, left
+padding included).  Values are as above.  At full rank A B^T = I, so the
+logits are the full model's.
+
 Probe mode (`probe=True`) measures instead of compressing: each layer
 computes the exact and the compressed scores and outputs, records their
 relative squared errors per sequence (the data contract's err_kq and
 err_out, as `kqsvd evaluate` defines them), and passes the exact output on,
-so every layer sees the full model's inputs.
+so every layer sees the full model's inputs.  Scores are compared after
+RoPE for both kinds of projections: those the model really uses.
 """
 import inspect
 import math
@@ -40,6 +55,10 @@ class LayerProjection:
         self.Bq = t(proj.query_down[layer]).repeat_interleave(g, 0)          # [Hq, d, rk]
         self.Av = t(proj.value_down[layer])                                  # [Hkv, d, rv]
         self.BvT = t(proj.value_up[layer]).transpose(1, 2).repeat_interleave(g, 0)  # [Hq, rv, d]
+        # Pre-RoPE projections: B^T takes each KV head's cached r columns back
+        # to d-wide keys, which are then rotated.
+        self.rope = getattr(proj, "rope", "post")
+        self.BkT = t(proj.query_down[layer]).transpose(1, 2)               # [Hkv, rk, d]
         self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads) if fold else None
         # Heads with ranks of their own: the cache holds each KV head's own
         # columns side by side, [b, 1, T, sum of ranks], not the widest.
@@ -51,6 +70,7 @@ class LayerProjection:
             self.vo = [0] + list(torch.tensor(self.rv).cumsum(0).tolist())
             self.A = [self.A[j, :, :r] for j, r in enumerate(self.rk)]
             self.Bq = [t(proj.query_down[layer][j, :, :r]) for j, r in enumerate(self.rk)]
+            self.BkT = [b.T for b in self.Bq]
             self.Av = [self.Av[j, :, :r] for j, r in enumerate(self.rv)]
             self.BvT = [t(proj.value_up[layer][j, :, :r]).T for j, r in enumerate(self.rv)]
             if self.o_folded is not None:  # each head's own columns of the padded fold
@@ -101,6 +121,35 @@ def _rope(attn, q, k, v, position_ids, position_embeddings, past, seq_len):
     return module.apply_rotary_pos_emb(q, k, cos, sin)
 
 
+def _rotate(attn, x, positions):
+    """x [b, H, N, d] rotated at positions [b or 1, N] by the family's own
+    rotary embedding and apply_rotary_pos_emb (keys of a pre-RoPE cache)."""
+    module = sys.modules[type(attn).__module__]
+    params = inspect.signature(attn.rotary_emb.forward).parameters
+    if "seq_len" in params and "position_ids" not in params:  # Qwen2 in transformers 4.44
+        cos, sin = attn.rotary_emb(x, seq_len=int(positions.max()) + 1)
+        return module.apply_rotary_pos_emb(x, x, cos, sin, positions)[0]
+    cos, sin = attn.rotary_emb(x, positions)
+    return module.apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+def _key_positions(position_ids, cache_position, T, N, device):
+    """The positions of the N keys a layer attends to, the last T of them the
+    current tokens': [b or 1, N].  The cache keeps keys by cache index; the
+    model's position of index n is n minus its row's offset between cache
+    index and position (left padding shifts it), read off the newest token,
+    which is never padding."""
+    if position_ids is None:
+        position_ids = torch.arange(N - T, N, device=device)[None]
+    if N == T:
+        return position_ids
+    last = cache_position[-1] if cache_position is not None else N - 1
+    offset = last - position_ids[:, -1:]
+    # Padding keys before a row's first token would get negative positions;
+    # the mask hides them, the clamp keeps them in the tables' range.
+    return (torch.arange(N, device=device)[None] - offset).clamp(min=0)
+
+
 def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
              output_attentions=False, use_cache=False, cache_position=None,
              position_embeddings=None, **kwargs):
@@ -117,16 +166,27 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_k
     q = self.q_proj(hidden_states).view(b, T, hq, d).transpose(1, 2)
     k = self.k_proj(hidden_states).view(b, T, hkv, d).transpose(1, 2)
     v = self.v_proj(hidden_states).view(b, T, hkv, d).transpose(1, 2)
+    k_pre = k
     q, k = _rope(self, q, k, v, position_ids, position_embeddings, past_key_value, T)
     g = hq // hkv
+    pre = P.rope == "pre"
+    keys = k_pre if pre else k                     # what A compresses
     if P.ragged:
-        kc = torch.cat([k[:, j:j + 1] @ a for j, a in enumerate(P.A)], -1)   # [b, 1, T, sum rk]
+        kc = torch.cat([keys[:, j:j + 1] @ a for j, a in enumerate(P.A)], -1)  # [b, 1, T, sum rk]
         vc = torch.cat([v[:, j:j + 1] @ a for j, a in enumerate(P.Av)], -1)
     else:
-        kc, vc = k @ P.A, v @ P.Av                  # what the cache holds: [b, Hkv, T, r]
+        kc, vc = keys @ P.A, v @ P.Av              # what the cache holds: [b, Hkv, T, r]
     if past_key_value is not None:
         kc, vc = past_key_value.update(kc, vc, self.layer_idx, {"cache_position": cache_position})
-    mask = attention_mask[:, :, :, :kc.shape[-2]] if attention_mask is not None else None
+    N = kc.shape[-2]
+    mask = attention_mask[:, :, :, :N] if attention_mask is not None else None
+    if pre:  # every cached key back to d columns, rotated at its position
+        if P.ragged:
+            k_hat = torch.cat([kc[..., P.ko[j]:P.ko[j + 1]] @ P.BkT[j] for j in range(hkv)], 1)
+        else:
+            k_hat = kc @ P.BkT                      # [b, Hkv, N, d]
+        k_hat = _rotate(self, k_hat, _key_positions(position_ids, cache_position, T, N,
+                                                    k_hat.device))
 
     def attend(qq, kk, vv, rep=g):
         s = qq @ kk.repeat_interleave(rep, 1).transpose(2, 3)
@@ -137,17 +197,18 @@ def _forward(self, hidden_states, attention_mask=None, position_ids=None, past_k
         return s, w, w @ vv.repeat_interleave(rep, 1)
 
     if P.ragged:  # each KV group with its own ranks, its query heads together
-        parts = [attend(q[:, j * g:(j + 1) * g] @ P.Bq[j], kc[..., P.ko[j]:P.ko[j + 1]],
+        parts = [attend(q[:, j * g:(j + 1) * g] if pre else q[:, j * g:(j + 1) * g] @ P.Bq[j],
+                        k_hat[:, j:j + 1] if pre else kc[..., P.ko[j]:P.ko[j + 1]],
                         vc[..., P.vo[j]:P.vo[j + 1]]) for j in range(hkv)]
         s_c, w = torch.cat([x[0] for x in parts], 1), torch.cat([x[1] for x in parts], 1)
         oc = torch.cat([x[2].transpose(1, 2).reshape(b, T, -1) for x in parts], -1)
         heads = torch.cat([x[2] @ P.BvT[j] for j, x in enumerate(parts)], 1)
     else:
-        s_c, w, oc = attend(q @ P.Bq, kc, vc)       # oc: [b, Hq, T, rv]
+        s_c, w, oc = attend(q, k_hat, vc) if pre else attend(q @ P.Bq, kc, vc)  # oc: [b, Hq, T, rv]
         heads = oc @ P.BvT                          # back to [b, Hq, T, d]
         oc = oc.transpose(1, 2).reshape(b, T, -1)
     if self._kqsvd_probe is not None:
-        return _probe(self, attend(q, k, v), s_c, heads, past_key_value, kc.shape[-2])
+        return _probe(self, attend(q, k, v), s_c, heads, past_key_value, N)
     if P.o_folded is not None:
         out = oc @ P.o_folded.T
         if self.o_proj.bias is not None:

@@ -3,7 +3,8 @@
 made from, and resuming an export that was cut short.
 
 Every shard records the request it belongs to (its `export_request`
-attribute: model, text, split, windows, element types, BOS), and is written
+attribute: model, text, split, windows, element types, BOS, which side of
+RoPE the keys are taken), and is written
 under NAME.tmp and renamed when complete.  So after a crash of any kind the
 finished shards are whole and say what they hold: the same command run
 again keeps those that match, drops the temporary files and goes on, and a
@@ -26,7 +27,11 @@ from .errors import KqsvdError
 REQUEST_FIELDS = (("model", "--model"), ("model_name", "--model-name"), ("text", "--text"),
                   ("split", "--split"), ("seq_len", "--seq-len"), ("num_seqs", "--num-seqs"),
                   ("shard_seqs", "--shard-seqs"), ("dtype", "--dtype"),
-                  ("weights_dtype", "--weights-dtype"), ("bos", "--no-bos"))
+                  ("weights_dtype", "--weights-dtype"), ("bos", "--no-bos"), ("rope", "--keys"))
+# Fields newer than the first exporter, with the value an export made before
+# them had, so that such an export still resumes (a RoPE decoder's keys were
+# then always taken after RoPE).  Encoders record no `rope`.
+REQUEST_DEFAULTS = {"rope": "post"}
 NP_TYPES = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "f64": np.float64}
 
 
@@ -39,20 +44,26 @@ def text_digest(path):
     return h.hexdigest()
 
 
-def request(args, model_path, weights, bos):
-    """The record that ties shards to the arguments that made them."""
-    return {"model": os.path.realpath(model_path), "model_name": args.model_name or args.model,
-            "text": text_digest(args.text), "split": args.split, "seq_len": args.seq_len,
-            "num_seqs": args.num_seqs, "shard_seqs": args.shard_seqs, "dtype": args.dtype,
-            "weights_dtype": weights, "bos": int(bos)}
+def request(args, model_path, weights, bos, rope=None):
+    """The record that ties shards to the arguments that made them.  rope:
+    "post" or "pre" for a RoPE decoder (capture.rope_of), None for an
+    encoder (then not recorded)."""
+    req = {"model": os.path.realpath(model_path), "model_name": args.model_name or args.model,
+           "text": text_digest(args.text), "split": args.split, "seq_len": args.seq_len,
+           "num_seqs": args.num_seqs, "shard_seqs": args.shard_seqs, "dtype": args.dtype,
+           "weights_dtype": weights, "bos": int(bos)}
+    if rope is not None:
+        req["rope"] = rope
+    return req
 
 
 def _differs(path, have, want):
     for key, option in REQUEST_FIELDS:
-        if have.get(key) != want[key]:
+        had = have.get(key, REQUEST_DEFAULTS.get(key) if key in want else None)
+        if had != want.get(key):
             shown = {"text": "the text's contents", "bos": "BOS"}.get(key, key)
             return (f"{path} belongs to an export made with other arguments: {option} differs "
-                    f"({shown}: {have.get(key)!r} there, {want[key]!r} now); remove the folder "
+                    f"({shown}: {had!r} there, {want.get(key)!r} now); remove the folder "
                     "or choose another")
     return None
 
@@ -108,6 +119,10 @@ def _header(f, fmt, name, info, req):
                    num_kv_heads=np.int64(info.num_kv_heads), head_dim=np.int64(info.head_dim),
                    hidden_size=np.int64(info.hidden_size), causal=np.int64(info.causal),
                    export_request=json.dumps(req, sort_keys=True))
+    # Extension: which side of RoPE the queries and keys were taken
+    # (docs/formats.md 5.6); kqsvd calibrate carries it into proj.h5.
+    if "rope" in req:
+        f.attrs["rope"] = req["rope"]
 
 
 def _create(f, name, shape, dtype):
@@ -176,7 +191,8 @@ class Exporter:
                 r0 = row["at"]
                 ds[kind][layer, :, r0:r0 + b * n, :] = arr.transpose(1, 0, 2, 3).reshape(h, b * n, d)
 
-            cap = Capture(self.model, info.model_type, self.model.config, sink)
+            cap = Capture(self.model, info.model_type, self.model.config, sink,
+                          self.req.get("rope", "post"))
             try:
                 for i in range(0, len(rows), a.batch):
                     chunk = rows[i:i + a.batch]

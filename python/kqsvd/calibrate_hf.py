@@ -1,10 +1,11 @@
 """python -m kqsvd.calibrate_hf: projections straight from a model, with no
 caches on disk.  The model runs over the calibration sequences; the
-post-RoPE queries and keys and the values of every layer (kqsvd.capture,
-the exporter's capture code) are folded into the C library's accumulator
-(kqsvd.Calibrator) as they are produced; W^O comes from the weights.  The
-result equals `examples/export_hf.py --dtype f32 --weights-dtype f32` then
-`kqsvd calibrate` on the same tokens, to round-off.
+post-RoPE queries and keys (or, with --keys pre-rope, those before RoPE)
+and the values of every layer (kqsvd.capture, the exporter's capture code)
+are folded into the C library's accumulator (kqsvd.Calibrator) as they are
+produced; W^O comes from the weights.  The result equals
+`examples/export_hf.py --dtype f32 --weights-dtype f32` (with the same
+--keys) then `kqsvd calibrate` on the same tokens, to round-off.
 
 Under `mpirun -np N` (with mpi4py), each rank runs the model on its share
 of the sequences and the factors are merged across ranks (TSQR); rank 0
@@ -25,7 +26,7 @@ HELP = __doc__.split("\n\n")[0] + """
 
     python -m kqsvd.calibrate_hf --model PATH_OR_ID --text FILE --seq-len 2048 \\
         --num-seqs 128 --out PROJ.h5 [--ranks POLICY | --eps E] [--beta B] \\
-        [--checkpoint DIR] [mpirun -np N python -m kqsvd.calibrate_hf ...]
+        [--keys post-rope|pre-rope] [--checkpoint DIR] [mpirun -np N python -m kqsvd.calibrate_hf ...]
 
 --model is a model folder, a GGUF file of a Llama-family model or an id
 resolved offline, as examples/export_hf.py takes it; the sequences are that
@@ -106,7 +107,14 @@ def inputs_hash(args, model_path):
     return hashlib.sha256(json.dumps(
         [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
          args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,
-         __version__] + ([] if not args.no_bos else ["no-bos"])).encode()).hexdigest()[:32]
+         __version__] + ([] if not args.no_bos else ["no-bos"]) + _keys(args)
+    ).encode()).hexdigest()[:32]
+
+
+def _keys(args):
+    """--keys in a hash: only when not the default, so that the hashes of
+    outputs and checkpoints made before the option stay valid."""
+    return [] if args.keys == "post-rope" else [args.keys]
 
 
 def up_to_date(path, want):
@@ -149,7 +157,7 @@ class Checkpoint:
         if inputs != self.inputs:
             raise KqsvdError(f"{self.index}: field 'inputs' differs: the checkpoint is from other "
                              "inputs or options (model, text, --seq-len, --num-seqs, --dtype, --no-bos, "
-                             "--qr-block or rank count); remove the folder or use another")
+                             "--keys, --qr-block or rank count); remove the folder or use another")
         cal.load(os.path.join(self.folder, state))
         self.current = state
         return done
@@ -179,7 +187,7 @@ def run(args):
     import torch
     from . import models
     from .binding import Calibrator, check_policy
-    from .capture import attention_out_proj
+    from .capture import attention_out_proj, rope_of
     from .insitu import TorchFold, fold_sequences
     from .progress import Progress
     comm = world()
@@ -209,6 +217,7 @@ def run(args):
         dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
         model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
         models.check_positions(info, model.config, args.seq_len)
+        rope = rope_of(info.model_type, args.keys)
         seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
                                                 "train", bos=not args.no_bos)
         def new_cal():
@@ -231,8 +240,8 @@ def run(args):
         if args.checkpoint:
             inputs = hashlib.sha256(json.dumps(
                 [file_identity(models.resolve(args.model)), file_identity(args.text), args.seq_len,
-                 args.num_seqs, args.dtype, args.qr_block, rank, size, args.no_bos]).encode()
-            ).hexdigest()
+                 args.num_seqs, args.dtype, args.qr_block, rank, size, args.no_bos] + _keys(args)
+            ).encode()).hexdigest()
             ckpt = Checkpoint(args.checkpoint, rank, size, inputs)
             done = ckpt.resume(cal)
             if on_device and done:
@@ -277,7 +286,8 @@ def run(args):
 
     t0 = time.time()
     try:
-        fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after)
+        fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after,
+                       rope)
     except InterruptedError:
         log(comm, f"stopped by signal {stop['signal']}: " +
             (f"checkpoints in {args.checkpoint}; run the same command to resume"
@@ -296,11 +306,12 @@ def run(args):
         res = cal.finish(args.ranks, args.beta)
         res.write(args.out, model=args.model_name or args.model,
                   tokens=args.num_seqs * args.seq_len, causal=info.causal,
-                  force=args.force or args.skip_done, inputs_hash=made_from)
+                  force=args.force or args.skip_done, inputs_hash=made_from, rope=rope)
         rk, rv = res.ranks("kqsvd")
         print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections of "
               f"{info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on {size} "
-              f"rank{'s' if size > 1 else ''} in {seconds:.2f} s, no caches written; kqsvd ranks "
+              f"rank{'s' if size > 1 else ''}{', keys before RoPE' if rope == 'pre' else ''} in "
+              f"{seconds:.2f} s, no caches written; kqsvd ranks "
               f"{args.ranks}: rank_k {rk}, rank_v {rv}")
     if ckpt:
         if comm:
@@ -329,6 +340,9 @@ def parse(argv):
     ap.add_argument("--no-bos", action="store_true",
                     help="windows without the BOS token the tokenizer adds in normal use, as "
                          "export_hf.py --no-bos")
+    ap.add_argument("--keys", choices=("post-rope", "pre-rope"), default="post-rope",
+                    help="fold queries and keys after RoPE, or before it (decoders), as "
+                         "export_hf.py --keys [post-rope]")
     ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
                     help="where rows are folded: c (the C library, on the CPU), torch (float64 "
                     "QR on the model's device) or auto (torch on a GPU, else c) [auto]")

@@ -1,18 +1,41 @@
 """The attention's activations as the model computes them: each layer's
-post-RoPE queries and keys and its values, handed to a sink during the
-forward pass, and each layer's output projection.  One implementation for
-examples/export_hf.py (which writes them as cache shards) and
-python -m kqsvd.calibrate_hf (which folds them into R factors at once)."""
+queries and keys (after RoPE, or before it with keys="pre") and its values,
+handed to a sink during the forward pass, and each layer's output
+projection.  One implementation for examples/export_hf.py (which writes
+them as cache shards) and python -m kqsvd.calibrate_hf (which folds them
+into R factors at once)."""
 import sys
 
+from .errors import UsageError
 from .models import ENCODERS, head_dim
+
+# Where queries and keys are taken in a RoPE decoder: the option's values
+# (--keys) and the `rope` attribute each writes (docs/formats.md 5.6).
+KEYS = {"post-rope": "post", "pre-rope": "pre"}
+
+
+def rope_of(mtype, keys, option="--keys"):
+    """The `rope` attribute for `keys` ("post-rope" or "pre-rope") on a
+    model of type mtype: "post" or "pre" for a RoPE decoder, None for an
+    encoder (no RoPE, no attribute).  Raises UsageError for pre-rope on an
+    encoder."""
+    if mtype in ENCODERS:
+        if keys != "post-rope":
+            raise UsageError(f"{option} {keys} is for decoders with RoPE; '{mtype}' is an "
+                             "encoder without it")
+        return None
+    return KEYS[keys]
 
 
 class Capture:
-    """Records each layer's Q, K (after RoPE) and V as the attention computes
-    them and hands them to `sink(layer, kind, tensor [B, H, T, d])`."""
+    """Records each layer's Q, K and V as the attention computes them and
+    hands them to `sink(layer, kind, tensor [B, H, T, d])`.  rope "post"
+    (the default): queries and keys after RoPE, as the scores use them;
+    "pre": before it, as q_proj and k_proj give them (the arguments of the
+    rotation), for projections that are fused into k_proj and applied
+    before the keys are rotated."""
 
-    def __init__(self, model, mtype, cfg, sink):
+    def __init__(self, model, mtype, cfg, sink, rope="post"):
         self.sink, self.handles, self.layer = sink, [], None
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
@@ -27,18 +50,25 @@ class Capture:
             return
         self.layers = list(model.layers)
         # Post-RoPE queries and keys are what the module-level
-        # apply_rotary_pos_emb returns; each attention calls it once, so a
-        # pre-hook on the attention says which layer the call belongs to.
+        # apply_rotary_pos_emb returns, pre-RoPE ones what it is given (its
+        # q and k, positional or by name); each attention calls it once, so
+        # a pre-hook on the attention says which layer the call belongs to.
         self.module = sys.modules[type(self.layers[0].self_attn).__module__]
         self.original = self.module.apply_rotary_pos_emb
+        if rope not in ("post", "pre"):
+            raise UsageError(f"Capture: rope must be 'post' or 'pre', not {rope!r}")
 
-        def rope(*args, **kwargs):
+        def rotate(*args, **kwargs):
+            if rope == "pre":
+                self.sink(self.layer, "q", args[0] if args else kwargs["q"])
+                self.sink(self.layer, "k", args[1] if len(args) > 1 else kwargs["k"])
             q, k = self.original(*args, **kwargs)
-            self.sink(self.layer, "q", q)
-            self.sink(self.layer, "k", k)
+            if rope == "post":
+                self.sink(self.layer, "q", q)
+                self.sink(self.layer, "k", k)
             return q, k
 
-        self.module.apply_rotary_pos_emb = rope
+        self.module.apply_rotary_pos_emb = rotate
         for l, lay in enumerate(self.layers):
             self.handles.append(lay.self_attn.register_forward_pre_hook(self._enter(l)))
             att = lay.self_attn

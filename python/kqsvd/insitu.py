@@ -23,12 +23,12 @@ def fold_heads(cal, group, layer, kind, t):
             cal.absorb(_NAMES[kind], layer, h, t[h])
 
 
-def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
+def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"):
     """Runs the model over each row of seqs ([n, T] token ids) and folds
-    every layer's post-RoPE queries and keys and its values into cal as
-    the attention produces them: cal is a Calibrator (the C fold), or a
-    TorchFold (on the model's device).  on_sequence(i) after each
-    sequence."""
+    every layer's queries and keys (after RoPE, or before it for rope
+    "pre": kqsvd.capture.Capture) and its values into cal as the attention
+    produces them: cal is a Calibrator (the C fold), or a TorchFold (on the
+    model's device).  on_sequence(i) after each sequence."""
     import torch
     from .capture import Capture
     group = info.num_heads // info.num_kv_heads
@@ -41,7 +41,7 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None):
     def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
         fold(layer, kind, t[0].detach())
 
-    cap = Capture(model, info.model_type, model.config, sink)
+    cap = Capture(model, info.model_type, model.config, sink, rope)
     try:
         for i, row in enumerate(seqs):
             with torch.no_grad():

@@ -31,7 +31,10 @@ class Projections:
     [Hkv, d, rank_v[l]] (A_v and B_v); a head's columns past its own rank
     are zero, so the padded matrices compute the same as each head's own.
     Compressed keys are K @ A, queries q @ B, values V @ A_v, and each query
-    head h of KV group g uses B_v[g]^T W^O_h in place of W^O_h."""
+    head h of KV group g uses B_v[g]^T W^O_h in place of W^O_h.  rope: the
+    file's `rope` attribute, "post" (keys after RoPE; also when the file has
+    none) or "pre" (keys before RoPE, brought back as RoPE(K A B^T) before
+    the scores: kqsvd.attention)."""
     path: str
     method: str
     policy: str
@@ -49,6 +52,7 @@ class Projections:
     value_up: List[np.ndarray] = field(repr=False)
     rank_k_heads: np.ndarray = None
     rank_v_heads: np.ndarray = None
+    rope: str = "post"
 
     def sizes(self):
         return {k: getattr(self, k) for k in h5io.SIZE_ATTRS}
@@ -183,6 +187,9 @@ def load_projections(path, method="kqsvd", ranks=None):
             policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
                       else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
                       else "per-layer")
+        rope = h5io.attr(f, "rope", "post")
+        if rope not in ("post", "pre"):
+            raise KqsvdError(f"{path}: attribute 'rope' is {rope!r}, expected 'pre' or 'post'")
         mats = {}
         for n in MATRICES:
             ds, r = f[f"{method}/{n}"], rk if n.startswith(("key", "query")) else rv
@@ -196,7 +203,8 @@ def load_projections(path, method="kqsvd", ranks=None):
                 mats[n].append(m)
         return Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
-                           rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, **s, **mats)
+                           rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope, **s,
+                           **mats)
 
 
 def save_ranks(src, dst, ranks, policy):
