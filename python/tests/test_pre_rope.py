@@ -218,6 +218,27 @@ class PreRope(unittest.TestCase):
                     layer.self_attn._kqsvd = padded(proj, layer, info)
                 self.assertLess(rel(lm(input_ids=ids).logits, ragged), 1e-5, f"{m} padded")
 
+    def test_quality_budget_on_pre_rope_keys(self):
+        """The allocation's costs come from the keys the projections act on."""
+        from kqsvd import allocate as al
+        from kqsvd import capture
+        ropes, original = [], capture.Capture
+
+        def spy(*a, **kw):
+            ropes.append(kw.get("rope", "post"))
+            return original(*a, **kw)
+        capture.Capture = spy
+        try:
+            seqs = self.ids(4, SEQ, "train").numpy()
+            got = al.allocate(self.lm, self.info, self.proj_pre, 0.5, seqs, ["kqsvd"], rounds=2)
+        finally:
+            capture.Capture = original
+        self.assertEqual(ropes, ["pre"])
+        L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
+        r = got["kqsvd"]
+        self.assertEqual(int(r["rank_k"].sum() + r["rank_v"].sum()), L * H * d)
+        self.assertLessEqual(r["kl"], r["kl_uniform"])
+
     def test_low_rank_differs_from_post_rope(self):
         ids = self.ids(1, SEQ)
         with torch.no_grad():
