@@ -396,7 +396,8 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
 
 def main(argv=None):
     from . import models
-    from .projections import METHODS, save_ranks
+    from .errors import run_command
+    from .projections import METHODS
     ap = argparse.ArgumentParser(prog="python -m kqsvd.allocate",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -414,33 +415,31 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
-    try:
-        if not methods or any(m not in METHODS for m in methods):
-            raise UsageError(f"--methods {a.methods}: expected some of {', '.join(METHODS)}")
-        parse_policy(f"{PREFIX}{a.budget}")
-        models.check_device(a.device)
-        import torch
-        model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
-        if info.model_type not in models.COMPRESSIBLE:
-            raise KqsvdError(f"{a.model}: quality-aware ranks need a decoder whose attention "
-                             f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "
-                             f"'{info.model_type}'")
-        models.check_positions(info, model.config, a.seq_len)
-        seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train",
-                                    bos=not a.no_bos)[0]
-        got = allocate(model, info, a.proj, a.budget, seqs, methods, rounds=a.rounds,
-                       log=lambda s: print(f"allocate: {s}", file=sys.stderr))
-        save_ranks(a.proj, a.out, {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()},
-                   f"{PREFIX}{a.budget:g}")
-    except UsageError as e:
-        print(f"kqsvd.allocate: error: {e}", file=sys.stderr)
-        return 2
-    except KqsvdError as e:
-        print(f"kqsvd.allocate: error: {e}", file=sys.stderr)
-        return 1
+    return run_command("kqsvd.allocate", lambda: fit(a, methods))
+
+
+def fit(a, methods):
+    """The command's work: fit the ranks and write the projections file."""
+    from . import models
+    from .projections import METHODS, save_ranks
+    if not methods or any(m not in METHODS for m in methods):
+        raise UsageError(f"--methods {a.methods}: expected some of {', '.join(METHODS)}")
+    parse_policy(f"{PREFIX}{a.budget}")
+    models.check_device(a.device)
+    import torch
+    model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
+    if info.model_type not in models.COMPRESSIBLE:
+        raise KqsvdError(f"{a.model}: quality-aware ranks need a decoder whose attention "
+                         f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "
+                         f"'{info.model_type}'")
+    models.check_positions(info, model.config, a.seq_len)
+    seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train", bos=not a.no_bos)[0]
+    got = allocate(model, info, a.proj, a.budget, seqs, methods, rounds=a.rounds,
+                   log=lambda s: print(f"allocate: {s}", file=sys.stderr))
+    save_ranks(a.proj, a.out, {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()},
+               f"{PREFIX}{a.budget:g}")
     print(f"wrote {a.out}: {PREFIX}{a.budget:g} ranks per layer and KV head for "
           f"{', '.join(methods)}")
-    return 0
 
 
 if __name__ == "__main__":

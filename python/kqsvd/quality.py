@@ -290,19 +290,9 @@ def run(a):
 
 
 def main(argv=None):
+    from .errors import run_command
     a = parse(argv)
-    try:
-        run(a)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KqsvdError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\n{PROG}: interrupted; no report written", file=sys.stderr)
-        return 130
-    return 0
+    return run_command(PROG, lambda: run(a))
 
 
 if __name__ == "__main__":
