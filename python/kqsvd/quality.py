@@ -214,10 +214,11 @@ def table(report):
     print(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
           f"({report['split']} split), full model: perplexity {f['perplexity']:.3f}")
     probe = any("err_kq" in r for r in report["results"])
-    print(f"{'policy':<14}{'method':<8}{'kept':>8}{'perplexity':>12}{'KL/token':>11}{'top-1':>8}" +
-          (f"{'err_kq':>11}{'err_out':>11}" if probe else ""))
+    w = max([14] + [len(r["policy"]) + 2 for r in report["results"]])
+    print(f"{'policy':<{w}}{'method':<8}{'kept':>8}{'perplexity':>12}{'KL/token':>11}"
+          f"{'top-1':>8}" + (f"{'err_kq':>11}{'err_out':>11}" if probe else ""))
     for r in report["results"]:
-        line = (f"{r['policy']:<14}{r['method']:<8}{100 * r['cache_kept']:>7.1f}%"
+        line = (f"{r['policy']:<{w}}{r['method']:<8}{100 * r['cache_kept']:>7.1f}%"
                 f"{r['perplexity']:>12.3f}{r['kl']:>11.4f}{100 * r['top1']:>7.1f}%")
         if "err_kq" in r:
             line += f"{r['err_kq']['mean']:>11.3e}{r['err_out']['mean']:>11.3e}"
