@@ -424,10 +424,22 @@ def fit(a, methods):
     from .projections import METHODS, save_ranks
     if not methods or any(m not in METHODS for m in methods):
         raise UsageError(f"--methods {a.methods}: expected some of {', '.join(METHODS)}")
-    parse_policy(f"{PREFIX}{a.budget}")
+    import os
+    from . import h5io
+    from .projections import check_sizes
+    if not 0.0 < a.budget <= 1.0:
+        raise UsageError(f"--budget {a.budget:g}: the fraction must be in (0, 1]")
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"--out {a.out}: the folder {folder} does not exist or is not writable")
+    if os.path.exists(a.out) and os.path.samefile(a.out, a.proj):
+        raise UsageError(f"--out {a.out} is --proj itself; write the fitted ranks to a copy")
     models.check_device(a.device)
+    with h5io.open_file(a.proj, "projections") as f:  # a bad file fails before the model loads
+        psizes = h5io.sizes(f, a.proj)
     import torch
     model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
+    check_sizes(psizes, a.proj, info.sizes(), a.model)
     if info.model_type not in models.COMPRESSIBLE:
         raise KqsvdError(f"{a.model}: quality-aware ranks need a decoder whose attention "
                          f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "

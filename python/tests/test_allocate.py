@@ -149,6 +149,18 @@ class Commands(unittest.TestCase):
         self.assertIn("each needs at least 1", p.stderr)
         self.assertNotIn("Traceback", p.stderr)
         self.assertFalse(os.path.exists(out + "2"))
+        for args, code, needle in ((["--budget", "2", "--out", out + "3"], 2, "--budget 2: the fraction"),
+                                   (["--budget", "0.5", "--out", c.proj], 2, "is --proj itself"),
+                                   (["--budget", "0.5", "--out", "/nonexistent/x.h5"], 2,
+                                    "does not exist"),
+                                   (["--budget", "0.5", "--out", out + "4", "--proj", TEXT], 1,
+                                    "cannot read as HDF5")):
+            base = [sys.executable, "-m", "kqsvd.allocate", "--model", c.model, "--text", TEXT]
+            p = subprocess.run(base + (["--proj", c.proj] if "--proj" not in args else []) + args,
+                               capture_output=True, text=True)
+            self.assertEqual(p.returncode, code, p.stderr)
+            self.assertIn(needle, p.stderr)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
 
     def test_quality_command_compares_policies(self):
         c = Calibrated.get("llama")
