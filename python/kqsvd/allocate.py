@@ -30,6 +30,7 @@ stands (the gradient of gates on every column), keeping a move only when
 the measured KL falls.  So the policy is never worse than uniform ranks on
 the text it was calibrated on."""
 import argparse
+import contextlib
 import sys
 
 import numpy as np
@@ -123,11 +124,24 @@ def allocate_costs(costs, total):
     return ranks
 
 
+@contextlib.contextmanager
+def _weights_frozen(model):
+    """Gradients for activations and gates only: the weights' would double
+    the backward pass's work for nothing."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 class Sensitivity:
     """Accumulates s_u(r) for every method, unit and rank over windows."""
 
     def __init__(self, projs, info):
-        self.info = info
         self.mats = {}
         for m, p in projs.items():
             self.mats[m] = {"k": (p.key_down, p.query_down), "v": (p.value_down, p.value_up)}
@@ -168,11 +182,6 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
             live.append((layer, kind, t))
             t.retain_grad()
 
-    # Gradients for the activations only: the weights' would double the
-    # backward pass's work for nothing.
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
     hooks = [model.get_input_embeddings().register_forward_hook(
         lambda _m, _i, out: out.requires_grad_(True))]
     for l, lay in enumerate(model.model.layers):  # the v_proj output the model uses
@@ -187,39 +196,45 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
     cap = Capture(model.model, info.model_type, model.config, sink, rope=ropes.pop())
     gen = torch.Generator().manual_seed(seed)
     try:
-        for i, _ in ((i, k) for i in range(0, len(seqs), batch) for k in range(max(draws, 1))):
-            ids = torch.from_numpy(seqs[i:i + batch]).to(next(model.parameters()).device)
-            live.clear()
-            logits = model(input_ids=ids, use_cache=False).logits.float()
-            logp = torch.log_softmax(logits[:, :-1], -1)
-            if draws:
-                probs = logp.detach().exp().cpu()
-                y = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=gen)
-                sign = torch.randint(0, 2, y.shape, generator=gen).double() * 2 - 1
-                y = y.view(*probs.shape[:2], 1).to(logp.device)
-                loss = (logp.gather(2, y)[..., 0] * sign.view(probs.shape[:2]).to(logp)).sum()
-            else:
-                loss = -logp.gather(2, ids[:, 1:, None]).sum()
-            loss.backward()
-            for layer, kind, t in live:
-                g = t.grad
-                if kind == "vraw":
-                    b, T, _ = t.shape
-                    shape = (b, T, info.num_kv_heads, info.head_dim)
-                    x = t.detach().view(shape).transpose(1, 2)
-                    g = g.view(shape).transpose(1, 2)
-                    kind = "v"
-                else:
-                    x = t.detach()
-                sens.add(layer, kind, x.double().cpu().numpy(), g.double().cpu().numpy(),
-                         joint=draws > 0)
+        with _weights_frozen(model):
+            _cost_passes(model, info, seqs, batch, draws, gen, live, sens)
     finally:
         cap.close()
         for h in hooks:
             h.remove()
-        for p in params:
-            p.requires_grad_(True)
     return sens.cost
+
+
+def _cost_passes(model, info, seqs, batch, draws, gen, live, sens):
+    """measure_costs' passes: forward, backward, and the costs of the
+    activations the hooks collected in `live`."""
+    import torch
+    for i, _ in ((i, k) for i in range(0, len(seqs), batch) for k in range(max(draws, 1))):
+        ids = torch.from_numpy(seqs[i:i + batch]).to(next(model.parameters()).device)
+        live.clear()
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1)
+        if draws:
+            probs = logp.detach().exp().cpu()
+            y = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=gen)
+            sign = torch.randint(0, 2, y.shape, generator=gen).double() * 2 - 1
+            y = y.view(*probs.shape[:2], 1).to(logp.device)
+            loss = (logp.gather(2, y)[..., 0] * sign.view(probs.shape[:2]).to(logp)).sum()
+        else:
+            loss = -logp.gather(2, ids[:, 1:, None]).sum()
+        loss.backward()
+        for layer, kind, t in live:
+            g = t.grad
+            if kind == "vraw":
+                b, T, _ = t.shape
+                shape = (b, T, info.num_kv_heads, info.head_dim)
+                x = t.detach().view(shape).transpose(1, 2)
+                g = g.view(shape).transpose(1, 2)
+                kind = "v"
+            else:
+                x = t.detach()
+            sens.add(layer, kind, x.double().cpu().numpy(), g.double().cpu().numpy(),
+                     joint=draws > 0)
 
 
 class Gates:
@@ -252,16 +267,15 @@ class Gates:
 
 
 def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=None, step=None):
-    # The Fisher costs are a second-order guess made at the full model; at
-    # half the cache the model is far from it, and the gates' gradients
-    # measured where the allocation stands say better where a column pays.
     """Moves columns between units while the measured KL to the full model
     on the windows falls: each round takes the gates' gradients (one
     forward and backward pass), pairs the units whose last column costs
     least with those whose next column gains most, and keeps the move only
     if the measured KL is lower (else halves the move).  The budget and the
     bounds hold throughout.  Returns (ranks [2, L, H], KL)."""
-    import torch
+    # The Fisher costs are a second-order guess made at the full model; at
+    # half the cache the model is far from it, and the gates' gradients
+    # measured where the allocation stands say better where a column pays.
     from .attention import compress
     from .projections import load_projections
     d = info.head_dim
@@ -270,76 +284,86 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
 
     def kl_at(r, grad):
         gates.set(r)
-        total, n = 0.0, 0
-        for i in range(0, len(seqs), 4):
-            gates.install()
-            ids = torch.from_numpy(seqs[i:i + 4]).to(gates.mask.device)
-            with torch.set_grad_enabled(grad):
-                logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1]
-                                         .double(), -1)
-                ref = full_logp[i // 4]
-                kl = (ref.exp() * (ref - logp)).sum()
-                if grad:
-                    kl.backward()
-            total += float(kl)
-            n += ref.shape[0] * ref.shape[1]
-        return total / n
+        return kl_to_full(model, seqs, full_logp, grad=grad, before=gates.install)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
     try:
-        best = kl_at(ranks, True)
-        g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
-        step = step or max(1, ranks.size // 8)
-        for it in range(iters):
-            flat = ranks.reshape(-1)
-            idx = np.arange(flat.size)
-            drop = np.where(flat > 1, -g[idx, np.maximum(flat - 1, 0)], np.inf)
-            add = np.where(flat < d, g[idx, np.minimum(flat, d - 1)], np.inf)
-            order_drop, order_add = np.argsort(drop, kind="stable"), np.argsort(add, kind="stable")
-            moved, trial, used = 0, flat.copy(), set()
-            for u, v in zip(order_drop, order_add):
-                if moved == step or drop[u] + add[v] >= 0:
-                    break
-                if u == v or u in used or v in used:
-                    continue
-                trial[u] -= 1
-                trial[v] += 1
-                used.update((u, v))
-                moved += 1
-            if moved == 0:
-                break
-            kl = kl_at(trial.reshape(ranks.shape), False)
-            if log:
-                log(f"{method}: round {it + 1} of {iters}: {moved} columns moved, KL {kl:.4f} "
-                    f"(was {best:.4f})")
-            if kl < best:
-                ranks, best = trial.reshape(ranks.shape), kl
-                kl_at(ranks, True)
-                g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
-            else:  # the gradient where the allocation still stands holds
-                step = max(1, step // 2)
-                if moved == 1:
-                    break
+        with _weights_frozen(model):
+            ranks, best = _moves(ranks, kl_at, gates, d, iters, step, method, log)
     finally:
-        for p in params:
-            p.requires_grad_(True)
         compress(model, None)
     return ranks, best
 
 
-def kl_to_full(model, seqs, full_logp, batch=4):
-    """Mean KL(full || model) per predicted token over the windows."""
+def _moves(ranks, kl_at, gates, d, iters, step, method, log):
+    """refine's rounds; returns (ranks, KL)."""
+    best = kl_at(ranks, True)
+    g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
+    step = step or max(1, ranks.size // 8)
+    for it in range(iters):
+        flat = ranks.reshape(-1)
+        idx = np.arange(flat.size)
+        drop = np.where(flat > 1, -g[idx, np.maximum(flat - 1, 0)], np.inf)
+        add = np.where(flat < d, g[idx, np.minimum(flat, d - 1)], np.inf)
+        order_drop, order_add = np.argsort(drop, kind="stable"), np.argsort(add, kind="stable")
+        moved, trial, used = 0, flat.copy(), set()
+        for u, v in zip(order_drop, order_add):
+            if moved == step or drop[u] + add[v] >= 0:
+                break
+            if u == v or u in used or v in used:
+                continue
+            trial[u] -= 1
+            trial[v] += 1
+            used.update((u, v))
+            moved += 1
+        if moved == 0:
+            break
+        kl = kl_at(trial.reshape(ranks.shape), False)
+        if log:
+            log(f"{method}: round {it + 1} of {iters}: {moved} columns moved, KL {kl:.4f} "
+                f"(was {best:.4f})")
+        if kl < best:
+            ranks, best = trial.reshape(ranks.shape), kl
+            kl_at(ranks, True)
+            g = gates.mask.grad.double().cpu().numpy().reshape(-1, d)
+        else:  # the gradient where the allocation still stands holds
+            step = max(1, step // 2)
+            if moved == 1:
+                break
+    return ranks, best
+
+
+def _logprobs(model, ids):
+    """float64 next-token log-probabilities of every position but the last."""
+    import torch
+    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+
+
+def full_logprobs(model, seqs, batch=4):
+    """The model's log-probabilities per batch of windows, the reference of
+    kl_to_full."""
+    import torch
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return [_logprobs(model, torch.from_numpy(seqs[i:i + batch]).to(device))
+                for i in range(0, len(seqs), batch)]
+
+
+def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
+    """Mean KL(full || model) per predicted token over the windows.  grad:
+    back-propagate each batch's KL; before: called before each batch."""
     import torch
     kl, n = 0.0, 0
-    with torch.no_grad():
+    device = next(model.parameters()).device
+    with torch.set_grad_enabled(grad):
         for i in range(0, len(seqs), batch):
-            ids = torch.from_numpy(seqs[i:i + batch]).to(next(model.parameters()).device)
-            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1]
-                                     .double(), -1)
+            if before:
+                before()
             ref = full_logp[i // batch]
-            kl += float((ref.exp() * (ref - logp)).sum())
+            part = (ref.exp() * (ref - _logprobs(model, torch.from_numpy(seqs[i:i + batch])
+                                                 .to(device)))).sum()
+            if grad:
+                part.backward()
+            kl += float(part)
             n += ref.shape[0] * ref.shape[1]
     return kl / max(n, 1)
 
@@ -353,7 +377,6 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     sampled passes per batch for the Fisher costs; rounds: refinement
     rounds (see refine).  Not collective.  Raises UsageError for an
     impossible fraction, KqsvdError for a bad projections file or model."""
-    import torch
     from .attention import compress
     from .projections import load_projections
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
@@ -361,11 +384,7 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     full = {m: load_projections(proj_path, m, d) for m in methods}
     compress(model, None)
     costs = measure_costs(model, info, seqs, full, draws=draws)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        full_logp = [torch.log_softmax(model(input_ids=torch.from_numpy(seqs[i:i + 4]).to(device),
-                                             use_cache=False).logits[:, :-1].double(), -1)
-                     for i in range(0, len(seqs), 4)]
+    full_logp = full_logprobs(model, seqs)
     out = {}
     for m in methods:
         cands = {"fisher": allocate_costs(costs[m].reshape(2 * L * H, d), total).reshape(2, L, H),

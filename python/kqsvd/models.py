@@ -149,6 +149,7 @@ def config_model_type(path):
 
 DEVICES = "cpu, cuda or cuda:N"
 WEIGHT_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+TYPE_KEYS = {v: k for k, v in WEIGHT_TYPES.items()}
 
 
 def check_device(device):
@@ -178,26 +179,30 @@ def weights_dtype(path, cfg, asked, device):
     refused.  Returns (dtype, key)."""
     import torch
     from .errors import UsageError
-    if asked:
-        key = asked
-        if key == "f16" and not str(device).startswith("cuda"):
+    own = str(getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
+    key = asked or TYPE_KEYS.get(own, "f32")
+    if key == "f16" and not str(device).startswith("cuda"):
+        if asked:
             raise UsageError("--weights-dtype f16 needs a CUDA device: PyTorch's CPU kernels have "
                              "no float16 matrix product; use bf16 or f32")
-        return getattr(torch, WEIGHT_TYPES[key]), key
-    own = getattr(cfg, "torch_dtype", None)
-    own = str(own).replace("torch.", "") if own is not None else "float32"
-    key = {v: k for k, v in WEIGHT_TYPES.items()}.get(own, "f32")
-    if key == "f16" and not str(device).startswith("cuda"):
         key = "f32"
     return getattr(torch, WEIGHT_TYPES[key]), key
+
+
+def _run_type(path, cfg, dtype, weights, device):
+    """(dtype, WEIGHT_TYPES key) of load's arguments: dtype as given, else
+    weights_dtype of `weights` ("own" or None: the checkpoint's)."""
+    if dtype is not None:
+        return dtype, TYPE_KEYS[str(dtype).replace("torch.", "")]
+    return weights_dtype(path, cfg, None if weights in (None, "own") else weights, device)
 
 
 def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=None):
     """Loads a model and its tokenizer in eval mode with eager attention.
 
-    name: folder, GGUF file or id (see resolve).  dtype: a torch dtype
-    (float32 by default), or weights: a WEIGHT_TYPES key or "own" (the
-    checkpoint's own type, see weights_dtype).  device_map: "auto" spreads
+    name: folder, GGUF file or id (see resolve).  dtype: a torch dtype;
+    without it, weights: a WEIGHT_TYPES key, or "own" or None for the
+    checkpoint's own type (see weights_dtype; float32 for a GGUF file).  device_map: "auto" spreads
     a model folder's layers over the GPUs torch sees (accelerate), instead
     of `device`.  lm_head: for decoders, the causal LM (logits); False
     gives the bare decoder (hidden states, as the exporter wants).
@@ -212,12 +217,11 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
         if device_map:
             raise KqsvdError(f"{path}: --device-map applies to model folders; a GGUF file is "
                              "dequantized onto one --device")
-        if dtype is None:  # a GGUF file's own types are quantized: float32 unless asked
-            dtype, _ = weights_dtype(path, None, None if weights in (None, "own") else weights,
-                                     device)
+        # A GGUF file's own types are quantized: float32 unless asked.
+        dtype, key = _run_type(path, None, dtype, weights, device)
         model, tok = gguf_loader.load_gguf(path, dtype=dtype, device=device)
         info = info_of(path, model.config)
-        info.weights = {v: k for k, v in WEIGHT_TYPES.items()}[str(dtype).replace("torch.", "")]
+        info.weights = key
         return (model if lm_head else model.model), tok, info
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     refuse_architecture(path, config_model_type(path))
@@ -228,11 +232,7 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     info = info_of(path, cfg)
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         cfg.pretraining_tp = 1  # the same function, computed in one piece
-    if dtype is None:
-        dtype, info.weights = weights_dtype(path, cfg, None if weights in (None, "own") else weights,
-                                            device)
-    else:
-        info.weights = {v: k for k, v in WEIGHT_TYPES.items()}[str(dtype).replace("torch.", "")]
+    dtype, info.weights = _run_type(path, cfg, dtype, weights, device)
     cls = AutoModelForCausalLM if (lm_head and info.causal) else AutoModel
     kw = {}
     if device_map:

@@ -229,6 +229,16 @@ class Base(unittest.TestCase):
     def path(self, name):
         return os.path.join(self.tmp.name, name)
 
+    def assertRefused(self, path, *names):
+        """load_gguf(path) raises a GGUFError naming the file and each of names."""
+        with self.assertRaises(GGUFError) as cm:
+            load_gguf(path)
+        msg = str(cm.exception)
+        self.assertIn(path, msg)
+        for n in names:
+            self.assertIn(n, msg)
+        return msg
+
 
 class TestRoundTrip(Base):
     TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
@@ -354,14 +364,6 @@ class TestRoundTrip(Base):
 
 
 class TestErrors(Base):
-    def assertRefused(self, path, *names):
-        with self.assertRaises(GGUFError) as cm:
-            load_gguf(path)
-        msg = str(cm.exception)
-        self.assertIn(path, msg)
-        for n in names:
-            self.assertIn(n, msg)
-        return msg
 
     def test_not_gguf(self):
         path = self.path("notes.txt")

@@ -259,66 +259,60 @@ class TestRefusals(Base):
         cls.models["phi3-long"] = tiny("phi3", cls.vocab, seed=11, rope_scaling=scaling,
                                        original_max_position_embeddings=32)
 
-    def assertRefused(self, name, family, *needles, **write):
+    def assertFamilyRefused(self, name, family, *needles, **write):
         path = self.path(name)
         model = self.models["phi3-long" if write.pop("long", False) else family]
         write_family(path, model, family, self.tok, **write)
-        with self.assertRaises(GGUFError) as cm:
-            load_gguf(path)
-        self.assertIsInstance(cm.exception, KqsvdError)
-        msg = str(cm.exception)
-        self.assertIn(path, msg)
-        for n in needles:
-            self.assertIn(n, msg)
-        return msg
+        self.assertTrue(issubclass(GGUFError, KqsvdError))
+        return self.assertRefused(path, *needles)
 
     def test_gemma2(self):
-        self.assertRefused("gemma2.gguf", "gemma", "architecture 'gemma2'", "soft-capping",
+        self.assertFamilyRefused("gemma2.gguf", "gemma", "architecture 'gemma2'", "soft-capping",
                            arch="gemma2")
 
     def test_gemma(self):
-        self.assertRefused("gemma-output.gguf", "gemma", "unknown tensor 'output.weight'",
+        self.assertFamilyRefused("gemma-output.gguf", "gemma", "unknown tensor 'output.weight'",
                            extra={"output.weight": np.zeros((self.vocab, 64))})
-        self.assertRefused("gemma-rope.gguf", "gemma", "'gemma.rope.dimension_count'=16",
+        self.assertFamilyRefused("gemma-rope.gguf", "gemma", "'gemma.rope.dimension_count'=16",
                            kv={"{arch}.rope.dimension_count": 16})
-        self.assertRefused("gemma-value.gguf", "gemma", "'gemma.attention.value_length'=16",
+        self.assertFamilyRefused("gemma-value.gguf", "gemma", "'gemma.attention.value_length'=16",
                            kv={"{arch}.attention.value_length": 16})
 
     def test_mixtral(self):
-        self.assertRefused("mixtral-used.gguf", "mixtral", "'llama.expert_used_count'=5",
+        self.assertFamilyRefused("mixtral-used.gguf", "mixtral", "'llama.expert_used_count'=5",
                            kv={"{arch}.expert_used_count": 5})
         # Before April 2024 llama.cpp wrote one tensor per expert.
-        self.assertRefused("mixtral-old.gguf", "mixtral", "unknown tensor 'blk.0.ffn_gate.0.weight'",
+        self.assertFamilyRefused("mixtral-old.gguf", "mixtral", "unknown tensor 'blk.0.ffn_gate.0.weight'",
                            "re-convert", extra={"blk.0.ffn_gate.0.weight": np.zeros((96, 64))})
-        self.assertRefused("mixtral-freqs.gguf", "mixtral", "unknown tensor 'rope_freqs.weight'",
+        self.assertFamilyRefused("mixtral-freqs.gguf", "mixtral", "unknown tensor 'rope_freqs.weight'",
                            extra={"rope_freqs.weight": np.ones(8)})
-        self.assertRefused("mixtral-norm.gguf", "mixtral", "'llama.expert_weights_norm'=false",
+        self.assertFamilyRefused("mixtral-norm.gguf", "mixtral", "'llama.expert_weights_norm'=false",
                            kv={"{arch}.expert_weights_norm": False})
-        self.assertRefused("mixtral-rope.gguf", "mixtral", "rope scaling type 'linear'",
+        self.assertFamilyRefused("mixtral-rope.gguf", "mixtral", "rope scaling type 'linear'",
                            kv={"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 2.0})
-        self.assertRefused("mixtral-shape.gguf", "mixtral", "'blk.0.ffn_gate_exps.weight'",
+        self.assertFamilyRefused("mixtral-shape.gguf", "mixtral", "'blk.0.ffn_gate_exps.weight'",
                            "(4, 96, 64)", "(4, 128, 64)", kv={"{arch}.feed_forward_length": 128})
 
     def test_phi3(self):
         # YaRN-scaled Phi-3 files store attn_factor 0.1 ln(s) + 1, which HF 4.44 cannot compute.
-        self.assertRefused("phi3-yarn.gguf", "phi3", "'phi3.rope.scaling.attn_factor'", "LongRoPE",
+        self.assertFamilyRefused("phi3-yarn.gguf", "phi3", "'phi3.rope.scaling.attn_factor'", "LongRoPE",
                            long=True, kv={"{arch}.rope.scaling.attn_factor": float(0.1 * np.log(8) + 1)})
-        self.assertRefused("phi3-half.gguf", "phi3", "'rope_factors_long.weight'",
+        self.assertFamilyRefused("phi3-half.gguf", "phi3", "'rope_factors_long.weight'",
                            "'rope_factors_short.weight' is missing", long=True,
                            drop={"rope_factors_short.weight"})
-        self.assertRefused("phi3-split.gguf", "phi3", "unknown tensor 'blk.0.attn_q.weight'",
+        self.assertFamilyRefused("phi3-split.gguf", "phi3", "unknown tensor 'blk.0.attn_q.weight'",
                            extra={"blk.0.attn_q.weight": np.zeros((64, 64))})
-        self.assertRefused("phi3-moe.gguf", "phi3", "'phi3.expert_count'=16",
+        self.assertFamilyRefused("phi3-moe.gguf", "phi3", "'phi3.expert_count'=16",
                            kv={"{arch}.expert_count": 16})
-        self.assertRefused("phi3-noattn.gguf", "phi3", "'phi3.rope.scaling.attn_factor'", "missing",
+        self.assertFamilyRefused("phi3-noattn.gguf", "phi3", "'phi3.rope.scaling.attn_factor'", "missing",
                            long=True, kv={"{arch}.rope.scaling.attn_factor": None})
 
     def test_starcoder2(self):
-        self.assertRefused("sc2-bias.gguf", "starcoder2", "tensor 'blk.1.attn_q.bias' is missing",
+        self.assertFamilyRefused("sc2-bias.gguf", "starcoder2", "tensor 'blk.1.attn_q.bias' is missing",
                            drop={"blk.1.attn_q.bias"})
-        self.assertRefused("sc2-eps.gguf", "starcoder2", "'starcoder2.attention.layer_norm_epsilon'",
+        self.assertFamilyRefused("sc2-eps.gguf", "starcoder2", "'starcoder2.attention.layer_norm_epsilon'",
                            kv={"{arch}.attention.layer_norm_epsilon": None})
-        self.assertRefused("sc2-rope.gguf", "starcoder2", "rope scaling type 'linear'", "starcoder2",
+        self.assertFamilyRefused("sc2-rope.gguf", "starcoder2", "rope scaling type 'linear'", "starcoder2",
                            kv={"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 2.0})
 
 
