@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""A study toward issue 17's target (perplexity within 1.25x of the full
+model at half the cache): does weighting each cached token by the
+attention it receives give better KQ-SVD projections than the paper's
+unweighted fit, under uniform and under fitted (quality-budget) ranks?
+
+    .venv/bin/python bench/weighted_fit.py --work data/rank-allocation-pre-rope
+
+--work: a folder of bench/rank_allocation.sh (its train/ shards and
+proj.h5, SmolLM2 with --keys pre-rope or post-rope).  The weight of key
+and value row n of a KV head is w_n = sum over the group's query heads h
+and positions m of a_hmn^2 (the attention probabilities of the full model
+on the same windows), the first-order weight of a row's error in the
+attention output: an error e_n in value n moves output m by a_mn e_n, and
+an error in score s_mn moves it by a_mn (v_n - o_m).  Keys and values are
+refitted with rows scaled by sqrt(w_n) (queries and W^O as they are): the
+closed form of the paper with R_K, R_V of the weighted rows.  The refit
+without weights must reproduce proj.h5 (checked, 1e-9).
+
+Not part of the tool: the shards' contract has no row weights, so this
+refits in numpy from the shards.  Prints one table; writes
+WORK/weighted.h5 (the weighted projections) and WORK/weighted.json."""
+import argparse
+import glob
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data",
+                    "us-founding-documents.txt")
+
+
+def attention_weights(model, seqs, L, H, g):
+    """w [L, H, rows]: sum over the group's heads and query positions of
+    the squared attention probabilities each key row receives."""
+    import torch
+    T = seqs.shape[1]
+    w = np.zeros((L, H, seqs.size))
+    with torch.no_grad():  # output_attentions: the SDPA attention falls back to eager
+        for i in range(0, len(seqs), 4):
+            out = model(input_ids=torch.from_numpy(seqs[i:i + 4]), output_attentions=True,
+                        use_cache=False)
+            for l, a in enumerate(out.attentions):  # [b, Hq, T, T]
+                a2 = (a.double().numpy() ** 2).reshape(a.shape[0], H, g, T, T).sum((2, 3))
+                w[l, :, i * T:(i + a.shape[0]) * T] = a2.transpose(1, 0, 2).reshape(H, -1)
+    return w
+
+
+def grams(train, weights, L, H, g):
+    """Gram matrices of the weighted key and value rows and of the
+    group's stacked queries, [L, H, d, d] each, over the shards in order."""
+    import h5py
+    from kqsvd import h5io
+    CK = CQ = CV = None
+    off = 0
+    for path in sorted(glob.glob(os.path.join(train, "shard-*.h5"))):
+        with h5py.File(path) as f:
+            n = int(f["seq_lens"][...].sum())
+            for l in range(L):
+                k, q, v = (h5io.decode(f[x][l], h5io.is_bf16(f[x])).astype(np.float64)
+                           for x in ("keys", "queries", "values"))
+                if CK is None:
+                    d = k.shape[-1]
+                    CK, CQ, CV = (np.zeros((L, H, d, d)) for _ in range(3))
+                for h in range(H):
+                    w = weights[l, h, off:off + n] if weights is not None else np.ones(n)
+                    CK[l, h] += (k[h] * w[:, None]).T @ k[h]
+                    CV[l, h] += (v[h] * w[:, None]).T @ v[h]
+                    CQ[l, h] += sum(q[j].T @ q[j] for j in range(h * g, (h + 1) * g))
+        off += n
+    return CK, CQ, CV
+
+
+def root(C):
+    """A square root R of a Gram matrix (R^T R = C), like an R factor."""
+    e, V = np.linalg.eigh(C)
+    return (V * np.sqrt(np.maximum(e, 0.0))) @ V.T
+
+
+def optimal_pair(CX, CY):
+    """The paper's closed form from Grams: core R_X R_Y^T = U S V^T,
+    A = R_X^+ U, B = R_X^T U."""
+    RX = root(CX)
+    U, s, _ = np.linalg.svd(RX @ root(CY).T)
+    return np.linalg.pinv(RX, rcond=1e-12) @ U, RX.T @ U, s
+
+
+def refit(work, weights, out, L, H, g):
+    """WORK/proj.h5 with the kqsvd group refitted (weights None: unweighted).
+    Returns the largest relative difference of the rank-16 maps from
+    proj.h5's (the unweighted refit's check)."""
+    import h5py
+    from kqsvd import h5io
+    CK, CQ, CV = grams(os.path.join(work, "train"), weights, L, H, g)
+    with h5py.File(os.path.join(work, "train", "model.h5")) as f:
+        O = h5io.decode(f["o_proj"][...], h5io.is_bf16(f["o_proj"])).astype(np.float64)
+    d = CK.shape[-1]
+    shutil.copy(os.path.join(work, "proj.h5"), out)
+    worst = 0.0
+    with h5py.File(out, "r+") as f:
+        for l in range(L):
+            for h in range(H):
+                blocks = O[l][:, h * g * d:(h + 1) * g * d]  # the group's W^O blocks side by side
+                CW = sum(blocks[:, j * d:(j + 1) * d].T @ blocks[:, j * d:(j + 1) * d]
+                         for j in range(g))
+                new = optimal_pair(CK[l, h], CQ[l, h]) + optimal_pair(CV[l, h], CW)
+                for (x, y), (i, j) in ((("key_down", "query_down"), (0, 1)),
+                                       (("value_down", "value_up"), (3, 4))):
+                    old = f[f"kqsvd/{x}"][l, h, :, :16] @ f[f"kqsvd/{y}"][l, h, :, :16].T
+                    got = new[i][:, :16] @ new[j][:, :16].T
+                    worst = max(worst, np.linalg.norm(got - old) / np.linalg.norm(old))
+                    f[f"kqsvd/{x}"][l, h], f[f"kqsvd/{y}"][l, h] = new[i], new[j]
+                f["kqsvd/sigma_k"][l, h], f["kqsvd/sigma_v"][l, h] = new[2], new[5]
+    return worst
+
+
+def held_out(model, proj, ranks, seqs, ref):
+    """Perplexity, KL to the full model and top-1 agreement on seqs."""
+    import torch
+    from kqsvd.attention import compress
+    from kqsvd.projections import load_projections
+    compress(model, load_projections(proj, "kqsvd", ranks))
+    nll = kl = top = n = 0.0
+    with torch.no_grad():
+        for i in range(0, len(seqs), 4):
+            ids = torch.from_numpy(seqs[i:i + 4])
+            lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+            r = ref[i // 4]
+            nll -= float(lp.gather(2, ids[:, 1:, None]).sum())
+            kl += float((r.exp() * (r - lp)).sum())
+            top += float((r.argmax(-1) == lp.argmax(-1)).sum())
+            n += ids[:, 1:].numel()
+    compress(model, None)
+    return dict(perplexity=math.exp(nll / n), kl=kl / n, top1=top / n)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", required=True, help="a folder of bench/rank_allocation.sh")
+    ap.add_argument("--calib-seqs", type=int, default=16, help="quality-budget windows [16]")
+    ap.add_argument("--rounds", type=int, default=6, help="refinement rounds [6]")
+    a = ap.parse_args()
+    import torch
+    from kqsvd import models
+    from kqsvd.allocate import allocate, full_logprobs
+    t0 = time.time()
+    model, tok, info = models.load(MODEL, dtype=torch.float32)
+    L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+    g = info.num_heads // H
+    train = models.token_windows(tok, TEXT, 256, 24, "train", bos=True)[0]
+    check = refit(a.work, None, os.path.join(a.work, "unweighted.h5"), L, H, g)
+    if check > 1e-9:
+        sys.exit(f"weighted_fit.py: the unweighted refit differs from proj.h5 by {check:.2e}: "
+                 "not the demo's 24 windows?")
+    w = attention_weights(model, train, L, H, g)
+    print(f"weights: the first token of a window weighs {np.median(w[..., ::256] / w.mean(-1, keepdims=True)):.0f}"
+          f" times the mean (median over layers and heads)", file=sys.stderr)
+    weighted = os.path.join(a.work, "weighted.h5")
+    refit(a.work, w, weighted, L, H, g)
+    ev = models.token_windows(tok, TEXT, 256, 8, "validation", bos=True)[0]
+    ref = full_logprobs(model, ev)
+    cal = train[:a.calib_seqs]
+    rows = []
+    for name, proj in (("unweighted", os.path.join(a.work, "proj.h5")), ("attention-weighted", weighted)):
+        rows.append((name, "fixed:32", held_out(model, proj, 32, ev, ref)))
+        got = allocate(model, info, proj, 0.5, cal, ["kqsvd"], rounds=a.rounds,
+                       log=lambda s: print(f"weighted_fit: {s}", file=sys.stderr))["kqsvd"]
+        rows.append((name, "quality-budget:0.5", held_out(model, proj, (got["rank_k"], got["rank_v"]),
+                                                           ev, ref)))
+    print(f"kqsvd at half the cache, {MODEL}; held-out 8 x 256 tokens; quality-budget fitted on "
+          f"{a.calib_seqs} windows, {a.rounds} rounds; unweighted refit check {check:.1e}")
+    print("| fit | ranks | perplexity | KL / token | top-1 |\n| --- | --- | ---: | ---: | ---: |")
+    for name, pol, r in rows:
+        print(f"| {name} | {pol} | {r['perplexity']:.2f} | {r['kl']:.3f} | {100 * r['top1']:.1f}% |")
+    json.dump([dict(fit=n, ranks=p, **r) for n, p, r in rows],
+              open(os.path.join(a.work, "weighted.json"), "w"), indent=1)
+    print(f"weighted_fit.py: done in {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
