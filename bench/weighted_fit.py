@@ -17,6 +17,11 @@ refitted with rows scaled by sqrt(w_n) (queries and W^O as they are): the
 closed form of the paper with R_K, R_V of the weighted rows.  The refit
 without weights must reproduce proj.h5 (checked, 1e-9).
 
+--tune N then trains the weighted fit's up-projections (B of the keys
+and B_v of the values) for N Adam steps on the KL to the full model over
+the calibration windows, with A and A_v fixed: the cache holds the same
+columns, only how they are read back changes.
+
 Not part of the tool: the shards' contract has no row weights, so this
 refits in numpy from the shards.  Prints one table; writes
 WORK/weighted.h5 (the weighted projections) and WORK/weighted.json."""
@@ -123,10 +128,17 @@ def refit(work, weights, out, L, H, g):
 
 def held_out(model, proj, ranks, seqs, ref):
     """Perplexity, KL to the full model and top-1 agreement on seqs."""
-    import torch
     from kqsvd.attention import compress
     from kqsvd.projections import load_projections
     compress(model, load_projections(proj, "kqsvd", ranks))
+    got = score(model, seqs, ref)
+    compress(model, None)
+    return got
+
+
+def score(model, seqs, ref):
+    """held_out's measures of the model as it is now."""
+    import torch
     nll = kl = top = n = 0.0
     with torch.no_grad():
         for i in range(0, len(seqs), 4):
@@ -137,8 +149,58 @@ def held_out(model, proj, ranks, seqs, ref):
             kl += float((r.exp() * (r - lp)).sum())
             top += float((r.argmax(-1) == lp.argmax(-1)).sum())
             n += ids[:, 1:].numel()
-    compress(model, None)
     return dict(perplexity=math.exp(nll / n), kl=kl / n, top1=top / n)
+
+
+def tune_up(model, proj, ranks, cal, steps, lr, ev, ref):
+    """The up-projections (B of the keys, B_v of the values) trained by
+    Adam on the KL to the full model over the calibration windows, A and
+    A_v (what the cache holds) fixed; returns score() on ev after."""
+    from kqsvd.allocate import full_logprobs, kl_to_full
+    from kqsvd.attention import compress
+    from kqsvd.projections import load_projections
+    import torch
+    full = full_logprobs(model, cal)
+    compress(model, load_projections(proj, "kqsvd", ranks))
+    leaves, hooks = [], []
+    for lay in model.model.layers:
+        att, P = lay.self_attn, lay.self_attn._kqsvd
+        g = att.num_heads // att.num_key_value_heads
+        key = "BkT" if P.rope == "pre" else "Bq"
+        if P.ragged:  # lists, one tensor per KV head, used as they are
+            for name in (key, "BvT"):
+                setattr(P, name, [t.detach().clone().requires_grad_(True) for t in getattr(P, name)])
+                leaves += getattr(P, name)
+            continue
+        # One tensor repeated per query head: train each KV head's and
+        # repeat it before every forward pass.
+        lk = (P.BkT if key == "BkT" else P.Bq[::g]).detach().clone().requires_grad_(True)
+        lv = P.BvT[::g].detach().clone().requires_grad_(True)
+        leaves += [lk, lv]
+
+        def repeat(_mod, _inp, P=P, lk=lk, lv=lv, g=g, key=key):
+            setattr(P, key, lk if key == "BkT" else lk.repeat_interleave(g, 0))
+            P.BvT = lv.repeat_interleave(g, 0)
+        hooks.append(att.register_forward_pre_hook(repeat))
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(leaves, lr=lr)
+    try:
+        for step in range(steps):
+            opt.zero_grad()
+            kl = kl_to_full(model, cal, full, grad=True)
+            opt.step()
+            print(f"weighted_fit: tuning step {step + 1} of {steps}: calibration KL {kl:.4f}",
+                  file=sys.stderr, flush=True)
+        with torch.no_grad():
+            return score(model, ev, ref)
+    finally:
+        for h in hooks:
+            h.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+        compress(model, None)
 
 
 def main():
@@ -146,6 +208,10 @@ def main():
     ap.add_argument("--work", required=True, help="a folder of bench/rank_allocation.sh")
     ap.add_argument("--calib-seqs", type=int, default=16, help="quality-budget windows [16]")
     ap.add_argument("--rounds", type=int, default=6, help="refinement rounds [6]")
+    ap.add_argument("--tune", type=int, default=0,
+                    help="Adam steps training the weighted fit's up-projections B, B_v on the "
+                         "calibration KL, the cache's A, A_v fixed [0: none]")
+    ap.add_argument("--lr", type=float, default=3e-3, help="--tune's learning rate [3e-3]")
     a = ap.parse_args()
     import torch
     from kqsvd import models
@@ -172,8 +238,11 @@ def main():
         rows.append((name, "fixed:32", held_out(model, proj, 32, ev, ref)))
         got = allocate(model, info, proj, 0.5, cal, ["kqsvd"], rounds=a.rounds,
                        log=lambda s: print(f"weighted_fit: {s}", file=sys.stderr))["kqsvd"]
-        rows.append((name, "quality-budget:0.5", held_out(model, proj, (got["rank_k"], got["rank_v"]),
-                                                           ev, ref)))
+        ranks = (got["rank_k"], got["rank_v"])
+        rows.append((name, "quality-budget:0.5", held_out(model, proj, ranks, ev, ref)))
+    if a.tune:
+        rows.append((name, f"quality-budget:0.5, B and B_v tuned ({a.tune} steps)",
+                     tune_up(model, weighted, ranks, cal, a.tune, a.lr, ev, ref)))
     print(f"kqsvd at half the cache, {MODEL}; held-out 8 x 256 tokens; quality-budget fitted on "
           f"{a.calib_seqs} windows, {a.rounds} rounds; unweighted refit check {check:.1e}")
     print("| fit | ranks | perplexity | KL / token | top-1 |\n| --- | --- | ---: | ---: | ---: |")
