@@ -28,7 +28,6 @@ WORK/weighted.h5 (the weighted projections) and WORK/weighted.json."""
 import argparse
 import glob
 import json
-import math
 import os
 import shutil
 import sys
@@ -137,26 +136,25 @@ def held_out(model, proj, ranks, seqs, ref):
 
 
 def score(model, seqs, ref):
-    """held_out's measures of the model as it is now."""
+    """held_out's measures of the model as it is now (the quality command's
+    sums), ref: full_logprobs of seqs."""
     import torch
-    nll = kl = top = n = 0.0
+    from kqsvd.allocate import _logprobs
+    from kqsvd.quality import Tally
+    t = Tally()
     with torch.no_grad():
         for i in range(0, len(seqs), 4):
             ids = torch.from_numpy(seqs[i:i + 4])
-            lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
-            r = ref[i // 4]
-            nll -= float(lp.gather(2, ids[:, 1:, None]).sum())
-            kl += float((r.exp() * (r - lp)).sum())
-            top += float((r.argmax(-1) == lp.argmax(-1)).sum())
-            n += ids[:, 1:].numel()
-    return dict(perplexity=math.exp(nll / n), kl=kl / n, top1=top / n)
+            lp, r = _logprobs(model, ids), ref[i // 4]
+            t.add(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1), r.reshape(-1, r.shape[-1]))
+    return {k: t.result()[k] for k in ("perplexity", "kl", "top1")}
 
 
 def tune_up(model, proj, ranks, cal, steps, lr, ev, ref):
     """The up-projections (B of the keys, B_v of the values) trained by
     Adam on the KL to the full model over the calibration windows, A and
     A_v (what the cache holds) fixed; returns score() on ev after."""
-    from kqsvd.allocate import full_logprobs, kl_to_full
+    from kqsvd.allocate import _weights_frozen, full_logprobs, kl_to_full
     from kqsvd.attention import compress
     from kqsvd.projections import load_projections
     import torch
@@ -182,24 +180,19 @@ def tune_up(model, proj, ranks, cal, steps, lr, ev, ref):
             setattr(P, key, lk if key == "BkT" else lk.repeat_interleave(g, 0))
             P.BvT = lv.repeat_interleave(g, 0)
         hooks.append(att.register_forward_pre_hook(repeat))
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(False)
     opt = torch.optim.Adam(leaves, lr=lr)
     try:
-        for step in range(steps):
-            opt.zero_grad()
-            kl = kl_to_full(model, cal, full, grad=True)
-            opt.step()
-            print(f"weighted_fit: tuning step {step + 1} of {steps}: calibration KL {kl:.4f}",
-                  file=sys.stderr, flush=True)
-        with torch.no_grad():
-            return score(model, ev, ref)
+        with _weights_frozen(model):
+            for step in range(steps):
+                opt.zero_grad()
+                kl = kl_to_full(model, cal, full, grad=True)
+                opt.step()
+                print(f"weighted_fit: tuning step {step + 1} of {steps}: calibration KL "
+                      f"{kl:.4f}", file=sys.stderr, flush=True)
+        return score(model, ev, ref)
     finally:
         for h in hooks:
             h.remove()
-        for p in frozen:
-            p.requires_grad_(True)
         compress(model, None)
 
 

@@ -190,7 +190,7 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
             live.append((l, "vraw", out))
         hooks.append(lay.self_attn.v_proj.register_forward_hook(vhook))
     # The keys the projections act on: after RoPE, or before it (--keys pre-rope).
-    ropes = {getattr(p, "rope", "post") for p in projs.values()}
+    ropes = {p.rope for p in projs.values()}
     if len(ropes) != 1:
         raise KqsvdError("projections of keys before and after RoPE cannot be allocated together")
     cap = Capture(model.model, info.model_type, model.config, sink, rope=ropes.pop())

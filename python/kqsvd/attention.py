@@ -57,7 +57,7 @@ class LayerProjection:
         self.BvT = t(proj.value_up[layer]).transpose(1, 2).repeat_interleave(g, 0)  # [Hq, rv, d]
         # Pre-RoPE projections: B^T takes each KV head's cached r columns back
         # to d-wide keys, which are then rotated.
-        self.rope = getattr(proj, "rope", "post")
+        self.rope = proj.rope
         self.BkT = t(proj.query_down[layer]).transpose(1, 2)               # [Hkv, rk, d]
         self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads) if fold else None
         # Heads with ranks of their own: the cache holds each KV head's own

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from .capture import KEYS
 from .errors import KqsvdError, UsageError
 
 HELP = __doc__.split("\n\n")[0] + """
@@ -340,7 +341,7 @@ def parse(argv):
     ap.add_argument("--no-bos", action="store_true",
                     help="windows without the BOS token the tokenizer adds in normal use, as "
                          "export_hf.py --no-bos")
-    ap.add_argument("--keys", choices=("post-rope", "pre-rope"), default="post-rope",
+    ap.add_argument("--keys", choices=tuple(KEYS), default="post-rope",
                     help="fold queries and keys after RoPE, or before it (decoders), as "
                          "export_hf.py --keys [post-rope]")
     ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
