@@ -38,15 +38,17 @@ import numpy as np
 from .errors import KqsvdError, UsageError
 
 PREFIX = "quality-budget:"
+TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.tune)
 
 
 def parse_policy(policy):
-    """The fraction F of 'quality-budget:F', or None for another policy.
-    Raises UsageError for F outside (0, 1]."""
-    if not policy.startswith(PREFIX):
+    """The fraction F of 'quality-budget:F' or 'quality-tuned:F', or None
+    for another policy.  Raises UsageError for F outside (0, 1]."""
+    prefix = next((p for p in (PREFIX, TUNED) if policy.startswith(p)), None)
+    if prefix is None:
         return None
     try:
-        f = float(policy[len(PREFIX):])
+        f = float(policy[len(prefix):])
     except ValueError:
         f = float("nan")
     if not 0.0 < f <= 1.0:
@@ -431,6 +433,12 @@ def main(argv=None):
     ap.add_argument("--num-seqs", type=int, default=4, help="calibration windows [4]")
     ap.add_argument("--no-bos", action="store_true", help="windows without the BOS token")
     ap.add_argument("--rounds", type=int, default=6, help="refinement rounds [6]")
+    ap.add_argument("--tune", type=int, default=0, metavar="STEPS",
+                    help="also train the up-projections for STEPS Adam steps (kqsvd.tune; the "
+                    "policy becomes quality-tuned:F) [0: no]")
+    ap.add_argument("--check-seqs", type=int, default=4,
+                    help="--tune: windows after the calibration ones that choose the step [4]")
+    ap.add_argument("--lr", type=float, default=3e-3, help="--tune: learning rate [3e-3]")
     ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
     a = ap.parse_args(argv)
     methods = [m for m in a.methods.split(",") if m]
@@ -448,6 +456,9 @@ def fit(a, methods):
     from .projections import check_sizes
     if not 0.0 < a.budget <= 1.0:
         raise UsageError(f"--budget {a.budget:g}: the fraction must be in (0, 1]")
+    if a.tune < 0 or a.rounds < 0 or a.num_seqs < 1 or a.check_seqs < 1 or not a.lr > 0:
+        raise UsageError("--tune and --rounds must be 0 or more, --num-seqs and --check-seqs 1 "
+                         "or more, --lr above 0")
     folder = os.path.dirname(os.path.abspath(a.out))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise UsageError(f"--out {a.out}: the folder {folder} does not exist or is not writable")
@@ -464,13 +475,20 @@ def fit(a, methods):
                          f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "
                          f"'{info.model_type}'")
     models.check_positions(info, model.config, a.seq_len)
-    seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train", bos=not a.no_bos)[0]
-    got = allocate(model, info, a.proj, a.budget, seqs, methods, rounds=a.rounds,
-                   log=lambda s: print(f"allocate: {s}", file=sys.stderr))
-    save_ranks(a.proj, a.out, {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()},
-               f"{PREFIX}{a.budget:g}")
-    print(f"wrote {a.out}: {PREFIX}{a.budget:g} ranks per layer and KV head for "
-          f"{', '.join(methods)}")
+    seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs + (a.tune > 0) * a.check_seqs,
+                                "train", bos=not a.no_bos)[0]
+    log = lambda s: print(f"allocate: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    got = allocate(model, info, a.proj, a.budget, seqs[:a.num_seqs], methods, rounds=a.rounds,
+                   log=log)
+    ranks = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+    if a.tune:
+        from .tune import tuned_file
+        tuned_file(model, a.proj, ranks, seqs[:a.num_seqs], seqs[a.num_seqs:], a.out, a.budget,
+                   a.tune, a.lr, log)
+    else:
+        save_ranks(a.proj, a.out, ranks, f"{PREFIX}{a.budget:g}")
+    print(f"wrote {a.out}: {TUNED if a.tune else PREFIX}{a.budget:g} ranks per layer and KV head "
+          f"for {', '.join(methods)}")
 
 
 if __name__ == "__main__":

@@ -207,12 +207,16 @@ def load_projections(path, method="kqsvd", ranks=None):
                            **mats)
 
 
-def save_ranks(src, dst, ranks, policy):
+def save_ranks(src, dst, ranks, policy, tuned=None):
     """Writes a copy of the projections file `src` to `dst` whose stored
     ranks are `ranks`: {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, as
     per-head datasets with the per-layer ones their maxima, and whose
     rank_policy is `policy` (docs/formats.md section 5.3).  Methods not in
-    `ranks` keep theirs.  Written under a temporary name and renamed."""
+    `ranks` keep theirs.  tuned: {method: (Projections, info)} from
+    kqsvd.tune.tune at these ranks; their query_down and value_up columns
+    replace the file's, and the group records how they were trained
+    (section 5.3, "Tuned up-projections").  Written under a temporary name
+    and renamed."""
     import h5py
     from .files import write_atomic
     with h5io.open_file(src, "projections") as f:
@@ -222,6 +226,12 @@ def save_ranks(src, dst, ranks, policy):
     for m, (rk, rv) in checked.items():
         if m not in METHODS or min(rk.min(), rv.min()) < 1:
             raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
+    with h5io.open_file(src, "projections") as f:
+        # Tuned columns belong to the ranks they were trained at.
+        done = [m for m in checked if "tuned_steps" in f[m].attrs]
+    if done:
+        raise UsageError(f"{src}: the '{done[0]}' up-projections were tuned at its stored ranks; "
+                         "give new ranks to the calibrated file (kqsvd calibrate --out)")
 
     def write(tmp):
         shutil.copyfile(src, tmp)
@@ -232,9 +242,25 @@ def save_ranks(src, dst, ranks, policy):
                         if name in f[m]:
                             del f[m][name]
                         f[m].create_dataset(name, data=data.astype(np.int32))
+            for m, (p, info) in (tuned or {}).items():
+                _write_tuned(f[m], p, info, *checked[m])
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst
+
+
+def _write_tuned(g, p, info, rk, rv):
+    """A method group's up-projections replaced by tuned ones (each head's
+    columns up to its rank; the columns past it keep the closed form's)."""
+    for name, r, mats in (("query_down", rk, p.query_down), ("value_up", rv, p.value_up)):
+        ds = g[name]
+        for l, m in enumerate(mats):
+            for h in range(ds.shape[1]):
+                ds[l, h, :, :r[l, h]] = m[h, :, :r[l, h]]
+    g.attrs["tuned_steps"] = np.int32(info["step"])
+    g.attrs["tuned_lr"] = float(info["lr"])
+    g.attrs["tuned_kl_fit"] = np.asarray(info["kl_fit"], dtype=np.float64)
+    g.attrs["tuned_kl_check"] = np.asarray(info["kl_check"], dtype=np.float64)
 
 
 def check_sizes(proj_sizes, proj_path, model_sizes, model_path="the model"):

@@ -4,11 +4,16 @@ compressed model against the full one, per rank policy and method.
     python -m kqsvd.quality --model M --text FILE --proj PROJ.h5 --ranks POLICY[,POLICY...]
         [--split validation] [--seq-len 256] [--num-seqs 8] [--methods kqsvd,ksvd,eigen]
         [--dtype float32|float64] [--device cpu] [--fold] [--score-errors]
+        [--calib-seqs 4] [--rounds 6] [--tune-steps 30] [--check-seqs 4] [--lr 3e-3]
         --json OUT [--plot PNG]
 
 The policies are `kqsvd calibrate`'s (eps:E, fixed:R, budget:F), resolved by
-`kqsvd ranks` from the file's spectra, so the ranks are exactly the C tool's.
-The full model runs once per sequence; every (policy, method) pair then runs
+`kqsvd ranks` from the file's spectra, so the ranks are exactly the C tool's,
+and the model's own: quality-budget:F (ranks fitted on --calib-seqs windows
+of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
+the up-projections trained on the same windows, the step kept chosen on
+--check-seqs more, kqsvd.tune); each is written beside the report as
+OUT.quality-budget-F.h5 or OUT.quality-tuned-F.h5.  The full model runs once per sequence; every (policy, method) pair then runs
 on the same tokens.  Usage errors exit 2, bad input 1, each with one line
 naming the file and field; outputs are written under a temporary name and
 renamed, so an error or an interruption leaves none.
@@ -22,7 +27,7 @@ import time
 
 from .errors import KqsvdError, UsageError
 from .files import write_atomic
-from .allocate import parse_policy
+from .allocate import TUNED, parse_policy
 from .projections import METHODS, load_projections, policy_ranks, save_ranks
 
 PROG = "python -m kqsvd.quality"
@@ -36,11 +41,17 @@ def parse(argv):
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
     ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
-                    "fixed:R, budget:F, quality-budget:F, or 'stored'")
+                    "fixed:R, budget:F, quality-budget:F, quality-tuned:F, or 'stored'")
     ap.add_argument("--calib-seqs", type=int, default=4,
                     help="quality-budget: windows of the train split its ranks are fitted on [4]")
     ap.add_argument("--rounds", type=int, default=6,
                     help="quality-budget: refinement rounds (kqsvd.allocate) [6]")
+    ap.add_argument("--tune-steps", type=int, default=30,
+                    help="quality-tuned: Adam steps training the up-projections [30]")
+    ap.add_argument("--check-seqs", type=int, default=4,
+                    help="quality-tuned: train-split windows after the calibration ones that "
+                    "choose the step kept [4]")
+    ap.add_argument("--lr", type=float, default=3e-3, help="quality-tuned: learning rate [3e-3]")
     ap.add_argument("--split", choices=("train", "validation"), default="validation",
                     help="windows from the text's start (train) or end (validation) [validation]")
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence [256]")
@@ -57,9 +68,11 @@ def parse(argv):
     ap.add_argument("--json", required=True, help="the report")
     ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
     a = ap.parse_args(argv)
-    if a.rounds < 0:
-        ap.error("--rounds must be 0 or more")
-    for k in ("seq_len", "num_seqs", "calib_seqs"):
+    if a.rounds < 0 or a.tune_steps < 0:
+        ap.error(f"--{'rounds' if a.rounds < 0 else 'tune-steps'} must be 0 or more")
+    if not a.lr > 0:
+        ap.error("--lr must be above 0")
+    for k in ("seq_len", "num_seqs", "calib_seqs", "check_seqs"):
         if getattr(a, k) < (2 if k == "seq_len" else 1):
             ap.error(f"--{k.replace('_', '-')} must be at least {2 if k == 'seq_len' else 1}")
     a.policies = [p.strip() for p in a.ranks.split(",") if p.strip()]
@@ -85,16 +98,14 @@ def parse(argv):
 
 def resolve_policies(a, L, quality=None):
     """[(policy, method, Projections)] for every pair; UsageError on a bad
-    policy.  quality(F): {method: (rank_k, rank_v)} of quality-budget:F,
-    fitted on the model (kqsvd.allocate)."""
+    policy.  quality(policy): {method: Projections} of quality-budget:F or
+    quality-tuned:F, fitted on the model (kqsvd.allocate, kqsvd.tune)."""
     pairs = []
     for pol in a.policies:
-        frac = parse_policy(pol)
-        if frac is not None:
+        if parse_policy(pol) is not None:
             if quality is None:
                 raise UsageError(f"--ranks {pol}: needs the model")
-            for m, r in quality(frac).items():
-                pairs.append((pol, m, load_projections(a.proj, m, r)))
+            pairs += [(pol, m, p) for m, p in quality(pol).items()]
             continue
         got = policy_ranks(a.proj, None if pol == "stored" else pol)
         for m in a.methods:
@@ -241,21 +252,30 @@ def run(a):
     check_sizes(psizes, a.proj, info.sizes(), a.model)
     models.check_positions(info, model.config, a.seq_len)
 
-    def quality(frac):
-        from .allocate import allocate
-        cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs, "train",
-                                   bos=not a.no_bos)[0]
-        got = allocate(model, info, a.proj, frac, cal, a.methods, rounds=a.rounds,
-                       log=lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True))
-        ranks = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
-        # The fitted ranks in a projections file beside the report, so that
-        # every tool (kqsvd evaluate, compress) can use exactly these.
-        stem = a.json[:-5] if a.json.endswith(".json") else a.json
-        saved[frac] = save_ranks(a.proj, f"{stem}.quality-budget-{frac:g}.h5", ranks,
-                                 f"quality-budget:{frac:g}")
-        return ranks
+    def quality(pol):
+        from .allocate import PREFIX, allocate
+        from .tune import tuned_file
+        frac, stem = parse_policy(pol), a.json[:-5] if a.json.endswith(".json") else a.json
+        tuned = any(p.startswith(TUNED) for p in a.policies)
+        cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs + tuned * a.check_seqs,
+                                   "train", bos=not a.no_bos)[0]
+        if frac not in fitted:
+            got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
+                           rounds=a.rounds, log=log)
+            fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+        # The fitted ranks (and tuned up-projections) in a projections file
+        # beside the report, so that every tool (kqsvd evaluate, compress)
+        # uses exactly what was measured.
+        out = f"{stem}.{pol.split(':')[0]}-{frac:g}.h5"
+        if pol.startswith(PREFIX):
+            saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}")
+        else:
+            saved[pol] = tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs],
+                                    cal[a.calib_seqs:], out, frac, a.tune_steps, a.lr, log)
+        return {m: load_projections(saved[pol], m) for m in a.methods}
 
-    saved = {}
+    log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    saved, fitted = {}, {}
     pairs = resolve_policies(a, info.num_layers, quality)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos)
@@ -271,9 +291,8 @@ def run(a):
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
               "full": full, "results": []}
     for (pol, m, p), r in zip(pairs, results):
-        frac = parse_policy(pol)
-        if frac is not None:
-            r["proj"] = saved[frac]
+        if pol in saved:
+            r["proj"] = saved[pol]
         if any(p.per_head(l) for l in range(p.num_layers)):
             r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
         r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
