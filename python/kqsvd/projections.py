@@ -19,6 +19,9 @@ from .errors import KqsvdError, UsageError
 
 METHODS = ("kqsvd", "ksvd", "eigen")
 MATRICES = ("key_down", "query_down", "value_down", "value_up")
+# query_down_tuned, value_up_tuned: up-projections trained on the model's
+# loss at the stored ranks (kqsvd.tune; docs/formats.md section 5.3).
+TUNED_SUFFIX = "_tuned"
 
 
 @dataclass
@@ -34,7 +37,8 @@ class Projections:
     head h of KV group g uses B_v[g]^T W^O_h in place of W^O_h.  rope: the
     file's `rope` attribute, "post" (keys after RoPE; also when the file has
     none) or "pre" (keys before RoPE, brought back as RoPE(K A B^T) before
-    the scores: kqsvd.attention)."""
+    the scores: kqsvd.attention).  tuned: query_down and value_up are the
+    file's tuned up-projections (kqsvd.tune), not the closed forms."""
     path: str
     method: str
     policy: str
@@ -53,6 +57,7 @@ class Projections:
     rank_k_heads: np.ndarray = None
     rank_v_heads: np.ndarray = None
     rope: str = "post"
+    tuned: bool = False
 
     def sizes(self):
         return {k: getattr(self, k) for k in h5io.SIZE_ATTRS}
@@ -154,11 +159,12 @@ def _stored_ranks(f, path, method, L, H):
     return tuple(heads)
 
 
-def load_projections(path, method="kqsvd", ranks=None):
+def load_projections(path, method="kqsvd", ranks=None, tuned=True):
     """Reads one method's projections from proj.h5.
 
     ranks: None for the ranks stored in the file (per head where it has
-    them); an int for that rank everywhere; a policy string ("eps:0.1",
+    them, and with the group's tuned up-projections where it has them and
+    `tuned` is true: docs/formats.md section 5.3); an int for that rank everywhere; a policy string ("eps:0.1",
     "fixed:16", "budget:0.25") resolved by `kqsvd ranks`; a list of L ints
     (keys and values alike); a pair (rank_k, rank_v) of [L] or [L, Hkv]
     arrays, or a dict with keys rank_k/rank_v (or rank_k_heads/rank_v_heads).
@@ -187,24 +193,42 @@ def load_projections(path, method="kqsvd", ranks=None):
             policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
                       else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
                       else "per-layer")
+        up = _tuned_names(f, path, method, (L, H, d, d)) if ranks is None and tuned else {}
         rope = h5io.attr(f, "rope", "post")
         if rope not in ("post", "pre"):
             raise KqsvdError(f"{path}: attribute 'rope' is {rope!r}, expected 'pre' or 'post'")
         mats = {}
         for n in MATRICES:
-            ds, r = f[f"{method}/{n}"], rk if n.startswith(("key", "query")) else rv
+            ds, r = f[f"{method}/{up.get(n, n)}"], rk if n.startswith(("key", "query")) else rv
             mats[n] = []
             for l in range(L):
                 m = np.array(ds[l, :, :, :int(r[l].max())], dtype=np.float64)
                 for g in range(H):
                     m[g, :, r[l, g]:] = 0.0
                 if not np.isfinite(m).all():
-                    raise KqsvdError(f"{path}: dataset '{method}/{n}': NaN or Inf at layer {l}")
+                    raise KqsvdError(f"{path}: dataset '{ds.name[1:]}': NaN or Inf at layer {l}")
                 mats[n].append(m)
         return Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
-                           rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope, **s,
-                           **mats)
+                           rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
+                           tuned=bool(up), **s, **mats)
+
+
+def _tuned_names(f, path, method, shape):
+    """{name: name_tuned} for a group with tuned up-projections, {} without;
+    KqsvdError for one of the pair alone or a wrong shape."""
+    names = {n: n + TUNED_SUFFIX for n in ("query_down", "value_up")}
+    have = [t for t in names.values() if t in f[method]]
+    if not have:
+        return {}
+    if len(have) == 1:
+        raise KqsvdError(f"{path}: group '{method}' has only one of "
+                         f"{' and '.join(names.values())}")
+    for t in have:
+        if f[method][t].shape != shape:
+            raise KqsvdError(f"{path}: dataset '{method}/{t}' has shape "
+                             f"{list(f[method][t].shape)}, expected {list(shape)}")
+    return names
 
 
 def save_ranks(src, dst, ranks, policy, tuned=None):
@@ -228,7 +252,7 @@ def save_ranks(src, dst, ranks, policy, tuned=None):
             raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
     with h5io.open_file(src, "projections") as f:
         # Tuned columns belong to the ranks they were trained at.
-        done = [m for m in checked if "tuned_steps" in f[m].attrs]
+        done = [m for m in checked if "query_down" + TUNED_SUFFIX in f[m]]
     if done:
         raise UsageError(f"{src}: the '{done[0]}' up-projections were tuned at its stored ranks; "
                          "give new ranks to the calibrated file (kqsvd calibrate --out)")
@@ -250,13 +274,15 @@ def save_ranks(src, dst, ranks, policy, tuned=None):
 
 
 def _write_tuned(g, p, info, rk, rv):
-    """A method group's up-projections replaced by tuned ones (each head's
-    columns up to its rank; the columns past it keep the closed form's)."""
+    """The tuned up-projections beside a method's closed forms, as
+    query_down_tuned and value_up_tuned (each head's columns up to its
+    rank; past it, the closed form's), with how they were trained."""
     for name, r, mats in (("query_down", rk, p.query_down), ("value_up", rv, p.value_up)):
-        ds = g[name]
+        full = g[name][...]
         for l, m in enumerate(mats):
-            for h in range(ds.shape[1]):
-                ds[l, h, :, :r[l, h]] = m[h, :, :r[l, h]]
+            for h in range(full.shape[1]):
+                full[l, h, :, :r[l, h]] = m[h, :, :r[l, h]]
+        g.create_dataset(name + TUNED_SUFFIX, data=full)
     g.attrs["tuned_steps"] = np.int32(info["step"])
     g.attrs["tuned_lr"] = float(info["lr"])
     g.attrs["tuned_kl_fit"] = np.asarray(info["kl_fit"], dtype=np.float64)

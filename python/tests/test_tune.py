@@ -2,7 +2,8 @@
 
 On a tiny GQA Llama, at per-head and at per-layer ranks:
 - only B and B_v change, and only their columns up to each head's rank:
-  A, A_v, the ranks and the cache's bytes stay as they were;
+  A, A_v, the ranks and the cache's bytes stay as they were; the file
+  keeps the closed forms and holds the tuned ones beside them;
 - the KL falls on the windows trained on, the step kept is never worse
   than the closed form on the check windows, and two runs are identical;
 - the written file (quality-tuned:F) round-trips, `kqsvd ranks` reads it,
@@ -14,6 +15,7 @@ On a tiny GQA Llama, at per-head and at per-layer ranks:
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import unittest
@@ -29,7 +31,7 @@ import kqsvd
 from kqsvd import allocate as al
 from kqsvd import models
 from kqsvd.attention import cache_bytes
-from kqsvd.errors import UsageError
+from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.tune import tune, tuned_file
 
 
@@ -113,6 +115,7 @@ class Tuned(unittest.TestCase):
                    steps=4)
         got = kqsvd.load_projections(out, "kqsvd")
         self.assertEqual(got.policy, "quality-tuned:0.5")
+        self.assertFalse(kqsvd.load_projections(self.c.proj, "kqsvd").tuned)
         want, info = tune(self.model, kqsvd.load_projections(self.c.proj, "kqsvd", (rk, rv)),
                           self.fit, self.check, steps=4)
         for n in ("key_down", "query_down", "value_down", "value_up"):
@@ -124,8 +127,19 @@ class Tuned(unittest.TestCase):
             for m in ("ksvd", "eigen"):  # untouched methods
                 self.assertTrue(np.array_equal(f[m]["query_down"][...], src[m]["query_down"][...]))
                 self.assertNotIn("tuned_steps", f[m].attrs)
-            for n in ("key_down", "value_down", "sigma_k", "sigma_v"):
+            # The contract's datasets keep the closed forms; the tuned ones
+            # sit beside them.
+            for n in ("key_down", "query_down", "value_down", "value_up", "sigma_k", "sigma_v"):
                 self.assertTrue(np.array_equal(f["kqsvd"][n][...], src["kqsvd"][n][...]), n)
+            self.assertFalse(np.array_equal(f["kqsvd"]["query_down_tuned"][...],
+                                            src["kqsvd"]["query_down"][...]))
+        self.assertTrue(got.tuned)
+        closed = kqsvd.load_projections(out, "kqsvd", tuned=False)
+        again = kqsvd.load_projections(out, "kqsvd", (rk, rv))
+        self.assertFalse(closed.tuned or again.tuned)
+        for l in range(got.num_layers):
+            self.assertTrue(np.array_equal(closed.value_up[l], again.value_up[l]))
+            self.assertFalse(np.array_equal(closed.value_up[l], got.value_up[l]))
         p = subprocess.run([KQSVD, "ranks", "--proj", out, "--json"], capture_output=True,
                            text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
@@ -146,6 +160,12 @@ class Tuned(unittest.TestCase):
         with self.assertRaisesRegex(UsageError, "tuned at its stored ranks"):
             kqsvd.save_ranks(out, out + ".again", {"kqsvd": (rk, rv)}, "quality-budget:0.5")
         self.assertFalse(os.path.exists(out + ".again"))
+        shutil.copy(out, out + ".half")
+        with h5py.File(out + ".half", "r+") as f:
+            del f["kqsvd/value_up_tuned"]
+        with self.assertRaisesRegex(KqsvdError, "'kqsvd' has only one of query_down_tuned and "
+                                    "value_up_tuned"):
+            kqsvd.load_projections(out + ".half", "kqsvd")
 
     def test_refusals(self):
         p = kqsvd.load_projections(self.c.proj, "kqsvd", 4)
