@@ -28,7 +28,11 @@ windows), the better is the start, and refine() moves columns between
 units by the first-order change of that KL at the allocation where it
 stands (the gradient of gates on every column), keeping a move only when
 the measured KL falls.  So the policy is never worse than uniform ranks on
-the text it was calibrated on."""
+the text it was calibrated on.
+
+With --tune STEPS the up-projections are then trained at those ranks
+(kqsvd.tune; the policy quality-tuned:F), on the same windows, the step
+kept chosen on --check-seqs windows that follow them."""
 import argparse
 import contextlib
 import sys
