@@ -19,8 +19,10 @@ without weights must reproduce proj.h5 (checked, 1e-9).
 
 --tune N then trains the weighted fit's up-projections (B of the keys
 and B_v of the values) for N Adam steps on the KL to the full model over
-the calibration windows, with A and A_v fixed: the cache holds the same
-columns, only how they are read back changes.
+the calibration windows, with A and A_v fixed, as the tool's
+quality-tuned:F does (kqsvd.tune, the step kept chosen on the 4 windows
+after the calibration ones): the cache holds the same columns, only how
+they are read back changes.
 
 Not part of the tool: the shards' contract has no row weights, so this
 refits in numpy from the shards.  Prints one table; writes
@@ -150,49 +152,20 @@ def score(model, seqs, ref):
     return {k: t.result()[k] for k in ("perplexity", "kl", "top1")}
 
 
-def tune_up(model, proj, ranks, cal, steps, lr, ev, ref):
-    """The up-projections (B of the keys, B_v of the values) trained by
-    Adam on the KL to the full model over the calibration windows, A and
-    A_v (what the cache holds) fixed; returns score() on ev after."""
-    from kqsvd.allocate import _weights_frozen, full_logprobs, kl_to_full
+def tune_up(model, proj, ranks, cal, check, steps, lr, ev, ref):
+    """The tool's quality-tuned:F on the weighted fit (kqsvd.tune): B and
+    B_v trained on the calibration KL, A and A_v fixed, the step kept
+    chosen on the check windows; returns score() on ev after."""
     from kqsvd.attention import compress
     from kqsvd.projections import load_projections
-    import torch
-    full = full_logprobs(model, cal)
-    compress(model, load_projections(proj, "kqsvd", ranks))
-    leaves, hooks = [], []
-    for lay in model.model.layers:
-        att, P = lay.self_attn, lay.self_attn._kqsvd
-        g = att.num_heads // att.num_key_value_heads
-        key = "BkT" if P.rope == "pre" else "Bq"
-        if P.ragged:  # lists, one tensor per KV head, used as they are
-            for name in (key, "BvT"):
-                setattr(P, name, [t.detach().clone().requires_grad_(True) for t in getattr(P, name)])
-                leaves += getattr(P, name)
-            continue
-        # One tensor repeated per query head: train each KV head's and
-        # repeat it before every forward pass.
-        lk = (P.BkT if key == "BkT" else P.Bq[::g]).detach().clone().requires_grad_(True)
-        lv = P.BvT[::g].detach().clone().requires_grad_(True)
-        leaves += [lk, lv]
-
-        def repeat(_mod, _inp, P=P, lk=lk, lv=lv, g=g, key=key):
-            setattr(P, key, lk if key == "BkT" else lk.repeat_interleave(g, 0))
-            P.BvT = lv.repeat_interleave(g, 0)
-        hooks.append(att.register_forward_pre_hook(repeat))
-    opt = torch.optim.Adam(leaves, lr=lr)
+    from kqsvd.tune import tune
+    tuned, info = tune(model, load_projections(proj, "kqsvd", ranks), cal, check, steps, lr,
+                       log=lambda s: print(f"weighted_fit: tuning {s}", file=sys.stderr, flush=True))
+    print(f"weighted_fit: kept step {info['step']} of {steps}", file=sys.stderr)
+    compress(model, tuned)
     try:
-        with _weights_frozen(model):
-            for step in range(steps):
-                opt.zero_grad()
-                kl = kl_to_full(model, cal, full, grad=True)
-                opt.step()
-                print(f"weighted_fit: tuning step {step + 1} of {steps}: calibration KL "
-                      f"{kl:.4f}", file=sys.stderr, flush=True)
         return score(model, ev, ref)
     finally:
-        for h in hooks:
-            h.remove()
         compress(model, None)
 
 
@@ -206,12 +179,14 @@ def main():
                          "calibration KL, the cache's A, A_v fixed [0: none]")
     ap.add_argument("--lr", type=float, default=3e-3, help="--tune's learning rate [3e-3]")
     a = ap.parse_args()
+    if not 1 <= a.calib_seqs <= 24 - 4 * (a.tune > 0):
+        ap.error("--calib-seqs: 1 to 24 of the demo's windows, and 4 left to check --tune")
     import torch
     from kqsvd import models
     from kqsvd.allocate import allocate, full_logprobs
     t0 = time.time()
     model, tok, info = models.load(MODEL, dtype=torch.float32)
-    L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+    L, H = info.num_layers, info.num_kv_heads
     g = info.num_heads // H
     train = models.token_windows(tok, TEXT, 256, 24, "train", bos=True)[0]
     check = refit(a.work, None, os.path.join(a.work, "unweighted.h5"), L, H, g)
@@ -235,7 +210,8 @@ def main():
         rows.append((name, "quality-budget:0.5", held_out(model, proj, ranks, ev, ref)))
     if a.tune:
         rows.append((name, f"quality-budget:0.5, B and B_v tuned ({a.tune} steps)",
-                     tune_up(model, weighted, ranks, cal, a.tune, a.lr, ev, ref)))
+                     tune_up(model, weighted, ranks, cal, train[a.calib_seqs:a.calib_seqs + 4],
+                             a.tune, a.lr, ev, ref)))
     print(f"kqsvd at half the cache, {MODEL}; held-out 8 x 256 tokens; quality-budget fitted on "
           f"{a.calib_seqs} windows, {a.rounds} rounds; unweighted refit check {check:.1e}")
     print("| fit | ranks | perplexity | KL / token | top-1 |\n| --- | --- | ---: | ---: | ---: |")
