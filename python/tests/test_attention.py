@@ -199,7 +199,9 @@ class TiedToEvaluate(unittest.TestCase):
 def reference_nll(sd, cfg, proj, ids):
     """An independent compressed Llama, written from the weights: RMSNorm,
     RoPE (rotate-half), GQA attention on K A and V A_v with q B scores and
-    B_v^T before W^O, SwiGLU MLP.  Returns the summed next-token NLL."""
+    B_v^T before W^O, SwiGLU MLP.  Keys before RoPE (proj.rope "pre"): the
+    cache holds k_pre A, the scores are RoPE(q) against RoPE(k_pre A B^T).
+    Returns the summed next-token NLL."""
     x = sd["model.embed_tokens.weight"][ids].double()
     T, d = len(ids), cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -225,8 +227,12 @@ def reference_nll(sd, cfg, proj, ids):
             g = head // (hq // hkv)
             A, B = (torch.from_numpy(m[l][g]) for m in (proj.key_down, proj.query_down))
             Av, Bv = (torch.from_numpy(m[l][g]) for m in (proj.value_down, proj.value_up))
-            qh = rot(q[:, head * d:(head + 1) * d]) @ B
-            kh = rot(k[:, g * d:(g + 1) * d]) @ A
+            if proj.rope == "pre":
+                qh = rot(q[:, head * d:(head + 1) * d])
+                kh = rot(k[:, g * d:(g + 1) * d] @ A @ B.T)
+            else:
+                qh = rot(q[:, head * d:(head + 1) * d]) @ B
+                kh = rot(k[:, g * d:(g + 1) * d]) @ A
             w = torch.softmax(qh @ kh.T / math.sqrt(d) + mask, -1)
             out[:, head * d:(head + 1) * d] = w @ (v[:, g * d:(g + 1) * d] @ Av) @ Bv.T
         x = x + out @ W("self_attn.o_proj.weight").T

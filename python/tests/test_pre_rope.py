@@ -19,6 +19,7 @@ Llama:
 - resuming an export with another --keys is refused naming --keys, and an
   encoder refuses --keys pre-rope with one message."""
 import json
+import math
 import os
 import sys
 import unittest
@@ -238,6 +239,35 @@ class PreRope(unittest.TestCase):
         r = got["kqsvd"]
         self.assertEqual(int(r["rank_k"].sum() + r["rank_v"].sum()), L * H * d)
         self.assertLessEqual(r["kl"], r["kl_uniform"])
+
+    def test_independent_perplexity_plain_and_tuned(self):
+        """test_attention's independent Llama, with keys rebuilt before RoPE,
+        gives the compressed model's perplexity at per-head ranks, closed
+        form and with up-projections tuned (which then train B^T, the
+        matrix bringing cached keys back)."""
+        from test_attention import reference_nll
+        from kqsvd.tune import tune
+        L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
+        rng = np.random.default_rng(11)
+        rk, rv = rng.integers(2, d, (L, H)), rng.integers(2, d, (L, H))
+        rk[:, 0] = np.where(rk[:, 1] == 3, 4, 3)
+        plain = kqsvd.load_projections(self.proj_pre, "kqsvd", (rk, rv))
+        train = self.ids(12, SEQ, "train").numpy()
+        tuned, info = tune(self.lm, plain, train[:10], train[10:], steps=3, lr=1e-2)
+        ids = self.ids(2, SEQ).numpy()
+        sd = self.lm.state_dict()
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        refs = []
+        for name, proj in (("closed form", plain), ("tuned", tuned)):
+            kqsvd.compress(self.lm, proj)
+            with torch.no_grad():
+                logp = torch.log_softmax(self.lm(input_ids=torch.from_numpy(ids)).logits[:, :-1]
+                                         .double(), -1)
+            got = -float(logp.gather(2, torch.from_numpy(ids[:, 1:])[..., None]).sum())
+            refs.append(sum(reference_nll(sd, self.lm.config, proj, row) for row in ids))
+            self.assertLess(abs(math.exp((got - refs[-1]) / n) - 1), 1e-4, name)
+        self.assertGreater(info["step"], 0)
+        self.assertGreater(abs(refs[0] - refs[1]), 1e-3)
 
     def test_low_rank_differs_from_post_rope(self):
         ids = self.ids(1, SEQ)
