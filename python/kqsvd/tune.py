@@ -82,6 +82,9 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
             # Step 0 is the closed form as the file has it (float64), not
             # its copy in the model's dtype.
             best, kept, step = kl0, list(proj.query_down) + list(proj.value_up), 0
+            if log:
+                log(f"{proj.method}: closed form: KL {fit0:.4f} on {len(fit)} fit windows, "
+                    f"{kl0:.4f} on {len(check)} check windows")
             for s in range(1, steps + 1):
                 opt.zero_grad()
                 kl_fit = kl_to_full(model, fit, ref_fit, grad=True, before=t.install)

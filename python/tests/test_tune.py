@@ -87,6 +87,8 @@ class Tuned(unittest.TestCase):
         p = kqsvd.load_projections(self.c.proj, "kqsvd", self.ranks["per-head"])
         seen = []
         a, info = tune(self.model, p, self.fit[:4], self.check, steps=4, lr=3e-2, log=seen.append)
+        self.assertIn("closed form: KL", seen[0])
+        seen = seen[1:]
         fit = [float(s.split("KL ")[1].split()[0]) for s in seen]
         check = [info["kl_check"][0]] + [float(s.split(", ")[1].split()[0]) for s in seen]
         self.assertLess(fit[-1], fit[0], seen)
