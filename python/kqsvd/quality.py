@@ -112,9 +112,12 @@ def resolve_policies(a, L, quality=None):
             r = got["methods"][m]
             if len(r["rank_k"]) != L:
                 raise KqsvdError(f"{a.proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
+            # Stored ranks are read as stored, with the file's tuned
+            # up-projections where it has them (docs/formats.md 5.3).
+            ranks = None if pol == "stored" else (r.get("rank_k_heads", r["rank_k"]),
+                                                  r.get("rank_v_heads", r["rank_v"]))
             pairs.append((got["policy"] if pol == "stored" else pol, m,
-                          load_projections(a.proj, m, (r.get("rank_k_heads", r["rank_k"]),
-                                                       r.get("rank_v_heads", r["rank_v"])))))
+                          load_projections(a.proj, m, ranks)))
     return pairs
 
 

@@ -193,6 +193,18 @@ class Commands(unittest.TestCase):
         self.assertEqual(qb["cache_kept"], res["fixed:8"]["cache_kept"])
         self.assertTrue(qt["proj"].endswith(".quality-tuned-0.5.h5") and os.path.exists(qt["proj"]))
         self.assertIn("kept step", p.stderr)
+        # The written file, its stored ranks: the tuned model again.
+        again = out[:-5] + "-stored.json"
+        head = cmd[:cmd.index("--ranks")]
+        head[head.index("--proj") + 1] = qt["proj"]
+        p = subprocess.run(head +
+                           ["--ranks", "stored", "--methods", "kqsvd", "--seq-len", "64",
+                            "--num-seqs", "2", "--json", again], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        with open(again) as f:
+            stored = json.load(f)["results"][0]
+        self.assertEqual(stored["policy"], "quality-tuned:0.5")
+        self.assertAlmostEqual(stored["perplexity"], qt["perplexity"], delta=1e-9 * qt["perplexity"])
         bad = subprocess.run(cmd[:-2] + ["--check-seqs", "0", "--json", out + "2"],
                              capture_output=True, text=True)
         self.assertEqual(bad.returncode, 2, bad.stderr)
