@@ -25,8 +25,8 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     layer's o_proj weight [D, Hq d] (torch Linear layout), to store the
     folded weights (see attention.fold_o_proj).  The metadata holds the
     method, the policy, the ranks (per layer, and per layer and KV head:
-    a head's columns past its own rank are zero) and the model's sizes
-    (JSON strings).
+    a head's columns past its own rank are zero), whether B and B_v are
+    tuned (kqsvd.tune) and the model's sizes (JSON strings).
     Written under a temporary name and renamed.  Raises UsageError for an
     unknown dtype, KqsvdError for a bad file."""
     import torch
@@ -46,7 +46,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     meta = {"kqsvd_format": "projections-safetensors", "method": p.method, "policy": p.policy,
             "source": os.path.basename(p.path), "model": p.model,
             "rank_k": json.dumps(p.rank_k.tolist()), "rank_v": json.dumps(p.rank_v.tolist()),
-            "rope": p.rope,
+            "rope": p.rope, "tuned": str(int(p.tuned)),
             "rank_k_heads": json.dumps(p.rank_k_heads.tolist()),
             "rank_v_heads": json.dumps(p.rank_v_heads.tolist()),
             "sizes": json.dumps({k: getattr(p, k) for k in ("num_layers", "num_heads",

@@ -301,7 +301,7 @@ class Safetensors(unittest.TestCase):
         with safe_open(path, "pt") as f:
             meta = f.metadata()
             self.assertEqual((meta["method"], meta["policy"]), ("eigen", "eps:0.1"))
-            self.assertEqual(meta["rope"], "post")
+            self.assertEqual((meta["rope"], meta["tuned"]), ("post", "0"))
             for l in range(info.num_layers):
                 for n in ("key_down", "query_down", "value_down", "value_up"):
                     got = f.get_tensor(f"layers.{l}.{n}").numpy()

@@ -146,6 +146,12 @@ class Tuned(unittest.TestCase):
                            text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(json.loads(p.stdout)["methods"]["kqsvd"]["rank_k_heads"], rk.tolist())
+        from safetensors import safe_open
+        st = kqsvd.export_safetensors(out, out + ".safetensors", "kqsvd", dtype="float64")
+        with safe_open(st, "pt") as f:
+            self.assertEqual(f.metadata()["tuned"], "1")
+            self.assertTrue(np.array_equal(f.get_tensor("layers.0.value_up").numpy(),
+                                           got.value_up[0]))
         # The tuned model's perplexity, through transformers and from the file
         # by the independent Llama of test_attention.
         seqs = models.token_windows(self.tok, TEXT, 64, 2, "validation")[0]
