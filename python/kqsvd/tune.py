@@ -69,8 +69,9 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     full attention.  Deterministic for the same inputs and threads."""
     import torch
     from .attention import compress
-    if steps < 0 or not lr > 0:
-        raise ValueError(f"tune: steps {steps} and lr {lr} must be >= 0 and > 0")
+    if steps < 0 or not lr > 0 or not len(fit) or not len(check):
+        raise ValueError(f"tune: steps {steps} must be >= 0, lr {lr} > 0, and the fit "
+                         f"({len(fit)}) and check ({len(check)}) windows not none")
     compress(model, None)
     ref_fit, ref_check = full_logprobs(model, fit), full_logprobs(model, check)
     t = _Trainable(model, proj)
@@ -111,15 +112,6 @@ def _put(t, arrays):
     with torch.no_grad():
         for leaf, a in zip(t.leaves(), arrays):
             leaf.copy_(torch.as_tensor(a, dtype=leaf.dtype))
-
-
-def split_windows(seqs, check):
-    """The calibration windows split into (fit, check): the last `check`
-    windows check, the others train.  Raises ValueError when fewer than one
-    would be left to train on."""
-    if not 1 <= check < len(seqs):
-        raise ValueError(f"{len(seqs)} windows cannot keep {check} for checking and train on the rest")
-    return seqs[:-check], seqs[-check:]
 
 
 def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=3e-3, log=None):

@@ -179,6 +179,8 @@ class Tuned(unittest.TestCase):
         p = kqsvd.load_projections(self.c.proj, "kqsvd", 4)
         with self.assertRaisesRegex(ValueError, "must be"):
             tune(self.model, p, self.fit, self.check, steps=-1)
+        with self.assertRaisesRegex(ValueError, r"check \(0\) windows"):
+            tune(self.model, p, self.fit, self.check[:0])
 
 
 class Commands(unittest.TestCase):
