@@ -164,8 +164,9 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
 
     ranks: None for the ranks stored in the file (per head where it has
     them, and with the group's tuned up-projections where it has them and
-    `tuned` is true: docs/formats.md section 5.3); an int for that rank everywhere; a policy string ("eps:0.1",
-    "fixed:16", "budget:0.25") resolved by `kqsvd ranks`; a list of L ints
+    `tuned` is true: docs/formats.md section 5.3); an int for that rank
+    everywhere; a policy string ("eps:0.1", "fixed:16", "budget:0.25")
+    resolved by `kqsvd ranks`; a list of L ints
     (keys and values alike); a pair (rank_k, rank_v) of [L] or [L, Hkv]
     arrays, or a dict with keys rank_k/rank_v (or rank_k_heads/rank_v_heads).
     Returns a Projections.  Raises KqsvdError naming the file and field for
@@ -245,12 +246,11 @@ def save_ranks(src, dst, ranks, policy, tuned=None):
     from .files import write_atomic
     with h5io.open_file(src, "projections") as f:
         s = h5io.sizes(f, src)
-    L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
-    checked = {m: _rank_lists(r, L, H, d, src) for m, r in ranks.items()}
-    for m, (rk, rv) in checked.items():
-        if m not in METHODS or min(rk.min(), rv.min()) < 1:
-            raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
-    with h5io.open_file(src, "projections") as f:
+        L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
+        checked = {m: _rank_lists(r, L, H, d, src) for m, r in ranks.items()}
+        for m, (rk, rv) in checked.items():
+            if m not in METHODS or min(rk.min(), rv.min()) < 1:
+                raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
         # Tuned columns belong to the ranks they were trained at.
         done = [m for m in checked if "query_down" + TUNED_SUFFIX in f[m]]
     if done:

@@ -13,8 +13,9 @@ and the model's own: quality-budget:F (ranks fitted on --calib-seqs windows
 of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
 the up-projections trained on the same windows, the step kept chosen on
 --check-seqs more, kqsvd.tune); each is written beside the report as
-OUT.quality-budget-F.h5 or OUT.quality-tuned-F.h5.  The full model runs once per sequence; every (policy, method) pair then runs
-on the same tokens.  Usage errors exit 2, bad input 1, each with one line
+OUT.quality-budget-F.h5 or OUT.quality-tuned-F.h5.  The full model runs
+once per sequence; every (policy, method) pair then runs on the same
+tokens.  Usage errors exit 2, bad input 1, each with one line
 naming the file and field; outputs are written under a temporary name and
 renamed, so an error or an interruption leaves none.
 """
@@ -256,12 +257,15 @@ def run(a):
     models.check_positions(info, model.config, a.seq_len)
 
     def quality(pol):
+        nonlocal cal
         from .allocate import PREFIX, allocate
         from .tune import tuned_file
         frac, stem = parse_policy(pol), a.json[:-5] if a.json.endswith(".json") else a.json
-        tuned = any(p.startswith(TUNED) for p in a.policies)
-        cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs + tuned * a.check_seqs,
-                                   "train", bos=not a.no_bos)[0]
+        if cal is None:  # the train split's windows, tokenized once for every policy
+            tuned = any(p.startswith(TUNED) for p in a.policies)
+            cal = models.token_windows(tok, a.text, a.seq_len,
+                                       a.calib_seqs + tuned * a.check_seqs, "train",
+                                       bos=not a.no_bos)[0]
         if frac not in fitted:
             got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
                            rounds=a.rounds, log=log)
@@ -278,7 +282,7 @@ def run(a):
         return {m: load_projections(saved[pol], m) for m in a.methods}
 
     log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    saved, fitted = {}, {}
+    saved, fitted, cal = {}, {}, None
     pairs = resolve_policies(a, info.num_layers, quality)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos)

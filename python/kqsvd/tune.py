@@ -79,16 +79,16 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     try:
         with _weights_frozen(model):
             kl0 = kl_to_full(model, check, ref_check, before=t.install)
-            fit0 = kl_to_full(model, fit, ref_fit, before=t.install)
             # Step 0 is the closed form as the file has it (float64), not
             # its copy in the model's dtype.
             best, kept, step = kl0, list(proj.query_down) + list(proj.value_up), 0
             if log:
-                log(f"{proj.method}: closed form: KL {fit0:.4f} on {len(fit)} fit windows, "
-                    f"{kl0:.4f} on {len(check)} check windows")
+                log(f"{proj.method}: closed form: KL {kl0:.4f} on {len(check)} check windows")
+            fit0 = None  # the first step's forward pass measures it
             for s in range(1, steps + 1):
                 opt.zero_grad()
                 kl_fit = kl_to_full(model, fit, ref_fit, grad=True, before=t.install)
+                fit0 = kl_fit if fit0 is None else fit0
                 opt.step()
                 kl = kl_to_full(model, check, ref_check, before=t.install)
                 if log:
@@ -96,8 +96,12 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
                         f"(before the step), {kl:.4f} on the check windows (best {min(kl, best):.4f})")
                 if kl < best:
                     best, kept, step = kl, t.snapshot(), s
-            _put(t, kept)
-            fit_kl = kl_to_full(model, fit, ref_fit, before=t.install)
+            if fit0 is None:
+                fit0 = kl_to_full(model, fit, ref_fit, before=t.install)
+            fit_kl = fit0
+            if step:  # the kept step's fit KL was not measured after it
+                _put(t, kept)
+                fit_kl = kl_to_full(model, fit, ref_fit, before=t.install)
     finally:
         compress(model, None)
     L = len(t.qd)
