@@ -9,6 +9,7 @@
 
 #include "calib.h"
 #include "kqsvd_gpu.h"
+#include "kqsvd_util.h"
 
 /* What one queued call was, for messages. */
 typedef struct {
@@ -54,6 +55,10 @@ kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t 
   const int target[3] = {CAL_RK, CAL_RQ, CAL_RV};
   const int64_t heads[3] = {1, m, 1};
   const char *base = c->raw;
+  /* --timings: the device works while the next block is read, so the
+   * host's share (staging, queueing) is counted here and the waits in
+   * calib_gpu_sync; together they are the fold time the CPU path reports. */
+  const double t0 = kqsvd_now();
   for (int t = 0; t < 3; t++) {
     const kqsvd_dtype_t type = kqsvd_shard_dtype(sh, tens[t]);
     const size_t esz = kqsvd_dtype_size(type);
@@ -68,10 +73,12 @@ kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t 
       GPU_CALL(g, g->api->fold_rows(g->fold, item * CAL_NR + target[t],
                                     base + (size_t)(h * n * d) * esz, type, n, g->ncalls));
       g->ncalls++;
+      c->rows_folded += (double)n;
     }
     base += (size_t)(heads[t] * n * d) * esz;
   }
 done:
+  c->t_fold += kqsvd_now() - t0;
   return st;
 }
 
@@ -79,7 +86,9 @@ kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state) {
   kqsvd_status_t st = KQSVD_OK;
   struct calib_gpu *g = c->gpu;
   int64_t tag = -1, row = -1;
+  const double t0 = kqsvd_now();
   GPU_CALL(g, g->api->fold_sync(g->fold, to_state ? c->state : NULL, &tag, &row));
+  c->t_fold += kqsvd_now() - t0;
   KQSVD_CHECK(tag < g->ncalls, KQSVD_ERR_BUG, "GPU NaN report names call %lld of %lld",
               (long long)tag, (long long)g->ncalls);
   if (tag >= 0) {

@@ -1,6 +1,7 @@
 """Numerical scenarios: agreement with the independent reference, with
 itself across rank counts and shard/block sizes, and the paper's theorems."""
 import os
+import re
 
 import h5py
 import numpy as np
@@ -209,10 +210,14 @@ def gpu():
         print("gpu: SKIPPED, this kqsvd has no CUDA module or sees no GPU:\n" + v)
         raise SystemExit(77)
     wd, model, shards = small_set("gpu", shards=3, uneven=True, **GQA)
-    outs = {}
+    outs, timed = {}, {}
     for dev in ("cpu", "cuda"):
         outs[dev] = os.path.join(wd, f"proj-{dev}.h5")
-        calibrate(model, outs[dev], shards, np_=2, extra=["--device", dev])
+        err = calibrate(model, outs[dev], shards, np_=2, extra=["--device", dev, "--timings"]).stderr
+        timed[dev] = dict(re.findall(r"(fold|rows)=([0-9.e+]+)", err))
+    # --timings counts the device's fold like the CPU's (it once printed 0).
+    check(timed["cuda"].get("rows") == timed["cpu"].get("rows") and
+          float(timed["cuda"].get("fold", 0)) > 0, f"GPU --timings: {timed}")
     worst, where = max_rel_diff(load_proj(outs["cpu"]), load_proj(outs["cuda"]))
     check(worst <= 1e-9, f"GPU projections differ from the CPU's by {worst:.2e} at {where}")
     print(f"gpu: largest relative difference from the CPU path {worst:.2e}")
