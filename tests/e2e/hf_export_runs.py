@@ -53,8 +53,11 @@ def contents(folder):
     return out
 
 
-def same(label, a, b, ignore=()):
-    """Whether two exports hold the same files, datasets and attributes."""
+def same(label, a, b, ignore=(), rtol=0.0):
+    """Whether two exports hold the same files, datasets and attributes;
+    with rtol, the float caches may differ by that much relative to their
+    largest magnitude (float32 round-off where the BLAS picks another
+    kernel), every other dataset and attribute still exactly."""
     A, B = contents(a), contents(b)
     check(sorted(A) == sorted(B), f"{label}: files {sorted(A)} against {sorted(B)}")
     for name in set(A) & set(B):
@@ -63,6 +66,10 @@ def same(label, a, b, ignore=()):
                 continue
             x, y = A[name].get(k), B[name].get(k)
             eq = x is not None and y is not None and np.array_equal(np.asarray(x), np.asarray(y))
+            if not eq and rtol and k in ("keys", "queries", "values") and x.shape == y.shape:
+                worst = np.abs(x.astype(np.float64) - y).max() / max(np.abs(x).max(), 1e-300)
+                eq = worst <= rtol
+                print(f"{label}: {name} {k} differs by {worst:.1e} of its largest value")
             check(eq, f"{label}: {name} {k} differs")
 
 
@@ -114,17 +121,17 @@ def main():
         check(p.returncode == 1 and option in p.stderr, f"{args}: {p.stderr}")
     same("after the refusals", whole, cut)
 
-    # Batches, and the layers placed by accelerate, give the same caches.
-    # Windows of 256 tokens: with a few dozen, the BLAS takes another kernel
-    # for one window's tiny products than for a batch's, and the last bit
-    # of float32 differs.
+    # Batches, and the layers placed by accelerate, give the same caches, to
+    # float32 round-off: the BLAS may take another kernel for a batch's
+    # products than for one window's (on some processors even at 256
+    # tokens), and then the last bits differ.
     one = os.path.join(wd, "one-at-a-time")
     windows = dict(seq_len=256, num_seqs=4, shard_seqs=4)
     export(llama, one, **windows)
     for extra in (["--batch", "3"], ["--device-map", "auto"]):
         out = os.path.join(wd, "run" + extra[0].replace("-", "_"))
         export(llama, out, *extra, **windows)
-        same(" ".join(extra), one, out)
+        same(" ".join(extra), one, out, rtol=1e-6)
 
     # BOS: every window starts with it, and a causal model's first key is
     # then the same in every window.
