@@ -53,6 +53,6 @@ if [ -n "$policies" ]; then
   # What the ranks cost the model, on the same validation windows.
   .venv/bin/python3 -m kqsvd.quality --model "$model" --text "$text" --proj "$data/proj.h5" \
     --ranks "$policies" --seq-len "$seq_len" --num-seqs "$valid" --json "$data/quality.json" \
-    --plot "$data/figures/quality.png"
+    --plot "$data/figures/quality.png" --force
 fi
 echo "demo: $model done in $((SECONDS - t0)) s; figures in $data/figures" >&2

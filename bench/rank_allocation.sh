@@ -63,7 +63,7 @@ else
 fi
 .venv/bin/python -m kqsvd.quality --model "$model" --text "$text" --proj "$work/proj.h5" \
   "${args[@]}" --split validation --seq-len 256 --num-seqs 8 --rounds "$rounds" \
-  --json "$work/$name.json" | tee "$work/$name.txt"
+  --json "$work/$name.json" --force | tee "$work/$name.txt"
 .venv/bin/python - "$work/$name.json" "$keys" > "$work/$name.md" <<'EOF'
 import json, sys
 rep = json.load(open(sys.argv[1]))

@@ -67,11 +67,6 @@ except ImportError as e:
     raise SystemExit(1)
 
 
-def fail(msg, code=1):
-    print(f"export_hf: error: {msg}", file=sys.stderr)
-    raise SystemExit(code)
-
-
 def export(args):
     t0 = time.time()
     # f64 caches come from a float64 forward pass, so they are exact to float64.
@@ -109,19 +104,33 @@ def export(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from kqsvd.cli import run_command
+    raise SystemExit(run_command("export_hf", lambda: run(parse(argv))))
+
+
+def run(args):
+    try:
+        export(args)
+    except RuntimeError as e:  # a CUDA out-of-memory: one line, no traceback
+        raise KqsvdError(f"{type(e).__name__}: {e}") from None
+
+
+def parse(argv):
+    from kqsvd.cli import ArgumentParser, count
+    from kqsvd.files import check_folder_output
+    ap = ArgumentParser(prog="examples/export_hf.py", description=HELP,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--num-seqs", type=int, required=True)
+    ap.add_argument("--seq-len", type=count(1), required=True)
+    ap.add_argument("--num-seqs", type=count(1), required=True)
     ap.add_argument("--split", choices=("train", "validation"), required=True)
-    ap.add_argument("--shard-seqs", type=int, default=8, help="sequences per shard [8]")
+    ap.add_argument("--shard-seqs", type=count(1), default=8, help="sequences per shard [8]")
     ap.add_argument("--dtype", choices=("bf16", "f16", "f32", "f64"), default="bf16",
                     help="the caches' element type; f64 runs the model in float64 [bf16]")
     ap.add_argument("--weights-dtype", choices=("bf16", "f16", "f32"),
                     help="the type the model runs in [the checkpoint's own]")
-    ap.add_argument("--batch", type=int, default=1, help="windows per forward pass [1]")
+    ap.add_argument("--batch", type=count(1), default=1, help="windows per forward pass [1]")
     ap.add_argument("--no-bos", action="store_true",
                     help="windows of text only, without the tokenizer's BOS token")
     ap.add_argument("--keys", choices=tuple(KEYS), default="post-rope",
@@ -131,22 +140,15 @@ def main(argv=None):
     ap.add_argument("--device-map", choices=("auto",),
                     help="spread the layers over the GPUs torch sees (model folders)")
     ap.add_argument("--model-name", help="the files' model attribute [--model]")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="the export's folder (made if missing)")
     args = ap.parse_args(argv)
-    for k in ("seq_len", "num_seqs", "shard_seqs", "batch"):
-        if getattr(args, k) < 1:
-            fail(f"--{k.replace('_', '-')} must be at least 1", 2)
     if not os.path.isfile(args.text):
-        fail(f"--text {args.text}: no such file", 2)
+        raise KqsvdError(f"--text {args.text}: no such file")
     if args.device_map and args.device != "cpu":
-        fail("--device-map places the model itself; give no --device with it", 2)
-    try:
-        models.check_device(args.device)
-        export(args)
-    except KqsvdError as e:
-        fail(str(e), 2 if isinstance(e, UsageError) else 1)
-    except (OSError, RuntimeError) as e:  # a full disk, a CUDA out-of-memory: no traceback
-        fail(f"{type(e).__name__}: {e}")
+        raise UsageError("--device-map places the model itself; give no --device with it")
+    check_folder_output("--out", args.out, [("--text", args.text), ("--model", args.model)])
+    models.check_device(args.device)
+    return args
 
 
 if __name__ == "__main__":

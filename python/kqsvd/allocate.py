@@ -35,12 +35,14 @@ With --tune STEPS the up-projections are then trained at those ranks
 kept chosen on --check-seqs windows that follow them."""
 import argparse
 import contextlib
+import os
 import sys
 
 import numpy as np
 
 from .errors import KqsvdError, UsageError
 
+PROG = "python -m kqsvd.allocate"
 PREFIX = "quality-budget:"
 TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.tune)
 
@@ -56,7 +58,7 @@ def parse_policy(policy):
     except ValueError:
         f = float("nan")
     if not 0.0 < f <= 1.0:
-        raise UsageError(f"--ranks {policy}: the fraction must be in (0, 1]")
+        raise UsageError(f"rank policy {policy}: the fraction must be in (0, 1]")
     return f
 
 
@@ -420,57 +422,58 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
 
 
 def main(argv=None):
+    from .cli import run_command
+    return run_command(PROG, lambda: fit(parse(argv)))
+
+
+def parse(argv):
     from . import models
-    from .errors import run_command
+    from .cli import ArgumentParser, count, fraction, positive
+    from .files import check_outputs
     from .projections import METHODS
-    ap = argparse.ArgumentParser(prog="python -m kqsvd.allocate",
-                                 description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="calibration text (its train split is used)")
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
-    ap.add_argument("--budget", required=True, type=float,
+    ap.add_argument("--budget", required=True, type=fraction,
                     help="fraction F of the full KV cache to keep, 0 < F <= 1")
     ap.add_argument("--out", required=True, help="the projections file to write, with the ranks")
+    ap.add_argument("--force", action="store_true", help="replace an existing --out")
     ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per window [256]")
-    ap.add_argument("--num-seqs", type=int, default=4, help="calibration windows [4]")
+    ap.add_argument("--seq-len", type=count(2), default=256, help="tokens per window [256]")
+    ap.add_argument("--num-seqs", type=count(1), default=4, help="calibration windows [4]")
     ap.add_argument("--no-bos", action="store_true", help="windows without the BOS token")
-    ap.add_argument("--rounds", type=int, default=6, help="refinement rounds [6]")
-    ap.add_argument("--tune", type=int, default=0, metavar="STEPS",
+    ap.add_argument("--rounds", type=count(0), default=6, help="refinement rounds [6]")
+    ap.add_argument("--tune", type=count(0), default=0, metavar="STEPS",
                     help="also train the up-projections for STEPS Adam steps (kqsvd.tune; the "
                     "policy becomes quality-tuned:F) [0: no]")
-    ap.add_argument("--check-seqs", type=int, default=4,
+    ap.add_argument("--check-seqs", type=count(0), default=4,
                     help="--tune: windows after the calibration ones that choose the step [4]")
-    ap.add_argument("--lr", type=float, default=3e-3, help="--tune: learning rate [3e-3]")
+    ap.add_argument("--lr", type=positive, default=3e-3, help="--tune: learning rate [3e-3]")
     ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
     a = ap.parse_args(argv)
-    methods = [m for m in a.methods.split(",") if m]
-    return run_command("kqsvd.allocate", lambda: fit(a, methods))
+    if a.tune and a.check_seqs < 1:
+        raise UsageError(f"--check-seqs {a.check_seqs}: --tune {a.tune} needs 1 or more")
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in a.methods if m not in METHODS or a.methods.count(m) > 1]
+    if bad or not a.methods:
+        raise UsageError(f"--methods {','.join(a.methods)}: expected some of {', '.join(METHODS)}, "
+                         "each once")
+    if not os.path.isfile(a.text):  # before the model loads
+        raise KqsvdError(f"--text {a.text}: no such file")
+    check_outputs([("--out", a.out)], [("--proj", a.proj), ("--text", a.text),
+                                       ("--model", a.model)], a.force)
+    return a
 
 
-def fit(a, methods):
+def fit(a):
     """The command's work: fit the ranks and write the projections file."""
     from . import models
-    from .projections import METHODS, save_ranks
-    if not methods or any(m not in METHODS for m in methods):
-        raise UsageError(f"--methods {a.methods}: expected some of {', '.join(METHODS)}")
-    import os
-    from . import h5io
-    from .projections import check_sizes
-    if not 0.0 < a.budget <= 1.0:
-        raise UsageError(f"--budget {a.budget:g}: the fraction must be in (0, 1]")
-    if a.tune < 0 or a.rounds < 0 or a.num_seqs < 1 or a.check_seqs < 1 or not a.lr > 0:
-        raise UsageError("--tune and --rounds must be 0 or more, --num-seqs and --check-seqs 1 "
-                         "or more, --lr above 0")
-    folder = os.path.dirname(os.path.abspath(a.out))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"--out {a.out}: the folder {folder} does not exist or is not writable")
-    if os.path.exists(a.out) and os.path.samefile(a.out, a.proj):
-        raise UsageError(f"--out {a.out} is --proj itself; write the fitted ranks to a copy")
+    from .projections import check_sizes, file_sizes, save_ranks
+    methods = a.methods
     models.check_device(a.device)
-    with h5io.open_file(a.proj, "projections") as f:  # a bad file fails before the model loads
-        psizes = h5io.sizes(f, a.proj)
+    psizes = file_sizes(a.proj, methods)  # a bad file fails before the model loads
     import torch
     model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
     check_sizes(psizes, a.proj, info.sizes(), a.model)
@@ -488,9 +491,9 @@ def fit(a, methods):
     if a.tune:
         from .tune import tuned_file
         tuned_file(model, a.proj, ranks, seqs[:a.num_seqs], seqs[a.num_seqs:], a.out, a.budget,
-                   a.tune, a.lr, log)
+                   a.tune, a.lr, log, force=a.force)
     else:
-        save_ranks(a.proj, a.out, ranks, f"{PREFIX}{a.budget:g}")
+        save_ranks(a.proj, a.out, ranks, f"{PREFIX}{a.budget:g}", force=a.force)
     print(f"wrote {a.out}: {TUNED if a.tune else PREFIX}{a.budget:g} ranks per layer and KV head "
           f"for {', '.join(methods)}")
 

@@ -35,13 +35,14 @@ RoPE for both kinds of projections: those the model really uses.
 """
 import inspect
 import math
+import os
 import sys
 
 import torch
 
-from .errors import KqsvdError
+from .errors import KqsvdError, UsageError
 from .models import COMPRESSIBLE
-from .projections import check_sizes
+from .projections import Projections, check_sizes
 
 
 
@@ -244,6 +245,11 @@ def compress(model, proj, fold=False, probe=False):
     measure (see the module's doc) instead of compressing; read the result
     with probe_errors().  Raises KqsvdError for an unsupported model or
     projections of another shape."""
+    if proj is not None and not isinstance(proj, Projections):
+        hint = " (a path: load it with kqsvd.load_projections first)" if isinstance(
+            proj, (str, os.PathLike)) else ""
+        raise UsageError(f"compress: proj must be a Projections from kqsvd.load_projections, or "
+                         f"None, not {type(proj).__name__}{hint}")
     layers = _layers(model)
     cfg = model.config
     if proj is not None:
@@ -253,19 +259,23 @@ def compress(model, proj, fold=False, probe=False):
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or hq,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // hq,
             hidden_size=cfg.hidden_size))
+    p = next(model.parameters())
+    # Every layer's matrices are built before any layer changes, so that an
+    # error leaves the model as it was.
+    built = [None if proj is None else LayerProjection(
+        proj, l, layer.self_attn.num_heads, p.dtype, p.device,
+        layer.self_attn.o_proj.weight.detach(), fold) for l, layer in enumerate(layers)]
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         cfg.pretraining_tp = 1  # the same function computed in one piece
     # The decoder builds an explicit 4-D causal mask only for eager attention;
     # sdpa may pass none and rely on is_causal, which this forward does not see.
     cfg._attn_implementation = "eager"
-    p = next(model.parameters())
-    for l, layer in enumerate(layers):
+    for layer, lp in zip(layers, built):
         attn = layer.self_attn
         if not hasattr(attn, "_kqsvd_forward"):
             attn._kqsvd_forward = attn.forward
             attn.forward = _forward.__get__(attn)
-        attn._kqsvd = None if proj is None else LayerProjection(
-            proj, l, attn.num_heads, p.dtype, p.device, attn.o_proj.weight.detach(), fold)
+        attn._kqsvd = lp
         attn._kqsvd_probe = [] if (probe and proj is not None) else None
     return model
 

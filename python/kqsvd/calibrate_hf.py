@@ -22,6 +22,7 @@ import time
 
 from .capture import KEYS
 from .errors import KqsvdError, UsageError
+from .files import check_outputs
 
 HELP = __doc__.split("\n\n")[0] + """
 
@@ -34,6 +35,9 @@ resolved offline, as examples/export_hf.py takes it; the sequences are that
 exporter's --split train windows of the text."""
 
 EXIT_INTERRUPTED = 75  # as `kqsvd calibrate`: checkpoints kept, run again to resume
+
+
+PROG = "python -m kqsvd.calibrate_hf"
 
 
 def log(comm, msg):
@@ -72,20 +76,6 @@ def agree(comm, error):
     if comm.Get_rank() == failed[0]:
         raise error
     raise SystemExit(codes[failed[0]])
-
-
-def check_output(path, force):
-    """An output that can be made: a writable folder, not a folder itself,
-    not already there unless force."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"--out {path} is a folder")
-    if not os.path.isdir(folder):
-        raise UsageError(f"--out {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"--out {path}: folder {folder} is not writable")
-    if os.path.exists(path) and not force:
-        raise UsageError(f"--out {path} already exists; give --force to replace it")
 
 
 def file_identity(path):
@@ -208,9 +198,15 @@ def run(args):
         return
     try:
         if rank == 0:
-            check_output(args.out, args.force or args.skip_done)
+            check_outputs([("--out", args.out)], [("--model", models.resolve(args.model)),
+                                                  ("--text", args.text)],
+                          args.force or args.skip_done)
         if args.checkpoint:
-            os.makedirs(args.checkpoint, exist_ok=True)
+            try:
+                os.makedirs(args.checkpoint, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"--checkpoint {args.checkpoint}: cannot make the folder: "
+                                 f"{e.strerror}") from None
             if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
                     os.path.realpath(args.checkpoint) + os.sep):
                 raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}")
@@ -321,20 +317,22 @@ def run(args):
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m kqsvd.calibrate_hf", description=HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .cli import ArgumentParser, count, finite, nonnegative, positive
+    ap = ArgumentParser(prog=PROG, description=HELP,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--num-seqs", type=int, required=True)
+    ap.add_argument("--seq-len", type=count(1), required=True)
+    ap.add_argument("--num-seqs", type=count(1), required=True)
     ap.add_argument("--out", required=True, help="projections file to write")
     ap.add_argument("--ranks", help="rank policy as kqsvd calibrate takes it [eps:0.1]")
-    ap.add_argument("--eps", type=float, help="same as --ranks eps:E")
-    ap.add_argument("--beta", type=float, default=1.0, help="eigen's key/query unbalance [1]")
+    ap.add_argument("--eps", type=finite, help="same as --ranks eps:E")
+    ap.add_argument("--beta", type=positive, default=1.0, help="eigen's key/query unbalance [1]")
     ap.add_argument("--checkpoint", help="save progress in this folder; rerun to resume")
-    ap.add_argument("--checkpoint-every", type=float, default=60.0,
+    ap.add_argument("--checkpoint-every", type=nonnegative, default=60.0,
                     help="seconds between checkpoints, 0 = after every sequence [60]")
-    ap.add_argument("--qr-block", type=int, default=256, help="rows per Householder update [256]")
+    ap.add_argument("--qr-block", type=count(1), default=256,
+                    help="rows per Householder update [256]")
     ap.add_argument("--dtype", choices=("f32", "f64"), default="f32",
                     help="the model's precision, as export_hf.py --dtype f32/f64 runs it [f32]")
     ap.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] [cpu]")
@@ -353,16 +351,17 @@ def parse(argv):
                     help="do nothing when --out exists and was made from the same model, text "
                     "and options; replace it otherwise")
     args = ap.parse_args(argv)
+    if args.force and args.skip_done:
+        raise UsageError("give --force (always remake --out) or --skip-done (remake it only when "
+                         "its inputs changed), not both")
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
-    for k in ("seq_len", "num_seqs", "qr_block"):
-        if getattr(args, k) < 1:
-            raise UsageError(f"--{k.replace('_', '-')} must be at least 1")
-    if not args.beta > 0 or args.checkpoint_every < 0:
-        raise UsageError("--beta must be > 0 and --checkpoint-every >= 0")
     if not os.path.isfile(args.text):
-        raise UsageError(f"--text {args.text}: no such file")
+        raise KqsvdError(f"--text {args.text}: no such file")
+    if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
+                         "missing)")
     if args.device != "cpu":
         import torch
         if not args.device.startswith("cuda"):
@@ -377,14 +376,14 @@ def parse(argv):
 
 
 def main(argv=None):
-    try:
-        run(parse(argv))
-    except KqsvdError as e:
-        print(f"calibrate_hf: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if isinstance(e, UsageError) else 1)
-    except OSError as e:
-        print(f"calibrate_hf: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
+    from .cli import run_command
+    got = {}
+    # Options are read alike on every rank: rank 0 alone reports them.  In
+    # run(), agree() has only the rank that failed first raise.
+    code = run_command(PROG, lambda: got.update(args=parse(argv)))
+    if not code:
+        code = run_command(PROG, lambda: run(got["args"]), every_rank=True)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -13,21 +13,3 @@ class KqsvdError(ValueError):
 class UsageError(KqsvdError):
     """An impossible option or argument (command lines exit 2 on it)."""
 
-
-def run_command(prog, body):
-    """Runs body() for a command line: bad input (KqsvdError) becomes one
-    line 'PROG: error: ...' on stderr and exit status 2 for options, 1 for
-    files; Ctrl-C exits 130.  Returns the exit status."""
-    import sys
-    try:
-        body()
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KqsvdError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted; nothing written", file=sys.stderr)
-        return 130
-    return 0

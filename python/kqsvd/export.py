@@ -5,13 +5,14 @@ import os
 import numpy as np
 
 from .errors import UsageError
-from .files import write_atomic
-from .projections import load_projections
+from .files import check_outputs, write_atomic
+from .projections import Projections, load_projections
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
-def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", o_proj=None):
+def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", o_proj=None,
+                       force=False):
     """Writes one method's per-layer matrices, cut at `ranks` (as
     load_projections takes them), to a safetensors file:
 
@@ -27,14 +28,34 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     method, the policy, the ranks (per layer, and per layer and KV head:
     a head's columns past its own rank are zero), whether B and B_v are
     tuned (kqsvd.tune) and the model's sizes (JSON strings).
-    Written under a temporary name and renamed.  Raises UsageError for an
-    unknown dtype, KqsvdError for a bad file."""
+    path is checked before any work: not the projections file itself (by
+    device and inode), not a folder or a device, in a folder that exists
+    and takes a new file; an existing file is replaced only with force.
+    Written under a temporary name and renamed, with the mode a new file
+    gets.  Raises UsageError for a bad argument (naming it), KqsvdError for
+    a bad file."""
     import torch
     from safetensors.torch import save_file
     from .attention import fold_o_proj
     if dtype not in DTYPES:
-        raise UsageError(f"dtype '{dtype}' is not one of {', '.join(DTYPES)}")
-    p = proj if hasattr(proj, "key_down") else load_projections(proj, method, ranks)
+        raise UsageError(f"export_safetensors: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    if not isinstance(proj, (Projections, str, os.PathLike)):
+        raise UsageError(f"export_safetensors: proj must be a Projections or a path to a "
+                         f"projections file, not {type(proj).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"export_safetensors: path must be a file name, not {type(path).__name__}")
+    source = proj.path if isinstance(proj, Projections) else proj
+    check_outputs([("path", os.fspath(path))], [("proj", source)], force)
+    p = proj if isinstance(proj, Projections) else load_projections(proj, method, ranks)
+    if o_proj is not None:
+        want = (p.hidden_size, p.num_heads * p.head_dim)
+        if not hasattr(o_proj, "__len__") or len(o_proj) != p.num_layers:
+            raise UsageError(f"export_safetensors: o_proj must hold {p.num_layers} weights, one "
+                             f"per layer, not {len(o_proj) if hasattr(o_proj, '__len__') else o_proj!r}")
+        for l, w in enumerate(o_proj):
+            if tuple(getattr(w, "shape", ())) != want:
+                raise UsageError(f"export_safetensors: o_proj[{l}] must have shape {list(want)}, "
+                                 f"not {list(getattr(w, 'shape', ()))}")
     tdtype = getattr(torch, dtype)
     out = {}
     for l in range(p.num_layers):

@@ -1,15 +1,159 @@
-"""Outputs written under a temporary name and renamed when complete, so an
-error or an interruption leaves no partial file."""
+"""Outputs, the same way in every command: checked before any work starts,
+written under a unique temporary name in their own folder and renamed when
+complete, so that an error or an interruption leaves nothing behind and no
+output ever replaces an input of the same run."""
 import os
+import stat
+import tempfile
+
+from .errors import KqsvdError, UsageError
+
+
+def _identity(path):
+    """(device, inode) of what `path` names, symbolic links followed; None
+    where nothing is there (or it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_outputs(outputs, inputs=(), force=False):
+    """Checks every output of a run before the run does any work.
+
+    outputs, inputs: (label, path) pairs, the label being how the user
+    named the path (an option such as "--json", or "the plot"); paths that
+    are None are skipped.  An output is refused (UsageError, one line naming
+    it) when it is a folder, a device, a FIFO or a socket; when it is any
+    input of the run, compared by device and inode (so another path, a
+    symbolic or a hard link to an input is caught); when two outputs are
+    one file; when it exists and `force` is false; and when its folder does
+    not exist or a file cannot be created there (tried, not guessed from
+    permission bits: root passes those, and /proc refuses anyway).
+    Inputs that do not exist are left to the readers to report.  Not
+    collective: under MPI, rank 0 calls it and shares the verdict."""
+    seen_in = {}
+    for label, path in inputs:
+        ident = _identity(path) if path is not None else None
+        if ident is not None:
+            seen_in.setdefault(ident, (label, path))
+    seen_out = {}
+    for label, path in outputs:
+        if path is None:
+            continue
+        name = f"{label} {path}"
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise UsageError(f"{name}: {e.strerror}") from None
+        if st is not None:
+            if stat.S_ISDIR(st.st_mode):
+                raise UsageError(f"{name} is a folder; give a file name")
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"{name} is not a regular file (a device, FIFO or socket); "
+                                 "give a file name")
+            ident = (st.st_dev, st.st_ino)
+            if ident in seen_in:
+                what, where = seen_in[ident]
+                same = "" if os.path.abspath(where) == os.path.abspath(path) else f" ({where})"
+                raise UsageError(f"{name} is {what}{same}, an input of this run: the output "
+                                 "would replace it")
+            if not force:
+                raise UsageError(f"{name} already exists; give --force to replace it")
+        key = os.path.realpath(path)
+        if key in seen_out:
+            raise UsageError(f"{name} is also {seen_out[key]}: give each output its own file")
+        seen_out[key] = name
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{name}: the folder {folder} does not exist")
+        _probe(name, folder)
+
+
+def check_folder_output(label, path, inputs=()):
+    """A folder the run fills (an export, checkpoints): a folder or nothing
+    yet, in a folder that exists, where files can be created, and holding
+    no input of the run (the run removes its own temporary files there).
+    Raises UsageError naming it."""
+    name = f"{label} {path}"
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{name} is a file, not a folder")
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        raise UsageError(f"{name}: the folder {where} does not exist")
+    _probe(name, where)
+    inside = os.path.realpath(path) + os.sep
+    for what, p in inputs:
+        if p is not None and (os.path.realpath(p) + os.sep).startswith(inside):
+            raise UsageError(f"{what} {p} lies inside {name}, which this run writes")
+
+
+def _probe(name, folder):
+    """Whether a new file can be made in folder: tried, not guessed from
+    permission bits (root passes those, and /proc refuses anyway); but a
+    folder that nobody may write to (mode a-w) is taken as read-only for
+    root too, as the user meant it."""
+    if not os.stat(folder).st_mode & 0o222:
+        raise UsageError(f"{name}: the folder {folder} is read-only (mode "
+                         f"{stat.S_IMODE(os.stat(folder).st_mode):04o})")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kqsvd.", suffix=".probe")
+    except OSError as e:
+        raise UsageError(f"{name}: cannot create a file in {folder}: {e.strerror or e}") from None
+    os.close(fd)
+    os.remove(probe)
+
+
+def _umask_mode():
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_atomic(path, write):
-    """Calls write(tmp) for tmp = path + ".tmp", then renames tmp to path;
-    the temporary file is removed if anything fails."""
-    tmp = path + ".tmp"
+    """Calls write(tmp) for a new temporary file in path's folder, gives it
+    the mode a newly created file gets (0666 less the umask), then renames
+    it to path.  The temporary file is removed if anything fails.  A
+    failure to write is a KqsvdError naming `path` (never the temporary
+    name); KqsvdError from write() passes through as it is."""
+    write_all([(path, write)])
+
+
+def write_all(outputs):
+    """write_atomic for several outputs [(path, write)] that belong
+    together (a report and its plot): each is written under its temporary
+    name first, and only when all are complete are they renamed, so that a
+    failure in any leaves none of them."""
+    tmps = []
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        for path, write in outputs:
+            folder = os.path.dirname(os.path.abspath(path))
+            try:
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
+                                           suffix=".tmp")
+            except OSError as e:
+                raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+            os.close(fd)
+            tmps.append(tmp)
+            try:
+                write(tmp)
+                os.chmod(tmp, _umask_mode())
+            except OSError as e:
+                raise KqsvdError(f"{path}: cannot be written: "
+                                 f"{e.strerror or str(e).replace(tmp, path)}") from None
+        for (path, _), tmp in zip(outputs, tmps):
+            # Checked again at the end: the run may have been long.
+            if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
+                raise KqsvdError(f"{path}: is no longer a regular file; nothing written")
+        for (path, _), tmp in zip(outputs, tmps):
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for tmp in tmps:
+            if os.path.lexists(tmp):
+                os.remove(tmp)

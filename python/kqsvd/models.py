@@ -6,7 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from .errors import KqsvdError
+from .errors import KqsvdError, UsageError
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "phi3", "gemma", "starcoder2")
 ENCODERS = ("bert",)
@@ -260,10 +260,10 @@ def check_positions(info, cfg, seq_len):
     causal mask says (past max_position_embeddings or a sliding window)."""
     maxpos = getattr(cfg, "max_position_embeddings", None)
     if maxpos and seq_len > maxpos:
-        raise KqsvdError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings = {maxpos}")
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings = {maxpos}")
     window = getattr(cfg, "sliding_window", None)
     if info.causal and window and getattr(cfg, "use_sliding_window", True) and seq_len > window:
-        raise KqsvdError(f"--seq-len {seq_len} exceeds the model's sliding_window = {window}, which "
+        raise UsageError(f"--seq-len {seq_len} exceeds the model's sliding_window = {window}, which "
                          f"the data contract's causal mask does not describe; use --seq-len {window} "
                          "or less")
 
@@ -297,7 +297,7 @@ def token_windows(tok, text_path, seq_len, num_seqs, split, bos=True):
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     lead = int(bool(bos) and adds_bos(tok))
     if lead and seq_len < 2:
-        raise KqsvdError(f"--seq-len {seq_len} leaves no room for text after the BOS token; "
+        raise UsageError(f"--seq-len {seq_len} leaves no room for text after the BOS token; "
                          "use --seq-len 2 or more, or --no-bos")
     per = seq_len - lead
     need = per * num_seqs

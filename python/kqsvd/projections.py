@@ -105,36 +105,79 @@ def policy_ranks(path, policy=None):
     except OSError as e:
         raise KqsvdError(f"cannot run {cmd[0]}: {e}") from None
     if p.returncode != 0:
-        msg = p.stderr.strip().splitlines()
-        msg = msg[0] if msg else f"exit status {p.returncode}"
-        raise (UsageError if p.returncode == 2 else KqsvdError)(msg.replace("kqsvd ranks: ", ""))
+        raise (UsageError if p.returncode == 2 else KqsvdError)(_tool_message(p))
     return json.loads(p.stdout)
 
 
+def _rank_array(value, name, L, H, d, path):
+    """One side's ranks as int64 [L, Hkv], checked: whole numbers (not
+    booleans) in 1..d, one per layer or one per layer and KV head."""
+    if isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"ranks for {path}: {name} = {value!r} is not a rank")
+    r = np.asarray(value)
+    if r.shape == () and np.issubdtype(r.dtype, np.integer):
+        r = np.full(L, int(r))  # one rank for every layer
+    if r.dtype == object or not (np.issubdtype(r.dtype, np.integer) and r.dtype != np.bool_):
+        raise UsageError(f"ranks for {path}: {name} must be whole numbers, not {r.dtype} "
+                         f"({_short(value)})")
+    if r.shape == (L,):
+        r = np.repeat(r[:, None], H, 1)
+    if r.shape != (L, H):
+        raise UsageError(f"ranks for {path}: {name} must be {L} ranks, one per layer, or "
+                         f"[{L}, {H}], one per layer and KV head, not shape {list(r.shape)}")
+    bad = [int(x) for x in r.ravel() if not 1 <= x <= d]
+    if bad:
+        raise UsageError(f"ranks for {path}: {name} = {bad[0]} is outside 1..head_dim = {d}")
+    return r.astype(np.int64)
+
+
+def _short(value):
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _tool_message(p):
+    """`kqsvd ranks`' one-line error, worded for a library call: without
+    the tool's prefix, its --help pointer, or its option's name."""
+    lines = p.stderr.strip().splitlines()
+    msg = lines[0] if lines else f"exit status {p.returncode}"
+    for prefix in ("kqsvd ranks: error: ", "kqsvd ranks: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    msg = msg.replace(" (see kqsvd ranks --help)", "")
+    for flag in ("--ranks: rank policy ", "--ranks: ", "--ranks "):
+        if msg.startswith(flag):
+            msg = "rank policy " + msg[len(flag):]
+            break
+    return msg
+
+
 def _rank_lists(ranks, L, H, d, path):
-    """Normalises the `ranks` argument of load_projections to two int arrays
-    [L, Hkv]: per layer (broadcast over the heads) or per head."""
+    """Normalises the `ranks` argument of load_projections (see there) to
+    two int arrays [L, Hkv]; UsageError naming the argument otherwise."""
+    if isinstance(ranks, (bool, np.bool_)):
+        raise UsageError(f"ranks for {path}: {ranks!r} is not a rank (expected a whole number "
+                         f"in 1..{d}, a policy string, per-layer ranks or a (keys, values) pair)")
     if isinstance(ranks, (int, np.integer)):
         rk = rv = np.full(L, int(ranks))
     elif isinstance(ranks, dict):
-        rk = np.asarray(ranks.get("rank_k_heads", ranks["rank_k"]))
-        rv = np.asarray(ranks.get("rank_v_heads", ranks["rank_v"]))
-    elif isinstance(ranks, tuple) and len(ranks) == 2 and np.ndim(ranks[0]) in (1, 2):
-        rk, rv = np.asarray(ranks[0]), np.asarray(ranks[1])
+        keys = [("rank_k_heads", "rank_v_heads"), ("rank_k", "rank_v")]
+        pair = next((k for k in keys if k[0] in ranks and k[1] in ranks), None)
+        if pair is None:
+            raise UsageError(f"ranks for {path}: a dict needs 'rank_k' and 'rank_v' (or "
+                             f"'rank_k_heads' and 'rank_v_heads'), not keys {sorted(map(str, ranks))}")
+        rk, rv = ranks[pair[0]], ranks[pair[1]]
+    elif isinstance(ranks, tuple):
+        if len(ranks) != 2:
+            raise UsageError(f"ranks for {path}: a tuple is a (keys, values) pair, not "
+                             f"{len(ranks)} items")
+        rk, rv = ranks
+    elif isinstance(ranks, (list, np.ndarray)):
+        rk = rv = ranks
     else:
-        rk = rv = np.asarray(ranks)
-    out = []
-    for name, r in (("rank_k", rk), ("rank_v", rv)):
-        if r.shape == (L,):
-            r = np.repeat(r[:, None], H, 1)
-        if r.shape != (L, H) or not np.issubdtype(r.dtype, np.integer):
-            raise UsageError(f"ranks for {path}: {name} must be {L} whole numbers, one per layer, "
-                             f"or [{L}, {H}], one per layer and KV head (got {r.tolist()!r})")
-        bad = [int(x) for x in r.ravel() if not 0 <= x <= d]
-        if bad:
-            raise UsageError(f"ranks for {path}: {name} = {bad[0]} is outside 0..head_dim = {d}")
-        out.append(r.astype(np.int64))
-    return out
+        raise UsageError(f"ranks for {path}: {type(ranks).__name__} {_short(ranks)} is not a rank "
+                         "(expected an int, a policy string, a list, a (keys, values) pair or a dict)")
+    return [_rank_array(r, name, L, H, d, path) for name, r in (("rank_k", rk), ("rank_v", rv))]
 
 
 def _stored_ranks(f, path, method, L, H):
@@ -166,9 +209,11 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
     them, and with the group's tuned up-projections where it has them and
     `tuned` is true: docs/formats.md section 5.3); an int for that rank
     everywhere; a policy string ("eps:0.1", "fixed:16", "budget:0.25")
-    resolved by `kqsvd ranks`; a list of L ints
-    (keys and values alike); a pair (rank_k, rank_v) of [L] or [L, Hkv]
-    arrays, or a dict with keys rank_k/rank_v (or rank_k_heads/rank_v_heads).
+    resolved by `kqsvd ranks`; a list of L ints or an [L, Hkv] array
+    (keys and values alike); a tuple (rank_k, rank_v), each an int or [L]
+    or [L, Hkv]; or a dict with keys rank_k/rank_v (or
+    rank_k_heads/rank_v_heads).  Every rank is a whole number (not a bool)
+    in 1..head_dim.
     Returns a Projections.  Raises KqsvdError naming the file and field for
     a bad file, UsageError for an unknown method or impossible ranks."""
     if method not in METHODS:
@@ -188,7 +233,11 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
             rk, rv = _rank_lists((got["rank_k"], got["rank_v"]), L, H, d, path)
         elif ranks is None:
             policy = str(h5io.attr(f, "rank_policy", "") or "stored")
-            rk, rv = _rank_lists(_stored_ranks(f, path, method, L, H), L, H, d, path)
+            try:
+                rk, rv = _rank_lists(_stored_ranks(f, path, method, L, H), L, H, d, path)
+            except UsageError as e:  # the file's own ranks: a bad file, not a bad argument
+                raise KqsvdError(f"{path}: group '{method}': stored {str(e).split(': ', 1)[1]}") \
+                    from None
         else:
             rk, rv = _rank_lists(ranks, L, H, d, path)
             policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
@@ -232,7 +281,7 @@ def _tuned_names(f, path, method, shape):
     return names
 
 
-def save_ranks(src, dst, ranks, policy, tuned=None):
+def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
     """Writes a copy of the projections file `src` to `dst` whose stored
     ranks are `ranks`: {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, as
     per-head datasets with the per-layer ones their maxima, and whose
@@ -240,10 +289,12 @@ def save_ranks(src, dst, ranks, policy, tuned=None):
     `ranks` keep theirs.  tuned: {method: (Projections, info)} from
     kqsvd.tune.tune at these ranks; their query_down and value_up columns
     replace the file's, and the group records how they were trained
-    (section 5.3, "Tuned up-projections").  Written under a temporary name
-    and renamed."""
+    (section 5.3, "Tuned up-projections").  dst must not be src (by device
+    and inode), a folder or a device; an existing dst is replaced only
+    with force.  Written under a temporary name and renamed."""
     import h5py
-    from .files import write_atomic
+    from .files import check_outputs, write_atomic
+    check_outputs([("dst", dst)], [("src", src)], force)
     with h5io.open_file(src, "projections") as f:
         s = h5io.sizes(f, src)
         L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
@@ -287,6 +338,31 @@ def _write_tuned(g, p, info, rk, rv):
     g.attrs["tuned_lr"] = float(info["lr"])
     g.attrs["tuned_kl_fit"] = np.asarray(info["kl_fit"], dtype=np.float64)
     g.attrs["tuned_kl_check"] = np.asarray(info["kl_check"], dtype=np.float64)
+
+
+def file_sizes(path, methods=METHODS):
+    """The sizes of a projections file (h5io.SIZE_ATTRS) once the file
+    agrees with itself: each method's matrices [L, Hkv, d, d] and ranks
+    [L], where present, as its attributes say.  Raises KqsvdError naming the attribute and
+    the dataset that disagree, so that a file at odds with itself is not
+    reported as projections of another model."""
+    with h5io.open_file(path, "projections") as f:
+        s = h5io.sizes(f, path)
+        L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
+        for m in methods:
+            for n in MATRICES + ("rank_k", "rank_v"):
+                if f"{m}/{n}" not in f:
+                    continue  # load_projections names what is missing
+                shape = f[f"{m}/{n}"].shape
+                want = (L,) if n.startswith("rank") else (L, H, d, d)
+                if shape == want:
+                    continue
+                attrs = ("num_layers", "num_kv_heads", "head_dim", "head_dim")
+                k = next((i for i, (a, b) in enumerate(zip(shape, want)) if a != b), 0)
+                raise KqsvdError(f"{path}: inconsistent file: attribute '{attrs[k]}' = {want[k]} "
+                                 f"but dataset '{m}/{n}' has shape {list(shape)}, expected "
+                                 f"{list(want)}")
+    return s
 
 
 def check_sizes(proj_sizes, proj_path, model_sizes, model_path="the model"):

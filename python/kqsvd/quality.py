@@ -27,36 +27,37 @@ import sys
 import time
 
 from .errors import KqsvdError, UsageError
-from .files import write_atomic
-from .allocate import TUNED, parse_policy
+from .files import check_outputs, write_all
+from .allocate import PREFIX, TUNED, parse_policy
 from .projections import METHODS, load_projections, policy_ranks, save_ranks
 
 PROG = "python -m kqsvd.quality"
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="The JSON report is described in docs/formats.md, section 8.")
+    from .cli import ArgumentParser, count, positive
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="The JSON report is described in docs/formats.md, section 8.")
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
     ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
                     "fixed:R, budget:F, quality-budget:F, quality-tuned:F, or 'stored'")
-    ap.add_argument("--calib-seqs", type=int, default=4,
+    ap.add_argument("--calib-seqs", type=count(0), default=4,
                     help="quality-budget: windows of the train split its ranks are fitted on [4]")
-    ap.add_argument("--rounds", type=int, default=6,
+    ap.add_argument("--rounds", type=count(0), default=6,
                     help="quality-budget: refinement rounds (kqsvd.allocate) [6]")
-    ap.add_argument("--tune-steps", type=int, default=30,
+    ap.add_argument("--tune-steps", type=count(0), default=30,
                     help="quality-tuned: Adam steps training the up-projections [30]")
-    ap.add_argument("--check-seqs", type=int, default=4,
+    ap.add_argument("--check-seqs", type=count(0), default=4,
                     help="quality-tuned: train-split windows after the calibration ones that "
                     "choose the step kept [4]")
-    ap.add_argument("--lr", type=float, default=3e-3, help="quality-tuned: learning rate [3e-3]")
+    ap.add_argument("--lr", type=positive, default=3e-3, help="quality-tuned: learning rate [3e-3]")
     ap.add_argument("--split", choices=("train", "validation"), default="validation",
                     help="windows from the text's start (train) or end (validation) [validation]")
-    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence [256]")
-    ap.add_argument("--num-seqs", type=int, default=8, help="sequences [8]")
+    ap.add_argument("--seq-len", type=count(2), default=256, help="tokens per sequence [256]")
+    ap.add_argument("--num-seqs", type=count(1), default=8, help="sequences [8]")
     ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [cpu]")
@@ -68,33 +69,50 @@ def parse(argv):
                     "definitions, on the full model's activations): one more pass per pair")
     ap.add_argument("--json", required=True, help="the report")
     ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
+    ap.add_argument("--force", action="store_true",
+                    help="replace outputs that exist (the report, the plot, fitted files)")
     a = ap.parse_args(argv)
-    if a.rounds < 0 or a.tune_steps < 0:
-        ap.error(f"--{'rounds' if a.rounds < 0 else 'tune-steps'} must be 0 or more")
-    if not a.lr > 0:
-        ap.error("--lr must be above 0")
-    for k in ("seq_len", "num_seqs", "calib_seqs", "check_seqs"):
-        if getattr(a, k) < (2 if k == "seq_len" else 1):
-            ap.error(f"--{k.replace('_', '-')} must be at least {2 if k == 'seq_len' else 1}")
     a.policies = [p.strip() for p in a.ranks.split(",") if p.strip()]
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if not a.policies:
-        ap.error("--ranks: give at least one policy")
+        raise UsageError("--ranks: give at least one policy")
+    for name, items in (("--ranks", a.policies), ("--methods", a.methods)):
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise UsageError(f"{name} {','.join(items)}: '{twice[0]}' is given twice")
     bad = [m for m in a.methods if m not in METHODS]
     if bad or not a.methods:
-        ap.error(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
-                 f"{', '.join(METHODS)})")
-    for opt, path in (("--json", a.json), ("--plot", a.plot)):
-        if path is None:
-            continue
-        folder = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path):
-            ap.error(f"{opt} {path}: is a folder")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            ap.error(f"{opt} {path}: the folder {folder} does not exist or is not writable")
+        raise UsageError(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
+                         f"{', '.join(METHODS)})")
     if a.plot and not a.plot.lower().endswith(".png"):
-        ap.error(f"--plot {a.plot}: expected a .png file name")
+        raise UsageError(f"--plot {a.plot}: expected a .png file name")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401 - checked before the model loads
+        except ImportError:
+            raise UsageError(f"--plot {a.plot}: matplotlib cannot be imported (Debian: apt-get "
+                             "install python3-matplotlib)") from None
+    a.fitted = {}
+    for pol in a.policies:
+        frac = parse_policy(pol)
+        if frac is not None:
+            a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{frac:g}.h5"
+    for opt, n, prefix in (("--calib-seqs", a.calib_seqs, PREFIX), ("--check-seqs", a.check_seqs,
+                                                                     TUNED)):
+        uses = [p for p in a.policies if p.startswith(prefix) or
+                (opt == "--calib-seqs" and p.startswith(TUNED))]
+        if n < 1 and uses:
+            raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
+    if not os.path.isfile(a.text):  # before the model loads
+        raise KqsvdError(f"--text {a.text}: no such file")
+    check_outputs([("--json", a.json), ("--plot", a.plot)] +
+                  [(f"the {pol} file", path) for pol, path in a.fitted.items()],
+                  [("--proj", a.proj), ("--text", a.text), ("--model", a.model)], a.force)
     return a
+
+
+def _stem(json_path):
+    return json_path[:-5] if json_path.endswith(".json") else json_path
 
 
 def resolve_policies(a, L, quality=None):
@@ -192,7 +210,8 @@ def measure(a, model, seqs, pairs):
     return full.result(), [t.result() for t in tallies]
 
 
-def plot(report, path):
+def plot(report):
+    """The figure's writer: write(path) saves the PNG (for files.write_all)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -220,8 +239,11 @@ def plot(report, path):
     fig.suptitle(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
                  f"({report['split']})", fontsize=10)
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
-    plt.close(fig)
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+    return write
 
 
 def table(report):
@@ -242,11 +264,10 @@ def table(report):
 
 def run(a):
     import torch
-    from . import h5io, models
-    from .projections import check_sizes
+    from . import models
+    from .projections import check_sizes, file_sizes
     t0 = time.time()
-    with h5io.open_file(a.proj, "projections") as f:
-        psizes = h5io.sizes(f, a.proj)
+    psizes = file_sizes(a.proj, a.methods)
     dtype = getattr(torch, a.dtype)
     models.check_device(a.device)
     model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
@@ -258,9 +279,9 @@ def run(a):
 
     def quality(pol):
         nonlocal cal
-        from .allocate import PREFIX, allocate
+        from .allocate import allocate
         from .tune import tuned_file
-        frac, stem = parse_policy(pol), a.json[:-5] if a.json.endswith(".json") else a.json
+        frac = parse_policy(pol)
         if cal is None:  # the train split's windows, tokenized once for every policy
             tuned = any(p.startswith(TUNED) for p in a.policies)
             cal = models.token_windows(tok, a.text, a.seq_len,
@@ -273,12 +294,13 @@ def run(a):
         # The fitted ranks (and tuned up-projections) in a projections file
         # beside the report, so that every tool (kqsvd evaluate, compress)
         # uses exactly what was measured.
-        out = f"{stem}.{pol.split(':')[0]}-{frac:g}.h5"
+        out = a.fitted[pol]
         if pol.startswith(PREFIX):
-            saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}")
+            saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=a.force)
         else:
             saved[pol] = tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs],
-                                    cal[a.calib_seqs:], out, frac, a.tune_steps, a.lr, log)
+                                    cal[a.calib_seqs:], out, frac, a.tune_steps, a.lr, log,
+                                    force=a.force)
         return {m: load_projections(saved[pol], m) for m in a.methods}
 
     log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -307,9 +329,10 @@ def run(a):
         report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
                                  {k: v for k, v in r.items() if k not in ("policy", "method")})
     report["elapsed_s"] = time.time() - t0
-    write_atomic(a.json, lambda tmp: json.dump(report, open(tmp, "w"), indent=1))
-    if a.plot:
-        plot(report, a.plot)
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    write_all([(a.json, write_json)] + ([(a.plot, plot(report))] if a.plot else []))
     table(report)
     print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
           file=sys.stderr)
@@ -317,9 +340,8 @@ def run(a):
 
 
 def main(argv=None):
-    from .errors import run_command
-    a = parse(argv)
-    return run_command(PROG, lambda: run(a))
+    from .cli import run_command
+    return run_command(PROG, lambda: run(parse(argv)))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ projections on the check windows)."""
 import copy
 
 from .allocate import _weights_frozen, full_logprobs, kl_to_full
+from .errors import KqsvdError, UsageError
 
 
 class _Trainable:
@@ -67,11 +68,16 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     (the step kept, 0 for none), steps, lr, kl_fit (before, after),
     kl_check (before, after)).  Not collective; leaves the model with its
     full attention.  Deterministic for the same inputs and threads."""
+    import math
     import torch
     from .attention import compress
-    if steps < 0 or not lr > 0 or not len(fit) or not len(check):
-        raise ValueError(f"tune: steps {steps} must be >= 0, lr {lr} > 0, and the fit "
-                         f"({len(fit)}) and check ({len(check)}) windows not none")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise UsageError(f"tune: steps = {steps!r} must be a whole number, 0 or more")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise UsageError(f"tune: lr = {lr!r} must be a finite number above 0")
+    if not len(fit) or not len(check):
+        raise UsageError(f"tune: the fit ({len(fit)}) and check ({len(check)}) windows must not "
+                         "be empty")
     compress(model, None)
     ref_fit, ref_check = full_logprobs(model, fit), full_logprobs(model, check)
     t = _Trainable(model, proj)
@@ -79,6 +85,10 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     try:
         with _weights_frozen(model):
             kl0 = kl_to_full(model, check, ref_check, before=t.install)
+            if not math.isfinite(kl0):
+                raise KqsvdError(f"tune {proj.method}: the KL of the closed form on the check "
+                                 f"windows is {kl0:g}, not finite: the model's log-probabilities "
+                                 "are not finite on these windows")
             # Step 0 is the closed form as the file has it (float64), not
             # its copy in the model's dtype.
             best, kept, step = kl0, list(proj.query_down) + list(proj.value_up), 0
@@ -89,8 +99,17 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
                 opt.zero_grad()
                 kl_fit = kl_to_full(model, fit, ref_fit, grad=True, before=t.install)
                 fit0 = kl_fit if fit0 is None else fit0
-                opt.step()
+                try:
+                    opt.step()
+                except RuntimeError as e:  # a step past float range
+                    raise KqsvdError(f"tune {proj.method}: Adam's step {s} failed at learning "
+                                     f"rate {lr:g} ({e}); give a smaller learning rate") from None
                 kl = kl_to_full(model, check, ref_check, before=t.install)
+                if not (math.isfinite(kl_fit) and math.isfinite(kl)):
+                    raise KqsvdError(f"tune {proj.method}: the KL is {kl_fit:g} on the fit "
+                                     f"windows and {kl:g} on the check windows at step {s}, not "
+                                     f"finite (learning rate {lr:g}): the training diverged; "
+                                     "give a smaller learning rate")
                 if log:
                     log(f"{proj.method}: step {s} of {steps}: KL {kl_fit:.4f} on the fit windows "
                         f"(before the step), {kl:.4f} on the check windows (best {min(kl, best):.4f})")
@@ -118,13 +137,17 @@ def _put(t, arrays):
             leaf.copy_(torch.as_tensor(a, dtype=leaf.dtype))
 
 
-def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=3e-3, log=None):
+def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=3e-3, log=None,
+               force=False):
     """tune() for each method at its ranks ({method: (rank_k, rank_v)},
     e.g. from kqsvd.allocate.allocate), written with those ranks to `out`
     as the policy quality-tuned:F (kqsvd.projections.save_ranks).  Returns
-    out.  Not collective."""
+    out.  Not collective.  out is checked as save_ranks checks it (force to
+    replace a file) before any training."""
     from .allocate import TUNED
+    from .files import check_outputs
     from .projections import load_projections, save_ranks
+    check_outputs([("out", out)], [("proj_path", proj_path)], force)
     tuned = {}
     for m, r in ranks.items():
         tuned[m] = tune(model, load_projections(proj_path, m, r), fit, check, steps, lr, log)
@@ -134,4 +157,4 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
                 f"{info['kl_fit'][0]:.4f} -> {info['kl_fit'][1]:.4f} on {len(fit)} fit windows, "
                 f"{info['kl_check'][0]:.4f} -> {info['kl_check'][1]:.4f} on {len(check)} check "
                 "windows")
-    return save_ranks(proj_path, out, ranks, f"{TUNED}{fraction:g}", tuned=tuned)
+    return save_ranks(proj_path, out, ranks, f"{TUNED}{fraction:g}", tuned=tuned, force=force)

@@ -149,8 +149,9 @@ class Commands(unittest.TestCase):
         self.assertIn("each needs at least 1", p.stderr)
         self.assertNotIn("Traceback", p.stderr)
         self.assertFalse(os.path.exists(out + "2"))
-        for args, code, needle in ((["--budget", "2", "--out", out + "3"], 2, "--budget 2: the fraction"),
-                                   (["--budget", "0.5", "--out", c.proj], 2, "is --proj itself"),
+        for args, code, needle in ((["--budget", "2", "--out", out + "3"], 2,
+                                    "--budget: 2 must be in (0, 1]"),
+                                   (["--budget", "0.5", "--out", c.proj], 2, "is --proj, an input"),
                                    (["--budget", "0.5", "--out", "/nonexistent/x.h5"], 2,
                                     "does not exist"),
                                    (["--budget", "0.5", "--out", out + "4", "--proj", TEXT], 1,

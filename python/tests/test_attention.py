@@ -278,7 +278,7 @@ class Errors(unittest.TestCase):
         proj.num_layers = 3
         with self.assertRaisesRegex(KqsvdError, "num_layers = 3.*another model"):
             kqsvd.compress(model, proj)
-        with self.assertRaisesRegex(UsageError, "outside 0..head_dim = 16"):
+        with self.assertRaisesRegex(UsageError, "outside 1..head_dim = 16"):
             kqsvd.load_projections(c.proj, "kqsvd", 17)
         with self.assertRaisesRegex(UsageError, "unknown method 'svd'"):
             kqsvd.load_projections(c.proj, "svd")

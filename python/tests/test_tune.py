@@ -216,7 +216,7 @@ class Commands(unittest.TestCase):
         bad = subprocess.run(cmd[:-2] + ["--check-seqs", "0", "--json", out + "2"],
                              capture_output=True, text=True)
         self.assertEqual(bad.returncode, 2, bad.stderr)
-        self.assertIn("--check-seqs must be at least 1", bad.stderr)
+        self.assertIn("--check-seqs 0: --ranks quality-tuned:0.5 needs 1 or more", bad.stderr)
         self.assertFalse(os.path.exists(out + "2"))
 
     def test_allocate_tune(self):

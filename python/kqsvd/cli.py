@@ -1,0 +1,99 @@
+"""What every command line of the package shares: one-line usage errors,
+numbers checked as they are parsed (each error names its option and value),
+and errors printed once under MPI.
+
+Exit status, the same in every command (as `kqsvd` in C): 2 for the command
+line (an option malformed, out of range, contradicting another or
+impossible for the model or file given; an output that cannot be written
+or would replace an input), 1 for an input (a file missing, unreadable,
+malformed or inconsistent) and for failures while running, 130 for Ctrl-C."""
+import argparse
+import math
+import os
+import sys
+
+from .errors import KqsvdError, UsageError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with its errors as UsageError: one line, no usage dump."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
+def _number(kind, text, ok, what):
+    try:
+        v = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a {'whole number' if kind is int else 'number'}") from None
+    if kind is float and not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"{text} must be {what}")
+    return v
+
+
+def finite(text):
+    """A finite float."""
+    return _number(float, text, lambda v: True, "finite")
+
+
+def positive(text):
+    """A finite float above 0."""
+    return _number(float, text, lambda v: v > 0, "above 0")
+
+
+def nonnegative(text):
+    """A finite float, 0 or more."""
+    return _number(float, text, lambda v: v >= 0, "0 or more")
+
+
+def fraction(text):
+    """A finite float in (0, 1]."""
+    return _number(float, text, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def count(least):
+    """A whole number >= least."""
+    def parse(text):
+        return _number(int, text, lambda v: v >= least, f"{least} or more")
+    parse.__name__ = f"count>={least}"
+    return parse
+
+
+def launched_rank():
+    """This process's rank when an MPI launcher started it, else 0: read
+    from the launcher's environment, so that errors found before MPI is
+    initialised (or without mpi4py) are printed by one rank only."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        v = os.environ.get(var)
+        if v and v.isdigit():
+            return int(v)
+    return 0
+
+
+def run_command(prog, body, every_rank=False):
+    """Runs body() for a command line and returns its exit status (module
+    docstring): KqsvdError becomes one line 'PROG: error: ...' on stderr.
+    Under MPI only rank 0 prints, unless every_rank (for errors that one
+    rank alone raises, as calibrate_hf's agree() arranges)."""
+    def say(msg):
+        if every_rank or launched_rank() == 0:
+            print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+    try:
+        body()
+    except UsageError as e:
+        say(f"error: {e}")
+        return 2
+    except KqsvdError as e:
+        say(f"error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted; nothing written")
+        return 130
+    except OSError as e:  # the system's, not the input's: disk full, a lost mount
+        say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+        return 1
+    return 0
