@@ -1,0 +1,353 @@
+"""Bad input to the Python surfaces, as a new user gives it: the commands
+(kqsvd.quality, kqsvd.allocate, kqsvd.calibrate_hf, examples/export_hf.py)
+and the library calls (load_projections, compress, export_safetensors,
+tune).  Every case asserts the exit status (2 for the command line and
+outputs, 1 for input files), one line naming the option or file, that no
+output and no temporary file is left, and that every input is unchanged,
+byte for byte.  The commands run in this process where one rank suffices
+(fast), under mpirun where the point is printing once."""
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import unittest
+
+import h5py
+import numpy as np
+from common import EXPORT, MPIENV, TEXT, run, tiny_decoder, workdir
+
+import kqsvd
+from kqsvd import allocate, calibrate_hf, quality
+
+
+def digest(path):
+    h = hashlib.sha256()
+    for root, _, files in (os.walk(path) if os.path.isdir(path) else [("", [], [path])]):
+        for f in sorted(files):
+            with open(os.path.join(root, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def listing(folder):
+    return sorted(os.listdir(folder))
+
+
+class Hostile(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("hostile")
+        cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))
+        cls.proj = os.path.join(cls.wd, "proj.h5")
+        run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", cls.model, "--text", TEXT,
+             "--seq-len", "32", "--num-seqs", "4", "--out", cls.proj])
+        cls.text = os.path.join(cls.wd, "text.txt")
+        shutil.copyfile(TEXT, cls.text)
+
+    def setUp(self):
+        self.out = workdir("hostile-out")  # each case's outputs, empty at the start
+        self.inputs = {p: digest(p) for p in (self.proj, self.text, self.model)}
+
+    def tearDown(self):
+        for p, h in self.inputs.items():
+            self.assertEqual(digest(p), h, f"{p} changed")
+
+    # -- helpers --------------------------------------------------------------
+    def call(self, main, argv):
+        """main(argv) in this process: (exit status, stderr)."""
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = e.code
+        return code, err.getvalue()
+
+    def refused(self, main, argv, code, *words, leaves=()):
+        """main(argv) exits `code` with one line holding every word, and
+        self.out holds nothing afterwards but `leaves`."""
+        before = set(listing(self.out)) | set(leaves)
+        got, err = self.call(main, argv)
+        lines = [x for x in err.splitlines() if x.strip()]
+        self.assertEqual(got, code, err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual(lines[0].count("error:"), 1, lines[0])
+        for w in words:
+            self.assertIn(w, lines[0])
+        self.assertEqual(set(listing(self.out)), before, f"left behind after: {lines[0]}")
+        return lines[0]
+
+    def quality(self, json_path, *extra, ranks="fixed:4", proj=None, text=None):
+        return ["--model", self.model, "--text", text or self.text, "--proj", proj or self.proj,
+                "--ranks", ranks, "--methods", "kqsvd", "--seq-len", "16", "--num-seqs", "1",
+                "--json", json_path, *extra]
+
+    def allocate(self, out, *extra):
+        return ["--model", self.model, "--text", self.text, "--proj", self.proj, "--budget", "0.5",
+                "--out", out, "--methods", "kqsvd", "--seq-len", "16", "--num-seqs", "1",
+                "--rounds", "0", *extra]
+
+    def calib(self, out, *extra):
+        return ["--model", self.model, "--text", self.text, "--seq-len", "16", "--num-seqs", "2",
+                "--out", out, *extra]
+
+    # -- outputs that are inputs, devices, folders, or already there ---------
+    def test_report_over_its_own_input(self):
+        self.refused(quality.main, self.quality(self.proj), 2, "--json", "--proj", "input")
+        link = os.path.join(self.out, "hard.json")
+        os.link(self.proj, link)
+        self.refused(quality.main, self.quality(link, "--force"), 2, "--json", "--proj",
+                     leaves=["hard.json"])
+        sym = os.path.join(self.out, "sym.json")
+        os.symlink(self.text, sym)
+        self.refused(quality.main, self.quality(sym, "--force"), 2, "--text", leaves=["sym.json"])
+        self.refused(allocate.main, self.allocate(self.proj, "--force"), 2, "--out", "--proj")
+        self.refused(calibrate_hf.main, self.calib(self.text, "--force"), 2, "--out", "--text")
+
+    def test_outputs_that_are_not_files(self):
+        fifo = os.path.join(self.out, "fifo.json")
+        os.mkfifo(fifo)
+        for path in ("/dev/null", fifo):
+            self.refused(quality.main, self.quality(path, "--force"), 2, path, "regular file",
+                         leaves=["fifo.json"])
+        self.assertTrue(stat.S_ISCHR(os.stat("/dev/null").st_mode))
+        self.assertTrue(stat.S_ISFIFO(os.stat(fifo).st_mode))
+        self.refused(quality.main, self.quality(self.out), 2, "folder")
+        self.refused(allocate.main, self.allocate(self.out), 2, "--out", "folder")
+        self.refused(calibrate_hf.main, self.calib("/dev/null", "--force"), 2, "regular file")
+
+    def test_outputs_that_cannot_be_made(self):
+        missing = os.path.join(self.out, "no", "r.json")
+        self.refused(quality.main, self.quality(missing), 2, "--json", "does not exist")
+        self.refused(quality.main, self.quality("/proc/kqsvd-r.json"), 2, "--json", "/proc")
+        self.refused(allocate.main, self.allocate("/proc/kqsvd.h5"), 2, "--out", "/proc")
+        self.refused(calibrate_hf.main, self.calib(missing), 2, "--out", "does not exist")
+        ro = os.path.join(self.out, "ro")
+        os.makedirs(ro)
+        os.chmod(ro, 0o555)  # read-only, for root too
+        try:
+            self.refused(quality.main, self.quality(os.path.join(ro, "r.json")), 2, "--json",
+                         "read-only", leaves=["ro"])
+            with self.assertRaises(kqsvd.UsageError):
+                kqsvd.export_safetensors(self.proj, os.path.join(ro, "p.st"), "kqsvd", 4)
+            self.assertEqual(listing(ro), [])
+        finally:
+            os.chmod(ro, 0o755)
+
+    def test_existing_outputs_need_force(self):
+        mine = os.path.join(self.out, "mine.json")
+        with open(mine, "w") as f:
+            f.write("the user's own file\n")
+        want = digest(mine)
+        self.refused(quality.main, self.quality(mine), 2, "--json", "--force", leaves=["mine.json"])
+        self.refused(allocate.main, self.allocate(mine), 2, "--out", "--force", leaves=["mine.json"])
+        self.refused(calibrate_hf.main, self.calib(mine), 2, "--out", "--force",
+                     leaves=["mine.json"])
+        self.assertEqual(digest(mine), want)
+        # The fitted file beside a report is an output too.
+        stem = os.path.join(self.out, "q")
+        with open(f"{stem}.quality-budget-0.5.h5", "w") as f:
+            f.write("x")
+        self.refused(quality.main, self.quality(stem + ".json", ranks="quality-budget:0.5"), 2,
+                     "quality-budget-0.5.h5", "--force", leaves=["q.quality-budget-0.5.h5"])
+
+    def test_two_outputs_one_file(self):
+        same = os.path.join(self.out, "r.png")
+        self.refused(quality.main, self.quality(same, "--plot", same), 2, "--plot", "also")
+
+    def test_plot_without_matplotlib(self):
+        saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "matplotlib"}
+        sys.modules["matplotlib"] = None  # import fails, as where it is not installed
+        try:
+            self.refused(quality.main, self.quality(os.path.join(self.out, "r.json"), "--plot",
+                                                    os.path.join(self.out, "r.png")),
+                         2, "--plot", "matplotlib")
+        finally:
+            del sys.modules["matplotlib"]
+            sys.modules.update(saved)
+
+    def test_a_good_run_keeps_the_users_files_and_the_umask(self):
+        report = os.path.join(self.out, "r.json")
+        own = report + ".tmp"
+        with open(own, "w") as f:
+            f.write("mine")
+        with open(report, "w") as f:
+            f.write("old")
+        os.chmod(report, 0o600)
+        old = os.umask(0o022)
+        try:
+            code, err = self.call(quality.main, self.quality(report, "--force"))
+        finally:
+            os.umask(old)
+        self.assertEqual(code, 0, err)
+        self.assertEqual(open(own).read(), "mine")
+        self.assertEqual(stat.S_IMODE(os.stat(report).st_mode), 0o644)
+        self.assertEqual(listing(self.out), ["r.json", "r.json.tmp"])
+
+    # -- options: non-finite, out of range, twice, contradictory ---------------
+    def test_bad_numbers_name_their_option(self):
+        r = os.path.join(self.out, "r.json")
+        for opt, val in (("--lr", "inf"), ("--lr", "nan"), ("--lr", "0"), ("--seq-len", "1"),
+                         ("--num-seqs", "0"), ("--tune-steps", "-1"), ("--rounds", "x")):
+            self.refused(quality.main, self.quality(r, opt, val), 2, opt, val)
+        a = os.path.join(self.out, "a.h5")
+        for opt, val in (("--lr", "nan"), ("--lr", "0"), ("--tune", "-1"), ("--rounds", "-1"),
+                         ("--num-seqs", "0"), ("--budget", "inf"), ("--budget", "1.5")):
+            self.refused(allocate.main, self.allocate(a, opt, val), 2, opt, val)
+        self.refused(allocate.main, self.allocate(a, "--tune", "2", "--check-seqs", "0"), 2,
+                     "--check-seqs 0", "--tune 2")
+        c = os.path.join(self.out, "c.h5")
+        for opt, val in (("--beta", "nan"), ("--beta", "-1"), ("--checkpoint-every", "inf"),
+                         ("--eps", "nan"), ("--qr-block", "0")):
+            self.refused(calibrate_hf.main, self.calib(c, opt, val), 2, opt, val)
+
+    def test_unused_options_are_not_checked(self):
+        out = os.path.join(self.out, "a.h5")
+        code, err = self.call(allocate.main, self.allocate(out, "--check-seqs", "0"))
+        self.assertEqual(code, 0, err)
+        self.assertEqual(kqsvd.load_projections(out, "kqsvd").policy, "quality-budget:0.5")
+
+    def test_repeats_and_contradictions(self):
+        r = os.path.join(self.out, "r.json")
+        self.refused(quality.main, self.quality(r, ranks="fixed:4,fixed:4"), 2, "--ranks",
+                     "fixed:4", "twice")
+        self.refused(calibrate_hf.main, self.calib(os.path.join(self.out, "c.h5"), "--force",
+                                                   "--skip-done"), 2, "--force", "--skip-done")
+        ck = os.path.join(self.out, "ck")
+        with open(ck, "w") as f:
+            f.write("")
+        self.refused(calibrate_hf.main, self.calib(os.path.join(self.out, "c.h5"), "--checkpoint",
+                                                   ck), 2, "--checkpoint", "file", leaves=["ck"])
+
+    def test_one_rule_for_exit_statuses(self):
+        """A missing input file exits 1 in every command; an option the
+        model cannot take exits 2."""
+        r, a = os.path.join(self.out, "r.json"), os.path.join(self.out, "a.h5")
+        self.refused(quality.main, self.quality(r, text="/nope.txt"), 1, "/nope.txt")
+        self.refused(allocate.main, [x if x != self.text else "/nope.txt"
+                                     for x in self.allocate(a)], 1, "/nope.txt")
+        self.refused(calibrate_hf.main, [x if x != self.text else "/nope.txt"
+                                         for x in self.calib(a)], 1, "--text", "/nope.txt")
+        self.refused(quality.main, self.quality(r, "--seq-len", "1000"), 2, "--seq-len 1000",
+                     "max_position_embeddings")
+        line = self.refused(quality.main, self.quality(r, ranks="nonsense"), 2, "nonsense")
+        self.assertNotIn("kqsvd ranks", line)
+
+    def test_a_file_at_odds_with_itself(self):
+        bad = os.path.join(self.out, "odd.h5")
+        shutil.copyfile(self.proj, bad)
+        with h5py.File(bad, "r+") as f:
+            f.attrs["num_kv_heads"] = np.int32(1)
+        self.refused(quality.main, self.quality(os.path.join(self.out, "r.json"), proj=bad), 1,
+                     "inconsistent", "'num_kv_heads'", "kqsvd/key_down", leaves=["odd.h5"])
+
+    def test_printed_once_under_mpirun(self):
+        for extra, code, word in ((["--beta", "nan"], 2, "--beta"),
+                                  (["--text", "/nope.txt"], 1, "/nope.txt")):
+            argv = self.calib(os.path.join(self.out, "c.h5"))
+            if extra[0] == "--text":
+                argv[argv.index(self.text)] = extra[1]
+            else:
+                argv += extra
+            p = run([sys.executable, "-m", "kqsvd.calibrate_hf"] + argv, expect=code, np_=2)
+            lines = [x for x in p.stderr.splitlines() if "error" in x]
+            self.assertEqual(len(lines), 1, p.stderr)
+            self.assertIn(word, lines[0])
+        self.assertEqual(listing(self.out), [])
+
+    # -- the exporter ------------------------------------------------------------
+    def test_exporter_outputs(self):
+        def export(out, text=None):
+            return subprocess.run([sys.executable, EXPORT, "--model", self.model, "--text",
+                                   text or self.text, "--seq-len", "16", "--num-seqs", "1",
+                                   "--split", "train", "--out", out], capture_output=True,
+                                  text=True, env=MPIENV)
+        inside = os.path.join(self.out, "exp")
+        os.makedirs(inside)
+        shutil.copyfile(self.text, os.path.join(inside, "t.txt"))
+        for out, text, code, word in ((self.text, None, 2, "is a file"),
+                                      (self.model, None, 2, "lies inside"),
+                                      (inside, os.path.join(inside, "t.txt"), 2, "lies inside"),
+                                      (os.path.join(self.out, "e2"), "/nope.txt", 1, "/nope.txt")):
+            p = export(out, text)
+            lines = [x for x in p.stderr.splitlines() if x.strip()]
+            self.assertEqual((p.returncode, len(lines)), (code, 1), p.stderr)
+            self.assertIn(word, lines[0])
+        self.assertEqual(listing(self.out), ["exp"])
+        self.assertEqual(listing(inside), ["t.txt"])
+
+    # -- the library -------------------------------------------------------------
+    def test_library_ranks(self):
+        for bad in (0, -1, 17, True, [4], [4.0, 4.0], (4, 4, 4), {"rank_k": 4}, 3.5, "fixed:99",
+                    "nonsense"):
+            with self.assertRaises(kqsvd.UsageError) as e:
+                kqsvd.load_projections(self.proj, "kqsvd", bad)
+            msg = str(e.exception)
+            self.assertNotIn("--", msg, msg)  # no command-line flags in a library's words
+            self.assertTrue("ranks" in msg or "rank policy" in msg, msg)
+        ok = kqsvd.load_projections(self.proj, "kqsvd", (8, 4))
+        self.assertEqual((ok.rank_k.tolist(), ok.rank_v.tolist()), ([8, 8], [4, 4]))
+
+    def test_library_compress_and_export(self):
+        import torch
+        from kqsvd.models import load
+        model, _, _ = load(self.model)
+        ids = torch.arange(5, 21)[None]
+        before = model(input_ids=ids).logits
+        with self.assertRaises(kqsvd.UsageError) as e:
+            kqsvd.compress(model, self.proj)
+        self.assertIn("load_projections", str(e.exception))
+        self.assertTrue(torch.equal(model(input_ids=ids).logits, before))
+        self.assertFalse(hasattr(model.model.layers[0].self_attn, "_kqsvd_forward"))
+        proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
+        w = [lay.self_attn.o_proj.weight.detach() for lay in model.model.layers]
+        st = os.path.join(self.out, "p.safetensors")
+        for kw, word in (({"o_proj": w[:1]}, "o_proj"), ({"o_proj": [w[0][:, :8], w[1]]}, "o_proj[0]")):
+            with self.assertRaises(kqsvd.UsageError) as e:
+                kqsvd.export_safetensors(proj, st, **kw)
+            self.assertIn(word, str(e.exception))
+        for path, word in ((self.out, "folder"), (os.path.join(self.out, "no", "p.st"), "exist"),
+                           (self.proj, "input"), ("/proc/p.st", "/proc")):
+            with self.assertRaises(kqsvd.UsageError) as e:
+                kqsvd.export_safetensors(self.proj, path, "kqsvd", 4, force=True)
+            self.assertIn(word, str(e.exception))
+        self.assertEqual(listing(self.out), [])
+        with open(st, "w") as f:
+            f.write("old")
+        os.chmod(st, 0o600)
+        with self.assertRaises(kqsvd.UsageError):
+            kqsvd.export_safetensors(proj, st)  # there already
+        old = os.umask(0o022)
+        try:
+            kqsvd.export_safetensors(proj, st, o_proj=w, force=True)
+        finally:
+            os.umask(old)
+        self.assertEqual(stat.S_IMODE(os.stat(st).st_mode), 0o644)
+        self.assertEqual(listing(self.out), ["p.safetensors"])
+
+    def test_library_tune(self):
+        from kqsvd.models import load
+        from kqsvd.tune import tune
+        model, _, _ = load(self.model)
+        proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
+        fit = np.arange(2, 34, dtype=np.int64).reshape(2, 16)
+        for kw in ({"lr": float("inf")}, {"lr": float("nan")}, {"lr": 0.0}, {"steps": -1},
+                   {"steps": True}):
+            with self.assertRaises(kqsvd.UsageError):
+                tune(model, proj, fit[:1], fit[1:], **kw)
+        # A loss that is not finite is an error, not a result to keep.
+        import torch
+        with torch.no_grad():
+            model.model.embed_tokens.weight[fit[1, 3]] = float("nan")
+        with self.assertRaises(kqsvd.KqsvdError) as e:
+            tune(model, proj, fit[:1], fit[1:], steps=2)
+        self.assertIn("not finite", str(e.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
