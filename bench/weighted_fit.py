@@ -141,13 +141,13 @@ def score(model, seqs, ref):
     """held_out's measures of the model as it is now (the quality command's
     sums), ref: full_logprobs of seqs."""
     import torch
-    from kqsvd.allocate import _logprobs
+    from kqsvd.kl import logprobs
     from kqsvd.quality import Tally
     t = Tally()
     with torch.no_grad():
         for i in range(0, len(seqs), 4):
             ids = torch.from_numpy(seqs[i:i + 4])
-            lp, r = _logprobs(model, ids), ref[i // 4]
+            lp, r = logprobs(model, ids), ref[i // 4]
             t.add(lp.reshape(-1, lp.shape[-1]), ids[:, 1:].reshape(-1), r.reshape(-1, r.shape[-1]))
     return {k: t.result()[k] for k in ("perplexity", "kl", "top1")}
 
@@ -183,7 +183,8 @@ def main():
         ap.error("--calib-seqs: 1 to 24 of the demo's windows, and 4 left to check --tune")
     import torch
     from kqsvd import models
-    from kqsvd.allocate import allocate, full_logprobs
+    from kqsvd.allocate import allocate
+    from kqsvd.kl import full_logprobs
     t0 = time.time()
     model, tok, info = models.load(MODEL, dtype=torch.float32)
     L, H = info.num_layers, info.num_kv_heads

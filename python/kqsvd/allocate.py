@@ -34,7 +34,6 @@ With --tune STEPS the up-projections are then trained at those ranks
 (kqsvd.tune; the policy quality-tuned:F), on the same windows, the step
 kept chosen on --check-seqs windows that follow them."""
 import argparse
-import contextlib
 import os
 import sys
 
@@ -42,24 +41,10 @@ import numpy as np
 
 from .errors import KqsvdError, UsageError
 
+from .kl import PREFIX, TUNED, full_logprobs, kl_to_full, parse_policy, weights_frozen
+from .projections import METHODS
+
 PROG = "python -m kqsvd.allocate"
-PREFIX = "quality-budget:"
-TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.tune)
-
-
-def parse_policy(policy):
-    """The fraction F of 'quality-budget:F' or 'quality-tuned:F', or None
-    for another policy.  Raises UsageError for F outside (0, 1]."""
-    prefix = next((p for p in (PREFIX, TUNED) if policy.startswith(p)), None)
-    if prefix is None:
-        return None
-    try:
-        f = float(policy[len(prefix):])
-    except ValueError:
-        f = float("nan")
-    if not 0.0 < f <= 1.0:
-        raise UsageError(f"rank policy {policy}: the fraction must be in (0, 1]")
-    return f
 
 
 def budget_ranks(fraction, units, d):
@@ -132,20 +117,6 @@ def allocate_costs(costs, total):
     return ranks
 
 
-@contextlib.contextmanager
-def _weights_frozen(model):
-    """Gradients for activations and gates only: the weights' would double
-    the backward pass's work for nothing."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(True)
-
-
 class Sensitivity:
     """Accumulates s_u(r) for every method, unit and rank over windows."""
 
@@ -204,7 +175,7 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
     cap = Capture(model.model, info.model_type, model.config, sink, rope=ropes.pop())
     gen = torch.Generator().manual_seed(seed)
     try:
-        with _weights_frozen(model):
+        with weights_frozen(model):
             _cost_passes(model, info, seqs, batch, draws, gen, live, sens)
     finally:
         cap.close()
@@ -295,7 +266,7 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
         return kl_to_full(model, seqs, full_logp, grad=grad, before=gates.install)
 
     try:
-        with _weights_frozen(model):
+        with weights_frozen(model):
             ranks, best = _moves(ranks, kl_at, gates, d, iters, step, method, log)
     finally:
         compress(model, None)
@@ -338,42 +309,6 @@ def _moves(ranks, kl_at, gates, d, iters, step, method, log):
             if moved == 1:
                 break
     return ranks, best
-
-
-def _logprobs(model, ids):
-    """float64 next-token log-probabilities of every position but the last."""
-    import torch
-    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
-
-
-def full_logprobs(model, seqs, batch=4):
-    """The model's log-probabilities per batch of windows, the reference of
-    kl_to_full."""
-    import torch
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        return [_logprobs(model, torch.from_numpy(seqs[i:i + batch]).to(device))
-                for i in range(0, len(seqs), batch)]
-
-
-def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
-    """Mean KL(full || model) per predicted token over the windows.  grad:
-    back-propagate each batch's KL; before: called before each batch."""
-    import torch
-    kl, n = 0.0, 0
-    device = next(model.parameters()).device
-    with torch.set_grad_enabled(grad):
-        for i in range(0, len(seqs), batch):
-            if before:
-                before()
-            ref = full_logp[i // batch]
-            part = (ref.exp() * (ref - _logprobs(model, torch.from_numpy(seqs[i:i + batch])
-                                                 .to(device)))).sum()
-            if grad:
-                part.backward()
-            kl += float(part)
-            n += ref.shape[0] * ref.shape[1]
-    return kl / max(n, 1)
 
 
 def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6, log=None):
@@ -423,14 +358,13 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
 
 def main(argv=None):
     from .cli import run_command
-    return run_command(PROG, lambda: fit(parse(argv)))
+    return run_command(PROG, lambda: _run(parse(argv)))
 
 
 def parse(argv):
     from . import models
     from .cli import ArgumentParser, count, fraction, positive
     from .files import check_outputs
-    from .projections import METHODS
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
@@ -467,35 +401,45 @@ def parse(argv):
     return a
 
 
-def fit(a):
-    """The command's work: fit the ranks and write the projections file."""
+def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4, bos=True,
+        rounds=6, tune=0, check_seqs=4, lr=3e-3, device="cpu", force=False, log=None):
+    """Fits quality-budget ranks (and, with tune > 0 steps, quality-tuned
+    up-projections) for `budget`, a fraction of the full cache, on
+    num_seqs windows of seq_len tokens of the text's train split, and
+    writes them into a copy of the projections file `proj` at `out`
+    (force: replace an existing out).  model: a model folder, GGUF file or
+    id.  Returns out.  Not collective.  Raises UsageError for an impossible
+    argument, KqsvdError for a bad file or model."""
+    import torch
     from . import models
     from .projections import check_sizes, file_sizes, save_ranks
-    methods = a.methods
-    models.check_device(a.device)
-    psizes = file_sizes(a.proj, methods)  # a bad file fails before the model loads
-    import torch
-    model, tok, info = models.load(a.model, dtype=torch.float32, device=a.device)
-    check_sizes(psizes, a.proj, info.sizes(), a.model)
+    models.check_device(device)
+    psizes = file_sizes(proj, methods)  # a bad file fails before the model loads
+    loaded, tok, info = models.load(model, dtype=torch.float32, device=device)
+    check_sizes(psizes, proj, info.sizes(), model)
     if info.model_type not in models.COMPRESSIBLE:
-        raise KqsvdError(f"{a.model}: quality-aware ranks need a decoder whose attention "
+        raise KqsvdError(f"{model}: quality-aware ranks need a decoder whose attention "
                          f"kqsvd.attention replaces ({', '.join(models.COMPRESSIBLE)}), not "
                          f"'{info.model_type}'")
-    models.check_positions(info, model.config, a.seq_len)
-    seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs + (a.tune > 0) * a.check_seqs,
-                                "train", bos=not a.no_bos)[0]
-    log = lambda s: print(f"allocate: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    got = allocate(model, info, a.proj, a.budget, seqs[:a.num_seqs], methods, rounds=a.rounds,
-                   log=log)
+    models.check_positions(info, loaded.config, seq_len)
+    seqs = models.token_windows(tok, text, seq_len, num_seqs + (tune > 0) * check_seqs, "train",
+                                bos=bos)[0]
+    got = allocate(loaded, info, proj, budget, seqs[:num_seqs], methods, rounds=rounds, log=log)
     ranks = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
-    if a.tune:
+    if tune:
         from .tune import tuned_file
-        tuned_file(model, a.proj, ranks, seqs[:a.num_seqs], seqs[a.num_seqs:], a.out, a.budget,
-                   a.tune, a.lr, log, force=a.force)
-    else:
-        save_ranks(a.proj, a.out, ranks, f"{PREFIX}{a.budget:g}", force=a.force)
+        return tuned_file(loaded, proj, ranks, seqs[:num_seqs], seqs[num_seqs:], out, budget,
+                          tune, lr, log, force=force)
+    return save_ranks(proj, out, ranks, f"{PREFIX}{budget:g}", force=force)
+
+
+def _run(a):
+    """The command: fit() with the options, and a line saying what it wrote."""
+    log = lambda s: print(f"allocate: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    fit(a.model, a.text, a.proj, a.budget, a.out, a.methods, a.seq_len, a.num_seqs,
+        not a.no_bos, a.rounds, a.tune, a.check_seqs, a.lr, a.device, a.force, log)
     print(f"wrote {a.out}: {TUNED if a.tune else PREFIX}{a.budget:g} ranks per layer and KV head "
-          f"for {', '.join(methods)}")
+          f"for {', '.join(a.methods)}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import time
 
 from .errors import KqsvdError, UsageError
 from .files import check_outputs, write_all
-from .allocate import PREFIX, TUNED, parse_policy
+from .kl import PREFIX, TUNED, parse_policy
 from .projections import METHODS, load_projections, policy_ranks, save_ranks
 
 PROG = "python -m kqsvd.quality"
@@ -115,28 +115,30 @@ def _stem(json_path):
     return json_path[:-5] if json_path.endswith(".json") else json_path
 
 
-def resolve_policies(a, L, quality=None):
-    """[(policy, method, Projections)] for every pair; UsageError on a bad
-    policy.  quality(policy): {method: Projections} of quality-budget:F or
-    quality-tuned:F, fitted on the model (kqsvd.allocate, kqsvd.tune)."""
+def resolve_policies(proj, policies, methods, L, quality=None):
+    """[(policy, method, Projections)] for every policy and method, from
+    the projections file `proj` of a model with L layers; UsageError on a
+    bad policy.  quality(policy): {method: Projections} of
+    quality-budget:F or quality-tuned:F, fitted on the model
+    (kqsvd.allocate, kqsvd.tune)."""
     pairs = []
-    for pol in a.policies:
+    for pol in policies:
         if parse_policy(pol) is not None:
             if quality is None:
-                raise UsageError(f"--ranks {pol}: needs the model")
+                raise UsageError(f"rank policy {pol} needs the model")
             pairs += [(pol, m, p) for m, p in quality(pol).items()]
             continue
-        got = policy_ranks(a.proj, None if pol == "stored" else pol)
-        for m in a.methods:
+        got = policy_ranks(proj, None if pol == "stored" else pol)
+        for m in methods:
             r = got["methods"][m]
             if len(r["rank_k"]) != L:
-                raise KqsvdError(f"{a.proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
+                raise KqsvdError(f"{proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
             # Stored ranks are read as stored, with the file's tuned
             # up-projections where it has them (docs/formats.md 5.3).
             ranks = None if pol == "stored" else (r.get("rank_k_heads", r["rank_k"]),
                                                   r.get("rank_v_heads", r["rank_v"]))
             pairs.append((got["policy"] if pol == "stored" else pol, m,
-                          load_projections(a.proj, m, ranks)))
+                          load_projections(proj, m, ranks)))
     return pairs
 
 
@@ -176,13 +178,19 @@ class Tally:
         return out
 
 
-def measure(a, model, seqs, pairs):
+def measure(model, seqs, pairs, fold=False, score_errors=False):
+    """Scores every (policy, method, Projections) pair on the windows seqs
+    (int64 [n, T]) against the full model, which runs once per window.
+    fold: fold B_v into o_proj; score_errors: also measure err_kq and
+    err_out in the model (one more pass per pair).  Returns (full, [result
+    per pair]) as the report holds them.  Not collective; leaves the model
+    with its full attention."""
     import torch
     from transformers import DynamicCache
     from .attention import cache_bytes, compress, probe_errors
     from .progress import Progress
     full, tallies = Tally(), [Tally() for _ in pairs]
-    bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + a.score_errors)), "passes")
+    bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + score_errors)), "passes")
     compress(model, None)
     dev = next(model.parameters()).device
     with torch.no_grad():
@@ -196,12 +204,12 @@ def measure(a, model, seqs, pairs):
             full.cache_bytes = max(full.cache_bytes, cache_bytes(out.past_key_values))
             bar.advance()
             for (pol, m, proj), t in zip(pairs, tallies):
-                compress(model, proj, fold=a.fold)
+                compress(model, proj, fold=fold)
                 out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
                 t.add(torch.log_softmax(out.logits[0, :-1].double(), dim=-1), targets, ref)
                 t.cache_bytes = max(t.cache_bytes, cache_bytes(out.past_key_values))
                 bar.advance()
-                if a.score_errors:
+                if score_errors:
                     compress(model, proj, probe=True)
                     model(input_ids=ids, use_cache=False)
                     t.add_probe(probe_errors(model))
@@ -269,13 +277,13 @@ def run(a):
     t0 = time.time()
     psizes = file_sizes(a.proj, a.methods)
     dtype = getattr(torch, a.dtype)
-    models.check_device(a.device)
+    models.check_device(a.device, flags=True)
     model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the quality command needs a causal decoder "
                          f"({', '.join(models.DECODERS)}), not '{info.model_type}'")
     check_sizes(psizes, a.proj, info.sizes(), a.model)
-    models.check_positions(info, model.config, a.seq_len)
+    models.check_positions(info, model.config, a.seq_len, flags=True)
 
     def quality(pol):
         nonlocal cal
@@ -286,7 +294,7 @@ def run(a):
             tuned = any(p.startswith(TUNED) for p in a.policies)
             cal = models.token_windows(tok, a.text, a.seq_len,
                                        a.calib_seqs + tuned * a.check_seqs, "train",
-                                       bos=not a.no_bos)[0]
+                                       bos=not a.no_bos, flags=True)[0]
         if frac not in fitted:
             got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
                            rounds=a.rounds, log=log)
@@ -305,13 +313,13 @@ def run(a):
 
     log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
     saved, fitted, cal = {}, {}, None
-    pairs = resolve_policies(a, info.num_layers, quality)
+    pairs = resolve_policies(a.proj, a.policies, a.methods, info.num_layers, quality)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
-                                                  bos=not a.no_bos)
+                                                  bos=not a.no_bos, flags=True)
     print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
           f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
           f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
-    full, results = measure(a, model, seqs, pairs)
+    full, results = measure(model, seqs, pairs, a.fold, a.score_errors)
     report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
               "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
               "seq_len": a.seq_len, "num_seqs": a.num_seqs, "bos": bos,

@@ -17,7 +17,7 @@ the closed form, included: the result is never worse than the untuned
 projections on the check windows)."""
 import copy
 
-from .allocate import _weights_frozen, full_logprobs, kl_to_full
+from .kl import TUNED, full_logprobs, kl_to_full, weights_frozen
 from .errors import KqsvdError, UsageError
 
 
@@ -83,7 +83,7 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     t = _Trainable(model, proj)
     opt = torch.optim.Adam(t.leaves(), lr=lr)
     try:
-        with _weights_frozen(model):
+        with weights_frozen(model):
             kl0 = kl_to_full(model, check, ref_check, before=t.install)
             if not math.isfinite(kl0):
                 raise KqsvdError(f"tune {proj.method}: the KL of the closed form on the check "
@@ -144,7 +144,6 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
     as the policy quality-tuned:F (kqsvd.projections.save_ranks).  Returns
     out.  Not collective.  out is checked as save_ranks checks it (force to
     replace a file) before any training."""
-    from .allocate import TUNED
     from .files import check_outputs
     from .projections import load_projections, save_ranks
     check_outputs([("out", out)], [("proj_path", proj_path)], force)

@@ -1,0 +1,75 @@
+"""What the quality tools share (kqsvd.allocate, kqsvd.tune, kqsvd.quality):
+the names of the model-fitted rank policies, and the KL of a compressed
+model to the full one on token windows, with gradients where asked.
+Numpy and torch only; no command line."""
+import contextlib
+
+from .errors import UsageError
+
+PREFIX = "quality-budget:"
+TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.tune)
+
+
+def parse_policy(policy):
+    """The fraction F of 'quality-budget:F' or 'quality-tuned:F', or None
+    for another policy.  Raises UsageError for F outside (0, 1]."""
+    prefix = next((p for p in (PREFIX, TUNED) if policy.startswith(p)), None)
+    if prefix is None:
+        return None
+    try:
+        f = float(policy[len(prefix):])
+    except ValueError:
+        f = float("nan")
+    if not 0.0 < f <= 1.0:
+        raise UsageError(f"rank policy {policy}: the fraction must be in (0, 1]")
+    return f
+
+
+@contextlib.contextmanager
+def weights_frozen(model):
+    """Gradients for activations and gates only: the weights' would double
+    the backward pass's work for nothing."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def logprobs(model, ids):
+    """float64 next-token log-probabilities of every position but the last."""
+    import torch
+    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+
+
+def full_logprobs(model, seqs, batch=4):
+    """The model's log-probabilities per batch of windows, the reference of
+    kl_to_full."""
+    import torch
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return [logprobs(model, torch.from_numpy(seqs[i:i + batch]).to(device))
+                for i in range(0, len(seqs), batch)]
+
+
+def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
+    """Mean KL(full || model) per predicted token over the windows.  grad:
+    back-propagate each batch's KL; before: called before each batch."""
+    import torch
+    kl, n = 0.0, 0
+    device = next(model.parameters()).device
+    with torch.set_grad_enabled(grad):
+        for i in range(0, len(seqs), batch):
+            if before:
+                before()
+            ref = full_logp[i // batch]
+            part = (ref.exp() * (ref - logprobs(model, torch.from_numpy(seqs[i:i + batch])
+                                                 .to(device)))).sum()
+            if grad:
+                part.backward()
+            kl += float(part)
+            n += ref.shape[0] * ref.shape[1]
+    return kl / max(n, 1)
