@@ -73,10 +73,10 @@ def export(args):
     weights = args.weights_dtype or ("f64" if args.dtype == "f64" else "own")
     model, tok, info = models.load(args.model, lm_head=False, device=args.device,
                                    weights=weights, device_map=args.device_map)
-    models.check_positions(info, model.config, args.seq_len)
+    models.check_positions(info, model.config, args.seq_len, flags=True)
     rope = rope_of(info.model_type, args.keys)
     seqs, ntok, start, bos = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
-                                                  args.split, bos=not args.no_bos)
+                                                  args.split, bos=not args.no_bos, flags=True)
     req = request(args, models.resolve(args.model), info.weights, bos, rope)
     job = Exporter(model, info, args, req, seqs, start, bos)
     done, complete = survey(args.out, req, job.nshards)
@@ -147,7 +147,7 @@ def parse(argv):
     if args.device_map and args.device != "cpu":
         raise UsageError("--device-map places the model itself; give no --device with it")
     check_folder_output("--out", args.out, [("--text", args.text), ("--model", args.model)])
-    models.check_device(args.device)
+    models.check_device(args.device, flags=True)
     return args
 
 

@@ -210,13 +210,13 @@ def run(args):
             if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
                     os.path.realpath(args.checkpoint) + os.sep):
                 raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}")
-        models.check_device(args.device)
+        models.check_device(args.device, flags=True)
         dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
         model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
-        models.check_positions(info, model.config, args.seq_len)
+        models.check_positions(info, model.config, args.seq_len, flags=True)
         rope = rope_of(info.model_type, args.keys)
         seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
-                                                "train", bos=not args.no_bos)
+                                                "train", bos=not args.no_bos, flags=True)
         def new_cal():
             return Calibrator(info.num_layers, info.num_kv_heads,
                               info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,

@@ -152,23 +152,30 @@ WEIGHT_TYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "
 TYPE_KEYS = {v: k for k, v in WEIGHT_TYPES.items()}
 
 
-def check_device(device):
+def _name(option, flags):
+    """How an error names an argument: its command-line flag for the
+    commands (flags=True), its Python name for library calls."""
+    return f"--{option.replace('_', '-')}" if flags else option
+
+
+def check_device(device, flags=False):
     """Refuses a device other than the CPU and CUDA ones, and CUDA where this
     PyTorch cannot reach one, with one message.  Raises UsageError."""
     import re
     import torch
     from .errors import UsageError
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device or ""):
-        raise UsageError(f"--device {device} is not supported (supported: {DEVICES})")
+        raise UsageError(f"{_name('device', flags)} {device} is not supported (supported: "
+                         f"{DEVICES})")
     if device.startswith("cuda"):
         if not torch.backends.cuda.is_built():
-            raise UsageError(f"--device {device}: this PyTorch ({torch.__version__}) is built "
+            raise UsageError(f"{_name('device', flags)} {device}: this PyTorch ({torch.__version__}) is built "
                              "without CUDA, as Debian's python3-torch is; install a CUDA build "
                              "into .venv first (see the README)")
         n = torch.cuda.device_count()
         index = int(device[5:]) if ":" in device else 0
         if index >= n:
-            raise UsageError(f"--device {device}: PyTorch sees {n} CUDA device{'s' * (n != 1)}")
+            raise UsageError(f"{_name('device', flags)} {device}: PyTorch sees {n} CUDA device{'s' * (n != 1)}")
 
 
 def weights_dtype(path, cfg, asked, device):
@@ -207,8 +214,11 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     of `device`.  lm_head: for decoders, the causal LM (logits); False
     gives the bare decoder (hidden states, as the exporter wants).
     Returns (model, tokenizer, ModelInfo); info.weights is the WEIGHT_TYPES
-    key the model runs in.  Raises KqsvdError."""
+    key the model runs in.  Raises KqsvdError (for a transformers outside
+    the supported range too: kqsvd.compat)."""
     import torch
+    from .compat import check_transformers
+    check_transformers()
     path = resolve(name)
     if os.path.isfile(path):
         from . import gguf_loader
@@ -255,17 +265,18 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     return model, tok, info
 
 
-def check_positions(info, cfg, seq_len):
+def check_positions(info, cfg, seq_len, flags=False):
     """Refuses sequences the model cannot attend over as the contract's plain
     causal mask says (past max_position_embeddings or a sliding window)."""
     maxpos = getattr(cfg, "max_position_embeddings", None)
     if maxpos and seq_len > maxpos:
-        raise UsageError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings = {maxpos}")
+        raise UsageError(f"{_name('seq_len', flags)} {seq_len} exceeds the model's "
+                         f"max_position_embeddings = {maxpos}")
     window = getattr(cfg, "sliding_window", None)
     if info.causal and window and getattr(cfg, "use_sliding_window", True) and seq_len > window:
-        raise UsageError(f"--seq-len {seq_len} exceeds the model's sliding_window = {window}, which "
-                         f"the data contract's causal mask does not describe; use --seq-len {window} "
-                         "or less")
+        raise UsageError(f"{_name('seq_len', flags)} {seq_len} exceeds the model's sliding_window = "
+                         f"{window}, which the data contract's causal mask does not describe; use "
+                         f"{_name('seq_len', flags)} {window} or less")
 
 
 def adds_bos(tok):
@@ -279,7 +290,7 @@ def adds_bos(tok):
     return len(ids) > 0 and ids[0] == bos
 
 
-def token_windows(tok, text_path, seq_len, num_seqs, split, bos=True):
+def token_windows(tok, text_path, seq_len, num_seqs, split, bos=True, flags=False):
     """The text tokenized without special tokens, cut into num_seqs windows of
     seq_len tokens: 'train' from the start, 'validation' from the end.  With
     bos, where the tokenizer adds a BOS token in normal use (adds_bos), each
@@ -293,12 +304,14 @@ def token_windows(tok, text_path, seq_len, num_seqs, split, bos=True):
         with open(text_path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise KqsvdError(f"--text {text_path}: cannot read as UTF-8 text ({e})") from None
+        raise KqsvdError(f"{_name('text', flags)} {text_path}: cannot read as UTF-8 text ({e})") \
+            from None
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     lead = int(bool(bos) and adds_bos(tok))
     if lead and seq_len < 2:
-        raise UsageError(f"--seq-len {seq_len} leaves no room for text after the BOS token; "
-                         "use --seq-len 2 or more, or --no-bos")
+        raise UsageError(f"{_name('seq_len', flags)} {seq_len} leaves no room for text after the "
+                         f"BOS token; use {_name('seq_len', flags)} 2 or more, or "
+                         f"{_name('no_bos', flags) if flags else 'bos=False'}")
     per = seq_len - lead
     need = per * num_seqs
     if 2 * need > len(ids):
