@@ -40,6 +40,7 @@ import sys
 
 import torch
 
+from .compat import check_transformers
 from .errors import KqsvdError, UsageError
 from .models import COMPRESSIBLE
 from .projections import Projections, check_sizes
@@ -250,6 +251,7 @@ def compress(model, proj, fold=False, probe=False):
             proj, (str, os.PathLike)) else ""
         raise UsageError(f"compress: proj must be a Projections from kqsvd.load_projections, or "
                          f"None, not {type(proj).__name__}{hint}")
+    check_transformers()
     layers = _layers(model)
     cfg = model.config
     if proj is not None:

@@ -349,5 +349,31 @@ class Hostile(unittest.TestCase):
         self.assertIn("not finite", str(e.exception))
 
 
+    def test_unsupported_transformers(self):
+        import re
+        import transformers
+        from kqsvd.compat import TRANSFORMERS, check_transformers
+        from kqsvd.models import load
+        for v in ("4.30.0", "99.0.0", "4.44.0.dev0" if TRANSFORMERS[0] > "4.44" else "1.0"):
+            with self.assertRaises(kqsvd.KqsvdError) as e:
+                check_transformers(v)
+            self.assertIn(f"transformers {v} is installed", str(e.exception))
+            self.assertIn(f">={TRANSFORMERS[0]},<{TRANSFORMERS[1]}", str(e.exception))
+        check_transformers()  # the installed one is supported
+        real = transformers.__version__
+        transformers.__version__ = "4.30.0"
+        try:
+            with self.assertRaises(kqsvd.KqsvdError):
+                load(self.model)
+            with self.assertRaises(kqsvd.KqsvdError):
+                kqsvd.compress(None, None)
+        finally:
+            transformers.__version__ = real
+        # pyproject.toml declares the same range.
+        with open(os.path.join(os.path.dirname(kqsvd.__file__), "..", "pyproject.toml")) as f:
+            declared = re.search(r'"transformers>=([0-9.]+),<([0-9.]+)"', f.read())
+        self.assertEqual(declared.groups(), TRANSFORMERS)
+
+
 if __name__ == "__main__":
     unittest.main()
