@@ -397,7 +397,7 @@ def parse(argv):
     if not os.path.isfile(a.text):  # before the model loads
         raise KqsvdError(f"--text {a.text}: no such file")
     check_outputs([("--out", a.out)], [("--proj", a.proj), ("--text", a.text),
-                                       ("--model", a.model)], a.force)
+                                       ("--model", models.resolve(a.model))], a.force)
     return a
 
 

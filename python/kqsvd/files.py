@@ -19,6 +19,16 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
+def _files_in(folder, most=10000):
+    """The files below folder (links followed), at most `most` of them."""
+    out = []
+    for root, _dirs, files in os.walk(folder, followlinks=True):
+        out += [os.path.join(root, f) for f in files]
+        if len(out) >= most:
+            break
+    return out[:most]
+
+
 def check_outputs(outputs, inputs=(), force=False):
     """Checks every output of a run before the run does any work.
 
@@ -26,8 +36,9 @@ def check_outputs(outputs, inputs=(), force=False):
     named the path (an option such as "--json", or "the plot"); paths that
     are None are skipped.  An output is refused (UsageError, one line naming
     it) when it is a folder, a device, a FIFO or a socket; when it is any
-    input of the run, compared by device and inode (so another path, a
-    symbolic or a hard link to an input is caught); when two outputs are
+    input of the run or a file inside an input folder, compared by device
+    and inode (so another path, a symbolic or a hard link to an input is
+    caught); when two outputs are
     one file; when it exists and `force` is false; and when its folder does
     not exist or a file cannot be created there (tried, not guessed from
     permission bits: root passes those, and /proc refuses anyway).
@@ -35,9 +46,13 @@ def check_outputs(outputs, inputs=(), force=False):
     collective: under MPI, rank 0 calls it and shares the verdict."""
     seen_in = {}
     for label, path in inputs:
-        ident = _identity(path) if path is not None else None
-        if ident is not None:
-            seen_in.setdefault(ident, (label, path))
+        if path is None:
+            continue
+        # A folder (a model's) is its files: replacing one of them replaces an input.
+        for p in [path] + (_files_in(path) if os.path.isdir(path) else []):
+            ident = _identity(p)
+            if ident is not None:
+                seen_in.setdefault(ident, (label, p))
     seen_out = {}
     for label, path in outputs:
         if path is None:

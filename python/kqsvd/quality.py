@@ -36,6 +36,7 @@ PROG = "python -m kqsvd.quality"
 
 def parse(argv):
     from .cli import ArgumentParser, count, positive
+    from .models import resolve
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="The JSON report is described in docs/formats.md, section 8.")
@@ -107,7 +108,7 @@ def parse(argv):
         raise KqsvdError(f"--text {a.text}: no such file")
     check_outputs([("--json", a.json), ("--plot", a.plot)] +
                   [(f"the {pol} file", path) for pol, path in a.fitted.items()],
-                  [("--proj", a.proj), ("--text", a.text), ("--model", a.model)], a.force)
+                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
 
 

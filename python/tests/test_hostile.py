@@ -107,6 +107,8 @@ class Hostile(unittest.TestCase):
         os.symlink(self.text, sym)
         self.refused(quality.main, self.quality(sym, "--force"), 2, "--text", leaves=["sym.json"])
         self.refused(allocate.main, self.allocate(self.proj, "--force"), 2, "--out", "--proj")
+        weights = os.path.join(self.model, "config.json")  # a file of the --model folder
+        self.refused(quality.main, self.quality(weights, "--force"), 2, "--json", "--model")
         self.refused(calibrate_hf.main, self.calib(self.text, "--force"), 2, "--out", "--text")
 
     def test_outputs_that_are_not_files(self):
