@@ -294,7 +294,7 @@ def model_lines(wd, env, job, stub):
         want = ["-m", "kqsvd.quality", *model, "--text", f"{real}/hf/{text}", "--split",
                 "validation", "--seq-len", "64" if task == "0" else "32", "--num-seqs", seqs,
                 "--proj", f"{real}/out/{name}.h5", "--ranks", policy, "--json",
-                f"{real}/out/{name}.quality.json"]
+                f"{real}/out/{name}.quality.json", "--force"]
         check(rc == 0 and got == want and not os.path.exists(os.path.join(wd, "launch.args")),
               f"evaluate.sbatch, hf: line {task}: {rc} {out}\n{got}\nvs {want}")
     rc, _ = run_job(dict(job, KQSVD_HF_PYTHON=os.path.join(wd, "no-python")), "calibrate.sbatch")
