@@ -55,15 +55,15 @@ for row in seqs:
 print(f"loop {{time.time() - t0:.3f}}")
 """
 
-# Forward and in-situ passes alternating in one process (kqsvd.insitu, as
+# Forward and in-situ passes alternating in one process (kqsvd.calibration.insitu, as
 # calibrate_hf folds): a line "pair F I" (seconds) per sequence and pass;
 # then the fold alone of one window's activations, "fold S".
 PAIRS = """
 import sys, time, torch
 sys.path.insert(0, {python!r})
 from kqsvd import models
-from kqsvd.binding import Calibrator
-from kqsvd.insitu import fold_heads, fold_sequences
+from kqsvd.calibration.binding import Calibrator
+from kqsvd.calibration.insitu import fold_heads, fold_sequences
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
 seqs, _, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")
 cal = Calibrator(info.num_layers, info.num_kv_heads, info.num_heads // info.num_kv_heads,
@@ -83,7 +83,7 @@ for rep in range({repeat}):
 # The fold alone, on the activations of the first window (what the pairs'
 # difference should be, without the model).
 acts = []
-from kqsvd.capture import Capture
+from kqsvd.calibration.capture import Capture
 cap = Capture(model, info.model_type, model.config, lambda l, k, t: acts.append((l, k, t[0].clone())))
 with torch.no_grad():
     model(input_ids=torch.from_numpy(seqs[0][None]), use_cache=False)

@@ -20,7 +20,7 @@ without weights must reproduce proj.h5 (checked, 1e-9).
 --tune N then trains the weighted fit's up-projections (B of the keys
 and B_v of the values) for N Adam steps on the KL to the full model over
 the calibration windows, with A and A_v fixed, as the tool's
-quality-tuned:F does (kqsvd.tune, the step kept chosen on the 4 windows
+quality-tuned:F does (kqsvd.quality.tune, the step kept chosen on the 4 windows
 after the calibration ones): the cache holds the same columns, only how
 they are read back changes.
 
@@ -63,7 +63,7 @@ def grams(train, weights, L, H, g):
     """Gram matrices of the weighted key and value rows and of the
     group's stacked queries, [L, H, d, d] each, over the shards in order."""
     import h5py
-    from kqsvd import h5io
+    from kqsvd.formats import h5io
     CK = CQ = CV = None
     off = 0
     for path in sorted(glob.glob(os.path.join(train, "shard-*.h5"))):
@@ -103,7 +103,7 @@ def refit(work, weights, out, L, H, g):
     Returns the largest relative difference of the rank-16 maps from
     proj.h5's (the unweighted refit's check)."""
     import h5py
-    from kqsvd import h5io
+    from kqsvd.formats import h5io
     CK, CQ, CV = grams(os.path.join(work, "train"), weights, L, H, g)
     with h5py.File(os.path.join(work, "train", "model.h5")) as f:
         O = h5io.decode(f["o_proj"][...], h5io.is_bf16(f["o_proj"])).astype(np.float64)
@@ -130,7 +130,7 @@ def refit(work, weights, out, L, H, g):
 def held_out(model, proj, ranks, seqs, ref):
     """Perplexity, KL to the full model and top-1 agreement on seqs."""
     from kqsvd.attention import compress
-    from kqsvd.projections import load_projections
+    from kqsvd.formats.projections import load_projections
     compress(model, load_projections(proj, "kqsvd", ranks))
     got = score(model, seqs, ref)
     compress(model, None)
@@ -141,8 +141,8 @@ def score(model, seqs, ref):
     """held_out's measures of the model as it is now (the quality command's
     sums), ref: full_logprobs of seqs."""
     import torch
-    from kqsvd.kl import logprobs
-    from kqsvd.quality import Tally
+    from kqsvd.quality.kl import logprobs
+    from kqsvd.quality.measure import Tally
     t = Tally()
     with torch.no_grad():
         for i in range(0, len(seqs), 4):
@@ -153,12 +153,12 @@ def score(model, seqs, ref):
 
 
 def tune_up(model, proj, ranks, cal, check, steps, lr, ev, ref):
-    """The tool's quality-tuned:F on the weighted fit (kqsvd.tune): B and
+    """The tool's quality-tuned:F on the weighted fit (kqsvd.quality.tune): B and
     B_v trained on the calibration KL, A and A_v fixed, the step kept
     chosen on the check windows; returns score() on ev after."""
     from kqsvd.attention import compress
-    from kqsvd.projections import load_projections
-    from kqsvd.tune import tune
+    from kqsvd.formats.projections import load_projections
+    from kqsvd.quality.tune import tune
     tuned, info = tune(model, load_projections(proj, "kqsvd", ranks), cal, check, steps, lr,
                        log=lambda s: print(f"weighted_fit: tuning {s}", file=sys.stderr, flush=True))
     print(f"weighted_fit: kept step {info['step']} of {steps}", file=sys.stderr)
@@ -183,8 +183,8 @@ def main():
         ap.error("--calib-seqs: 1 to 24 of the demo's windows, and 4 left to check --tune")
     import torch
     from kqsvd import models
-    from kqsvd.allocate import allocate
-    from kqsvd.kl import full_logprobs
+    from kqsvd.quality.allocate import allocate
+    from kqsvd.quality.kl import full_logprobs
     t0 = time.time()
     model, tok, info = models.load(MODEL, dtype=torch.float32)
     L, H = info.num_layers, info.num_kv_heads

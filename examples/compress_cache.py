@@ -102,7 +102,7 @@ def check_inputs(proj, shard, layer):
 
 
 def cache(ds):  # float64, bf16 bit patterns decoded (kqsvd.read_dataset)
-    from kqsvd.h5io import read
+    from kqsvd.formats.h5io import read
     return torch.from_numpy(read(ds))
 
 

@@ -58,8 +58,8 @@ try:
     import tqdm  # noqa: F401 - the progress bar
     import transformers  # noqa: F401 - checked here, used through its Auto classes
     from kqsvd import models
-    from kqsvd.cache_export import Exporter, request, survey
-    from kqsvd.capture import KEYS, rope_of
+    from kqsvd.calibration.cache_export import Exporter, request, survey
+    from kqsvd.calibration.capture import KEYS, rope_of
     from kqsvd.errors import KqsvdError, UsageError
 except ImportError as e:
     print(f"export_hf: error: {e.name} is missing; scripts/hf-env.sh prepares .venv with "
@@ -104,7 +104,7 @@ def export(args):
 
 
 def main(argv=None):
-    from kqsvd.cli import run_command
+    from kqsvd.commands.cli import run_command
     raise SystemExit(run_command("export_hf", lambda: run(parse(argv))))
 
 
@@ -116,8 +116,8 @@ def run(args):
 
 
 def parse(argv):
-    from kqsvd.cli import ArgumentParser, count
-    from kqsvd.files import check_folder_output
+    from kqsvd.commands.cli import ArgumentParser, count
+    from kqsvd.formats.files import check_folder_output
     ap = ArgumentParser(prog="examples/export_hf.py", description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local folder, GGUF file or id (offline)")

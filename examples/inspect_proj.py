@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..
 try:
     import h5py
     import numpy as np
-    from kqsvd.h5io import read as f64
+    from kqsvd.formats.h5io import read as f64
 except ImportError as e:
     rerun_elsewhere(__file__)
     raise SystemExit(f"inspect_proj.py: needs numpy and h5py ({e}); Debian: apt-get install "

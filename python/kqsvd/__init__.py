@@ -9,7 +9,7 @@
 numpy and h5py suffice for load_projections; compress and
 export_safetensors need torch (and transformers' models)."""
 from .errors import KqsvdError, UsageError
-from .projections import METHODS, Projections, load_projections, policy_ranks, save_ranks
+from .formats.projections import METHODS, Projections, load_projections, policy_ranks, save_ranks
 
 __version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
@@ -22,9 +22,9 @@ def __getattr__(name):  # torch-dependent parts load on first use
         from . import attention
         return getattr(attention, name)
     if name == "export_safetensors":
-        from .export import export_safetensors
+        from .attention.export import export_safetensors
         return export_safetensors
     if name == "read_dataset":
-        from .h5io import read
+        from .formats.h5io import read
         return read
     raise AttributeError(name)

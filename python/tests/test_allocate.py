@@ -24,7 +24,7 @@ import torch
 from common import TEXT, Calibrated
 
 import kqsvd
-from kqsvd import allocate as al
+from kqsvd.quality import allocate as al
 from kqsvd import models
 from kqsvd.errors import UsageError
 

@@ -1,4 +1,4 @@
-"""Tests for kqsvd.gguf_loader.
+"""Tests for kqsvd.models.gguf_loader.
 
 Run:  cd /work/main && .venv/bin/python -m unittest discover -s python/tests -p 'test_gguf.py' -v
 
@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from kqsvd.gguf_loader import GGUFError, is_gguf, load_gguf  # noqa: E402
+from kqsvd.models.gguf_loader import GGUFError, is_gguf, load_gguf  # noqa: E402
 
 TEXT_PATH = os.path.join(ROOT, "examples", "data", "us-founding-documents.txt")
 with open(TEXT_PATH, encoding="utf-8") as _f:

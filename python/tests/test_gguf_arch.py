@@ -1,4 +1,4 @@
-"""Tests for kqsvd.gguf_loader on architectures beyond plain Llama.
+"""Tests for kqsvd.models.gguf_loader on architectures beyond plain Llama.
 
 Run:  cd /work/main && .venv/bin/python python/tests/run.py test_gguf_arch
 
@@ -31,7 +31,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaForCausalLM, Mistr
 from test_gguf import (TEXT, Base, base_meta, llama_cpp_permute, log, logits, max_rel_diff,  # noqa: E402
                        roundtrip, train_tokenizer, write_raw)
 from kqsvd.errors import KqsvdError  # noqa: E402
-from kqsvd.gguf_loader import GGUFError, load_gguf  # noqa: E402
+from kqsvd.models.gguf_loader import GGUFError, load_gguf  # noqa: E402
 
 GGUF_ARCH = {"mistral": "llama", "mixtral": "llama", "gemma": "gemma", "phi3": "phi3",
              "starcoder2": "starcoder2"}

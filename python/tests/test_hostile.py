@@ -21,7 +21,7 @@ import numpy as np
 from common import EXPORT, MPIENV, TEXT, run, tiny_decoder, workdir
 
 import kqsvd
-from kqsvd import allocate, calibrate_hf, quality
+from kqsvd.commands import allocate, calibrate_hf, quality
 
 
 def digest(path):
@@ -334,7 +334,7 @@ class Hostile(unittest.TestCase):
 
     def test_library_tune(self):
         from kqsvd.models import load
-        from kqsvd.tune import tune
+        from kqsvd.quality.tune import tune
         model, _, _ = load(self.model)
         proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
         fit = np.arange(2, 34, dtype=np.int64).reshape(2, 16)

@@ -221,8 +221,8 @@ class PreRope(unittest.TestCase):
 
     def test_quality_budget_on_pre_rope_keys(self):
         """The allocation's costs come from the keys the projections act on."""
-        from kqsvd import allocate as al
-        from kqsvd import capture
+        from kqsvd.quality import allocate as al
+        from kqsvd.calibration import capture
         ropes, original = [], capture.Capture
 
         def spy(*a, **kw):
@@ -246,7 +246,7 @@ class PreRope(unittest.TestCase):
         form and with up-projections tuned (which then train B^T, the
         matrix bringing cached keys back)."""
         from test_attention import reference_nll
-        from kqsvd.tune import tune
+        from kqsvd.quality.tune import tune
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
         rng = np.random.default_rng(11)
         rk, rv = rng.integers(2, d, (L, H)), rng.integers(2, d, (L, H))

@@ -1,4 +1,4 @@
-"""Up-projections trained on the model's loss (kqsvd.tune, quality-tuned:F).
+"""Up-projections trained on the model's loss (kqsvd.quality.tune, quality-tuned:F).
 
 On a tiny GQA Llama, at per-head and at per-layer ranks:
 - only B and B_v change, and only their columns up to each head's rank:
@@ -28,11 +28,11 @@ from common import KQSVD, TEXT, Calibrated
 from test_attention import reference_nll
 
 import kqsvd
-from kqsvd import allocate as al
+from kqsvd.quality import allocate as al
 from kqsvd import models
 from kqsvd.attention import cache_bytes
 from kqsvd.errors import KqsvdError, UsageError
-from kqsvd.tune import tune, tuned_file
+from kqsvd.quality.tune import tune, tuned_file
 
 
 def nll(model, seqs):

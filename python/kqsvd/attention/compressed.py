@@ -40,10 +40,10 @@ import sys
 
 import torch
 
-from .compat import check_transformers
-from .errors import KqsvdError, UsageError
-from .models import COMPRESSIBLE
-from .projections import Projections, check_sizes
+from ..compat import check_transformers
+from ..errors import KqsvdError, UsageError
+from ..models import COMPRESSIBLE
+from ..formats.projections import Projections, check_sizes
 
 
 

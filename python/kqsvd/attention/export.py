@@ -4,9 +4,9 @@ import os
 
 import numpy as np
 
-from .errors import UsageError
-from .files import check_outputs, write_atomic
-from .projections import Projections, load_projections
+from ..errors import UsageError
+from ..formats.files import check_outputs, write_atomic
+from ..formats.projections import Projections, load_projections
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
 
@@ -27,7 +27,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     folded weights (see attention.fold_o_proj).  The metadata holds the
     method, the policy, the ranks (per layer, and per layer and KV head:
     a head's columns past its own rank are zero), whether B and B_v are
-    tuned (kqsvd.tune) and the model's sizes (JSON strings).
+    tuned (kqsvd.quality.tune) and the model's sizes (JSON strings).
     path is checked before any work: not the projections file itself (by
     device and inode), not a folder or a device, in a folder that exists
     and takes a new file; an existing file is replaced only with force.
@@ -36,7 +36,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     a bad file."""
     import torch
     from safetensors.torch import save_file
-    from .attention import fold_o_proj
+    from .compressed import fold_o_proj
     if dtype not in DTYPES:
         raise UsageError(f"export_safetensors: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     if not isinstance(proj, (Projections, str, os.PathLike)):

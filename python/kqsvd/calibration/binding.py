@@ -25,7 +25,8 @@ import ctypes.util
 import os
 import shutil
 
-from .errors import KqsvdError, UsageError
+from ..compat import checkout_build
+from ..errors import KqsvdError, UsageError
 
 TENSORS = {"keys": 0, "values": 1, "queries": 2}
 METHODS = ("kqsvd", "ksvd", "eigen")
@@ -60,8 +61,7 @@ def _candidates():
     if env:
         yield env
         return
-    here = os.path.dirname(os.path.realpath(__file__))
-    yield os.path.join(here, "..", "..", "build", "libkqsvd.so")
+    yield os.path.join(checkout_build(), "libkqsvd.so")
     exe = shutil.which("kqsvd")
     if exe:
         prefix = os.path.dirname(os.path.dirname(os.path.realpath(exe)))

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from .capture import Capture, attention_out_proj
-from .errors import KqsvdError
+from ..errors import KqsvdError
 
 # The request's fields in the order they are compared, with the option that
 # sets each (named when a folder holds another request's export).

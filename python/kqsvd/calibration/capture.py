@@ -6,8 +6,8 @@ them as cache shards) and python -m kqsvd.calibrate_hf (which folds them
 into R factors at once)."""
 import sys
 
-from .errors import UsageError
-from .models import ENCODERS, head_dim
+from ..errors import UsageError
+from ..models import ENCODERS, head_dim
 
 # Where queries and keys are taken in a RoPE decoder: the option's values
 # (--keys) and the `rope` attribute each writes (docs/formats.md 5.6).

@@ -26,7 +26,7 @@ def fold_heads(cal, group, layer, kind, t):
 def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"):
     """Runs the model over each row of seqs ([n, T] token ids) and folds
     every layer's queries and keys (after RoPE, or before it for rope
-    "pre": kqsvd.capture.Capture) and its values into cal as the attention
+    "pre": kqsvd.calibration.capture.Capture) and its values into cal as the attention
     produces them: cal is a Calibrator (the C fold), or a TorchFold (on the
     model's device).  on_sequence(i) after each sequence."""
     import torch
@@ -77,7 +77,7 @@ class TorchFold:
         rows = t.reshape(hkv, -1, d).to(torch.float64)  # a group's query heads stacked
         if not bool(torch.isfinite(rows).all()):
             bad = (~torch.isfinite(rows)).nonzero()[0].tolist()
-            from .errors import KqsvdError
+            from ..errors import KqsvdError
             raise KqsvdError(f"{self.NAMES[k]}: NaN or Inf at layer {layer}, KV head {bad[0]}, "
                              f"row {bad[1]} of the head's rows")
         self.R[k, layer] = torch.linalg.qr(torch.cat([self.R[k, layer], rows], dim=1), mode="r")[1]

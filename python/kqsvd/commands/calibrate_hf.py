@@ -1,7 +1,7 @@
 """python -m kqsvd.calibrate_hf: projections straight from a model, with no
 caches on disk.  The model runs over the calibration sequences; the
 post-RoPE queries and keys (or, with --keys pre-rope, those before RoPE)
-and the values of every layer (kqsvd.capture, the exporter's capture code)
+and the values of every layer (kqsvd.calibration.capture, the exporter's capture code)
 are folded into the C library's accumulator (kqsvd.Calibrator) as they are
 produced; W^O comes from the weights.  The result equals
 `examples/export_hf.py --dtype f32 --weights-dtype f32` (with the same
@@ -20,9 +20,9 @@ import signal
 import sys
 import time
 
-from .capture import KEYS
-from .errors import KqsvdError, UsageError
-from .files import check_outputs
+from ..calibration.capture import KEYS
+from ..errors import KqsvdError, UsageError
+from ..formats.files import check_outputs
 
 HELP = __doc__.split("\n\n")[0] + """
 
@@ -94,7 +94,7 @@ def inputs_hash(args, model_path):
     that changes a number), stored as its `inputs_hash`: --skip-done skips
     an output whose hash matches.  The rank count is left out: 1 and N ranks
     agree to round-off."""
-    from . import __version__
+    from .. import __version__
     return hashlib.sha256(json.dumps(
         [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
          args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,
@@ -154,7 +154,7 @@ class Checkpoint:
         return done
 
     def save(self, cal, done):
-        from .files import write_atomic
+        from ..formats.files import write_atomic
         state = f"{self.stem}-{done:06d}.h5"
         path = os.path.join(self.folder, state)
         if os.path.exists(path):
@@ -176,11 +176,11 @@ class Checkpoint:
 
 def run(args):
     import torch
-    from . import models
-    from .binding import Calibrator, check_policy
-    from .capture import attention_out_proj, rope_of
-    from .insitu import TorchFold, fold_sequences
-    from .progress import Progress
+    from .. import models
+    from ..calibration.binding import Calibrator, check_policy
+    from ..calibration.capture import attention_out_proj, rope_of
+    from ..calibration.insitu import TorchFold, fold_sequences
+    from ..progress import Progress
     comm = world()
     rank, size = (comm.Get_rank(), comm.Get_size()) if comm else (0, 1)
     err, stop = None, {"signal": None}

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 
 class ArgumentParser(argparse.ArgumentParser):

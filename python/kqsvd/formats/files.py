@@ -6,7 +6,7 @@ import os
 import stat
 import tempfile
 
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 
 def _identity(path):

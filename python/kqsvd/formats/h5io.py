@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from .errors import KqsvdError
+from ..errors import KqsvdError
 
 SIZE_ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 

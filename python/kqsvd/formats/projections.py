@@ -15,12 +15,12 @@ from typing import List
 import numpy as np
 
 from . import h5io
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 METHODS = ("kqsvd", "ksvd", "eigen")
 MATRICES = ("key_down", "query_down", "value_down", "value_up")
 # query_down_tuned, value_up_tuned: up-projections trained on the model's
-# loss at the stored ranks (kqsvd.tune; docs/formats.md section 5.3).
+# loss at the stored ranks (kqsvd.quality.tune; docs/formats.md section 5.3).
 TUNED_SUFFIX = "_tuned"
 
 
@@ -38,7 +38,7 @@ class Projections:
     file's `rope` attribute, "post" (keys after RoPE; also when the file has
     none) or "pre" (keys before RoPE, brought back as RoPE(K A B^T) before
     the scores: kqsvd.attention).  tuned: query_down and value_up are the
-    file's tuned up-projections (kqsvd.tune), not the closed forms."""
+    file's tuned up-projections (kqsvd.quality.tune), not the closed forms."""
     path: str
     method: str
     policy: str
@@ -80,8 +80,8 @@ def kqsvd_binary():
     env = os.environ.get("KQSVD_BIN")
     if env:
         return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    built = os.path.join(here, "..", "..", "build", "kqsvd")
+    from ..compat import checkout_build
+    built = os.path.join(checkout_build(), "kqsvd")
     if os.access(built, os.X_OK):
         return os.path.normpath(built)
     found = shutil.which("kqsvd")
@@ -287,7 +287,7 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
     per-head datasets with the per-layer ones their maxima, and whose
     rank_policy is `policy` (docs/formats.md section 5.3).  Methods not in
     `ranks` keep theirs.  tuned: {method: (Projections, info)} from
-    kqsvd.tune.tune at these ranks; their query_down and value_up columns
+    kqsvd.quality.tune.tune at these ranks; their query_down and value_up columns
     replace the file's, and the group records how they were trained
     (section 5.3, "Tuned up-projections").  dst must not be src (by device
     and inode), a folder or a device; an existing dst is replaced only

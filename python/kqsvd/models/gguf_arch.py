@@ -1,4 +1,4 @@
-"""Per-architecture knowledge behind :mod:`kqsvd.gguf_loader`.
+"""Per-architecture knowledge behind :mod:`kqsvd.models.gguf_loader`.
 
 For every llama.cpp ``general.architecture`` the loader accepts, this module
 knows which ``{arch}.*`` metadata fields and which tensors llama.cpp's
@@ -27,7 +27,7 @@ import re
 
 import numpy as np
 
-from .errors import KqsvdError
+from ..errors import KqsvdError
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma", "phi3", "starcoder2")
 

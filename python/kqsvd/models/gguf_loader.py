@@ -14,7 +14,7 @@ This module turns such a file into
   - ``phi3`` (Phi-3 / Phi-3.5 mini, LongRoPE included) -> ``Phi3ForCausalLM``;
   - ``starcoder2`` -> ``Starcoder2ForCausalLM``;
 
-  (the per-architecture tables live in :mod:`kqsvd.gguf_arch`), and
+  (the per-architecture tables live in :mod:`kqsvd.models.gguf_arch`), and
 * a ``transformers.PreTrainedTokenizerFast`` built with the ``tokenizers``
   library from the file's own ``tokenizer.ggml.*`` fields,
 

@@ -6,7 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "phi3", "gemma", "starcoder2")
 ENCODERS = ("bert",)
@@ -163,7 +163,7 @@ def check_device(device, flags=False):
     PyTorch cannot reach one, with one message.  Raises UsageError."""
     import re
     import torch
-    from .errors import UsageError
+    from ..errors import UsageError
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device or ""):
         raise UsageError(f"{_name('device', flags)} {device} is not supported (supported: "
                          f"{DEVICES})")
@@ -185,7 +185,7 @@ def weights_dtype(path, cfg, asked, device):
     float16 checkpoint runs in float32 there and --weights-dtype f16 is
     refused.  Returns (dtype, key)."""
     import torch
-    from .errors import UsageError
+    from ..errors import UsageError
     own = str(getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
     key = asked or TYPE_KEYS.get(own, "f32")
     if key == "f16" and not str(device).startswith("cuda"):
@@ -217,7 +217,7 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     key the model runs in.  Raises KqsvdError (for a transformers outside
     the supported range too: kqsvd.compat)."""
     import torch
-    from .compat import check_transformers
+    from ..compat import check_transformers
     check_transformers()
     path = resolve(name)
     if os.path.isfile(path):

@@ -31,7 +31,7 @@ the measured KL falls.  So the policy is never worse than uniform ranks on
 the text it was calibrated on.
 
 With --tune STEPS the up-projections are then trained at those ranks
-(kqsvd.tune; the policy quality-tuned:F), on the same windows, the step
+(kqsvd.quality.tune; the policy quality-tuned:F), on the same windows, the step
 kept chosen on --check-seqs windows that follow them."""
 import argparse
 import os
@@ -39,13 +39,10 @@ import sys
 
 import numpy as np
 
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 from .kl import PREFIX, TUNED, full_logprobs, kl_to_full, parse_policy, weights_frozen
-from .projections import METHODS
-
-PROG = "python -m kqsvd.allocate"
-
+from ..formats.projections import METHODS
 
 def budget_ranks(fraction, units, d):
     """The whole number of rank columns a fraction of the cache buys."""
@@ -152,7 +149,7 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
     whose squared sums estimate the Fisher quadratic form (the KL's second
     order) without bias."""
     import torch
-    from .capture import Capture
+    from ..calibration.capture import Capture
     sens = Sensitivity(projs, info)
     live = []
 
@@ -224,7 +221,7 @@ class Gates:
 
     def __init__(self, model, proj_full, info):
         import torch
-        from .attention import compress
+        from ..attention import compress
         compress(model, proj_full)
         self.layers = [lay.self_attn._kqsvd for lay in model.model.layers]
         self.A = [P.A.detach().clone() for P in self.layers]
@@ -255,8 +252,8 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
     # The Fisher costs are a second-order guess made at the full model; at
     # half the cache the model is far from it, and the gates' gradients
     # measured where the allocation stands say better where a column pays.
-    from .attention import compress
-    from .projections import load_projections
+    from ..attention import compress
+    from ..formats.projections import load_projections
     d = info.head_dim
     gates = Gates(model, load_projections(proj_path, method, d), info)
     ranks = np.array(ranks, dtype=np.int64)
@@ -320,8 +317,8 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     sampled passes per batch for the Fisher costs; rounds: refinement
     rounds (see refine).  Not collective.  Raises UsageError for an
     impossible fraction, KqsvdError for a bad projections file or model."""
-    from .attention import compress
-    from .projections import load_projections
+    from ..attention import compress
+    from ..formats.projections import load_projections
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
     total = budget_ranks(fraction, 2 * L * H, d)
     full = {m: load_projections(proj_path, m, d) for m in methods}
@@ -356,51 +353,6 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     return out
 
 
-def main(argv=None):
-    from .cli import run_command
-    return run_command(PROG, lambda: _run(parse(argv)))
-
-
-def parse(argv):
-    from . import models
-    from .cli import ArgumentParser, count, fraction, positive
-    from .files import check_outputs
-    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
-    ap.add_argument("--text", required=True, help="calibration text (its train split is used)")
-    ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
-    ap.add_argument("--budget", required=True, type=fraction,
-                    help="fraction F of the full KV cache to keep, 0 < F <= 1")
-    ap.add_argument("--out", required=True, help="the projections file to write, with the ranks")
-    ap.add_argument("--force", action="store_true", help="replace an existing --out")
-    ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
-    ap.add_argument("--seq-len", type=count(2), default=256, help="tokens per window [256]")
-    ap.add_argument("--num-seqs", type=count(1), default=4, help="calibration windows [4]")
-    ap.add_argument("--no-bos", action="store_true", help="windows without the BOS token")
-    ap.add_argument("--rounds", type=count(0), default=6, help="refinement rounds [6]")
-    ap.add_argument("--tune", type=count(0), default=0, metavar="STEPS",
-                    help="also train the up-projections for STEPS Adam steps (kqsvd.tune; the "
-                    "policy becomes quality-tuned:F) [0: no]")
-    ap.add_argument("--check-seqs", type=count(0), default=4,
-                    help="--tune: windows after the calibration ones that choose the step [4]")
-    ap.add_argument("--lr", type=positive, default=3e-3, help="--tune: learning rate [3e-3]")
-    ap.add_argument("--device", default="cpu", help=f"{models.DEVICES} [cpu]")
-    a = ap.parse_args(argv)
-    if a.tune and a.check_seqs < 1:
-        raise UsageError(f"--check-seqs {a.check_seqs}: --tune {a.tune} needs 1 or more")
-    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    bad = [m for m in a.methods if m not in METHODS or a.methods.count(m) > 1]
-    if bad or not a.methods:
-        raise UsageError(f"--methods {','.join(a.methods)}: expected some of {', '.join(METHODS)}, "
-                         "each once")
-    if not os.path.isfile(a.text):  # before the model loads
-        raise KqsvdError(f"--text {a.text}: no such file")
-    check_outputs([("--out", a.out)], [("--proj", a.proj), ("--text", a.text),
-                                       ("--model", models.resolve(a.model))], a.force)
-    return a
-
-
 def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4, bos=True,
         rounds=6, tune=0, check_seqs=4, lr=3e-3, device="cpu", force=False, log=None):
     """Fits quality-budget ranks (and, with tune > 0 steps, quality-tuned
@@ -411,8 +363,8 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
     id.  Returns out.  Not collective.  Raises UsageError for an impossible
     argument, KqsvdError for a bad file or model."""
     import torch
-    from . import models
-    from .projections import check_sizes, file_sizes, save_ranks
+    from .. import models
+    from ..formats.projections import check_sizes, file_sizes, save_ranks
     models.check_device(device)
     psizes = file_sizes(proj, methods)  # a bad file fails before the model loads
     loaded, tok, info = models.load(model, dtype=torch.float32, device=device)
@@ -431,16 +383,3 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
         return tuned_file(loaded, proj, ranks, seqs[:num_seqs], seqs[num_seqs:], out, budget,
                           tune, lr, log, force=force)
     return save_ranks(proj, out, ranks, f"{PREFIX}{budget:g}", force=force)
-
-
-def _run(a):
-    """The command: fit() with the options, and a line saying what it wrote."""
-    log = lambda s: print(f"allocate: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    fit(a.model, a.text, a.proj, a.budget, a.out, a.methods, a.seq_len, a.num_seqs,
-        not a.no_bos, a.rounds, a.tune, a.check_seqs, a.lr, a.device, a.force, log)
-    print(f"wrote {a.out}: {TUNED if a.tune else PREFIX}{a.budget:g} ranks per layer and KV head "
-          f"for {', '.join(a.methods)}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,13 @@
-"""What the quality tools share (kqsvd.allocate, kqsvd.tune, kqsvd.quality):
+"""What the quality tools share (kqsvd.allocate, kqsvd.quality.tune, kqsvd.quality):
 the names of the model-fitted rank policies, and the KL of a compressed
 model to the full one on token windows, with gradients where asked.
 Numpy and torch only; no command line."""
 import contextlib
 
-from .errors import UsageError
+from ..errors import UsageError
 
 PREFIX = "quality-budget:"
-TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.tune)
+TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.quality.tune)
 
 
 def parse_policy(policy):

@@ -18,7 +18,7 @@ projections on the check windows)."""
 import copy
 
 from .kl import TUNED, full_logprobs, kl_to_full, weights_frozen
-from .errors import KqsvdError, UsageError
+from ..errors import KqsvdError, UsageError
 
 
 class _Trainable:
@@ -27,7 +27,7 @@ class _Trainable:
 
     def __init__(self, model, proj):
         import torch
-        from .attention import compress
+        from ..attention import compress
         compress(model, proj)
         p = next(model.parameters())
         self.layers = [lay.self_attn for lay in model.model.layers]
@@ -70,7 +70,7 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     full attention.  Deterministic for the same inputs and threads."""
     import math
     import torch
-    from .attention import compress
+    from ..attention import compress
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise UsageError(f"tune: steps = {steps!r} must be a whole number, 0 or more")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
@@ -141,11 +141,11 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
                force=False):
     """tune() for each method at its ranks ({method: (rank_k, rank_v)},
     e.g. from kqsvd.allocate.allocate), written with those ranks to `out`
-    as the policy quality-tuned:F (kqsvd.projections.save_ranks).  Returns
+    as the policy quality-tuned:F (kqsvd.formats.projections.save_ranks).  Returns
     out.  Not collective.  out is checked as save_ranks checks it (force to
     replace a file) before any training."""
-    from .files import check_outputs
-    from .projections import load_projections, save_ranks
+    from ..formats.files import check_outputs
+    from ..formats.projections import load_projections, save_ranks
     check_outputs([("out", out)], [("proj_path", proj_path)], force)
     tuned = {}
     for m, r in ranks.items():

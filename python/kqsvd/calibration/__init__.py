@@ -1,0 +1,4 @@
+"""Calibration from a running model: the attention's activations captured
+(capture.py), the caches written for `kqsvd calibrate` (cache_export.py),
+or folded as they are produced (insitu.py) into the C library's
+accumulator (binding.py)."""

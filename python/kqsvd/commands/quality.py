@@ -1,0 +1,254 @@
+"""What a rank costs the model: perplexity, KL and top-1 agreement of the
+compressed model against the full one, per rank policy and method.
+
+    python -m kqsvd.quality --model M --text FILE --proj PROJ.h5 --ranks POLICY[,POLICY...]
+        [--split validation] [--seq-len 256] [--num-seqs 8] [--methods kqsvd,ksvd,eigen]
+        [--dtype float32|float64] [--device cpu] [--fold] [--score-errors]
+        [--calib-seqs 4] [--rounds 6] [--tune-steps 30] [--check-seqs 4] [--lr 3e-3]
+        --json OUT [--plot PNG]
+
+The policies are `kqsvd calibrate`'s (eps:E, fixed:R, budget:F), resolved by
+`kqsvd ranks` from the file's spectra, so the ranks are exactly the C tool's,
+and the model's own: quality-budget:F (ranks fitted on --calib-seqs windows
+of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
+the up-projections trained on the same windows, the step kept chosen on
+--check-seqs more, kqsvd.quality.tune); each is written beside the report as
+OUT.quality-budget-F.h5 or OUT.quality-tuned-F.h5.  The full model runs
+once per sequence; every (policy, method) pair then runs on the same
+tokens.  Usage errors exit 2, bad input 1, each with one line
+naming the file and field; outputs are written under a temporary name and
+renamed, so an error or an interruption leaves none.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from ..errors import KqsvdError, UsageError
+from ..formats.files import check_outputs, write_all
+from ..formats.projections import METHODS, load_projections, save_ranks
+from ..quality.kl import PREFIX, TUNED, parse_policy
+from ..quality.measure import measure, resolve_policies
+
+PROG = "python -m kqsvd.quality"
+
+
+def parse(argv):
+    from .cli import ArgumentParser, count, positive
+    from ..models import resolve
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="The JSON report is described in docs/formats.md, section 8.")
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
+    ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
+                    "fixed:R, budget:F, quality-budget:F, quality-tuned:F, or 'stored'")
+    ap.add_argument("--calib-seqs", type=count(0), default=4,
+                    help="quality-budget: windows of the train split its ranks are fitted on [4]")
+    ap.add_argument("--rounds", type=count(0), default=6,
+                    help="quality-budget: refinement rounds (kqsvd.allocate) [6]")
+    ap.add_argument("--tune-steps", type=count(0), default=30,
+                    help="quality-tuned: Adam steps training the up-projections [30]")
+    ap.add_argument("--check-seqs", type=count(0), default=4,
+                    help="quality-tuned: train-split windows after the calibration ones that "
+                    "choose the step kept [4]")
+    ap.add_argument("--lr", type=positive, default=3e-3, help="quality-tuned: learning rate [3e-3]")
+    ap.add_argument("--split", choices=("train", "validation"), default="validation",
+                    help="windows from the text's start (train) or end (validation) [validation]")
+    ap.add_argument("--seq-len", type=count(2), default=256, help="tokens per sequence [256]")
+    ap.add_argument("--num-seqs", type=count(1), default=8, help="sequences [8]")
+    ap.add_argument("--methods", default=",".join(METHODS), help="[kqsvd,ksvd,eigen]")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [cpu]")
+    ap.add_argument("--no-bos", action="store_true",
+                    help="windows without the BOS token the tokenizer adds in normal use")
+    ap.add_argument("--fold", action="store_true", help="fold B_v into o_proj")
+    ap.add_argument("--score-errors", action="store_true",
+                    help="also measure err_kq and err_out in the model (kqsvd evaluate's "
+                    "definitions, on the full model's activations): one more pass per pair")
+    ap.add_argument("--json", required=True, help="the report")
+    ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
+    ap.add_argument("--force", action="store_true",
+                    help="replace outputs that exist (the report, the plot, fitted files)")
+    a = ap.parse_args(argv)
+    a.policies = [p.strip() for p in a.ranks.split(",") if p.strip()]
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not a.policies:
+        raise UsageError("--ranks: give at least one policy")
+    for name, items in (("--ranks", a.policies), ("--methods", a.methods)):
+        twice = sorted({x for x in items if items.count(x) > 1})
+        if twice:
+            raise UsageError(f"{name} {','.join(items)}: '{twice[0]}' is given twice")
+    bad = [m for m in a.methods if m not in METHODS]
+    if bad or not a.methods:
+        raise UsageError(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
+                         f"{', '.join(METHODS)})")
+    if a.plot and not a.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {a.plot}: expected a .png file name")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401 - checked before the model loads
+        except ImportError:
+            raise UsageError(f"--plot {a.plot}: matplotlib cannot be imported (Debian: apt-get "
+                             "install python3-matplotlib)") from None
+    a.fitted = {}
+    for pol in a.policies:
+        frac = parse_policy(pol)
+        if frac is not None:
+            a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{frac:g}.h5"
+    for opt, n, prefix in (("--calib-seqs", a.calib_seqs, PREFIX), ("--check-seqs", a.check_seqs,
+                                                                     TUNED)):
+        uses = [p for p in a.policies if p.startswith(prefix) or
+                (opt == "--calib-seqs" and p.startswith(TUNED))]
+        if n < 1 and uses:
+            raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
+    if not os.path.isfile(a.text):  # before the model loads
+        raise KqsvdError(f"--text {a.text}: no such file")
+    check_outputs([("--json", a.json), ("--plot", a.plot)] +
+                  [(f"the {pol} file", path) for pol, path in a.fitted.items()],
+                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
+    return a
+
+
+def _stem(json_path):
+    return json_path[:-5] if json_path.endswith(".json") else json_path
+
+
+def plot(report):
+    """The figure's writer: write(path) saves the PNG (for files.write_all)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    marks = {"fixed": "o-", "budget": "s--", "eps": "^:", "stored": "d:"}
+    colors = dict(zip(METHODS, ("C0", "C1", "C2")))
+    # One line per method and kind of policy (a fixed-rank sweep, a budget
+    # sweep), so points of different rules are not joined.
+    for m in METHODS:
+        for kind, style in marks.items():
+            pts = sorted((r["cache_kept"], r["kl"], r["perplexity"]) for r in report["results"]
+                         if r["method"] == m and r["policy"].split(":")[0] == kind)
+            if not pts:
+                continue
+            x = [100 * p[0] for p in pts]
+            for ax, y in zip(axes, ([max(p[1], 1e-12) for p in pts], [p[2] for p in pts])):
+                ax.plot(x, y, style, color=colors[m], label=f"{m} ({kind})")
+    axes[1].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
+    axes[0].set_yscale("log")
+    for ax, y in zip(axes, ("mean KL(full || compressed) per token", "perplexity")):
+        ax.set_xlabel("KV cache kept (%)")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
+                 f"({report['split']})", fontsize=10)
+    fig.tight_layout()
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+    return write
+
+
+def table(report):
+    f = report["full"]
+    print(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
+          f"({report['split']} split), full model: perplexity {f['perplexity']:.3f}")
+    probe = any("err_kq" in r for r in report["results"])
+    w = max([14] + [len(r["policy"]) + 2 for r in report["results"]])
+    print(f"{'policy':<{w}}{'method':<8}{'kept':>8}{'perplexity':>12}{'KL/token':>11}"
+          f"{'top-1':>8}" + (f"{'err_kq':>11}{'err_out':>11}" if probe else ""))
+    for r in report["results"]:
+        line = (f"{r['policy']:<{w}}{r['method']:<8}{100 * r['cache_kept']:>7.1f}%"
+                f"{r['perplexity']:>12.3f}{r['kl']:>11.4f}{100 * r['top1']:>7.1f}%")
+        if "err_kq" in r:
+            line += f"{r['err_kq']['mean']:>11.3e}{r['err_out']['mean']:>11.3e}"
+        print(line)
+
+
+def run(a):
+    import torch
+    from .. import models
+    from ..formats.projections import check_sizes, file_sizes
+    t0 = time.time()
+    psizes = file_sizes(a.proj, a.methods)
+    dtype = getattr(torch, a.dtype)
+    models.check_device(a.device, flags=True)
+    model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
+    if not info.causal:
+        raise KqsvdError(f"{a.model}: the quality command needs a causal decoder "
+                         f"({', '.join(models.DECODERS)}), not '{info.model_type}'")
+    check_sizes(psizes, a.proj, info.sizes(), a.model)
+    models.check_positions(info, model.config, a.seq_len, flags=True)
+
+    def quality(pol):
+        nonlocal cal
+        from ..quality.allocate import allocate
+        from ..quality.tune import tuned_file
+        frac = parse_policy(pol)
+        if cal is None:  # the train split's windows, tokenized once for every policy
+            tuned = any(p.startswith(TUNED) for p in a.policies)
+            cal = models.token_windows(tok, a.text, a.seq_len,
+                                       a.calib_seqs + tuned * a.check_seqs, "train",
+                                       bos=not a.no_bos, flags=True)[0]
+        if frac not in fitted:
+            got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
+                           rounds=a.rounds, log=log)
+            fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+        # The fitted ranks (and tuned up-projections) in a projections file
+        # beside the report, so that every tool (kqsvd evaluate, compress)
+        # uses exactly what was measured.
+        out = a.fitted[pol]
+        if pol.startswith(PREFIX):
+            saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=a.force)
+        else:
+            saved[pol] = tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs],
+                                    cal[a.calib_seqs:], out, frac, a.tune_steps, a.lr, log,
+                                    force=a.force)
+        return {m: load_projections(saved[pol], m) for m in a.methods}
+
+    log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    saved, fitted, cal = {}, {}, None
+    pairs = resolve_policies(a.proj, a.policies, a.methods, info.num_layers, quality)
+    seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
+                                                  bos=not a.no_bos, flags=True)
+    print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
+          f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
+          f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
+    full, results = measure(model, seqs, pairs, a.fold, a.score_errors)
+    report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
+              "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
+              "seq_len": a.seq_len, "num_seqs": a.num_seqs, "bos": bos,
+              "token_range": [start, start + seqs.size - bos * a.num_seqs],
+              "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
+              "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
+              "full": full, "results": []}
+    for (pol, m, p), r in zip(pairs, results):
+        if pol in saved:
+            r["proj"] = saved[pol]
+        if any(p.per_head(l) for l in range(p.num_layers)):
+            r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
+        r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
+                 cache_kept=p.cache_kept(), cache_bytes_ratio=r["cache_bytes"] / full["cache_bytes"])
+        report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
+                                 {k: v for k, v in r.items() if k not in ("policy", "method")})
+    report["elapsed_s"] = time.time() - t0
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    write_all([(a.json, write_json)] + ([(a.plot, plot(report))] if a.plot else []))
+    table(report)
+    print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
+          file=sys.stderr)
+    return report
+
+
+def main(argv=None):
+    from .cli import run_command
+    return run_command(PROG, lambda: run(parse(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

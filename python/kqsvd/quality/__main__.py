@@ -1,0 +1,5 @@
+import sys
+
+from ..commands.quality import main
+
+sys.exit(main())
