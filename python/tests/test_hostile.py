@@ -262,6 +262,27 @@ class Hostile(unittest.TestCase):
             self.assertIn(word, lines[0])
         self.assertEqual(listing(self.out), [])
 
+    def test_terminated_run_leaves_nothing(self):
+        """SIGTERM in the middle of a quality run: exit 130, no report, no
+        temporary file."""
+        import signal
+        import time
+        report = os.path.join(self.out, "r.json")
+        argv = self.quality(report, ranks="fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7")
+        argv[argv.index("--num-seqs") + 1] = "40"
+        p = subprocess.Popen([sys.executable, "-m", "kqsvd.quality"] + argv, env=MPIENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while True:  # until the passes run
+            line = p.stderr.readline()
+            if not line or line.startswith("quality"):
+                break
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+        self.assertEqual(p.returncode, 130, err)
+        self.assertIn("interrupted", err)
+        self.assertEqual(listing(self.out), [])
+
     # -- the exporter ------------------------------------------------------------
     def test_exporter_outputs(self):
         def export(out, text=None):

@@ -10,7 +10,9 @@ malformed or inconsistent) and for failures while running, 130 for Ctrl-C."""
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 
 from ..errors import KqsvdError, UsageError
 
@@ -76,12 +78,21 @@ def launched_rank():
 
 def run_command(prog, body, every_rank=False):
     """Runs body() for a command line and returns its exit status (module
-    docstring): KqsvdError becomes one line 'PROG: error: ...' on stderr.
+    docstring): KqsvdError becomes one line 'PROG: error: ...' on stderr;
+    SIGTERM and Ctrl-C exit 130 with nothing written.
     Under MPI only rank 0 prints, unless every_rank (for errors that one
     rank alone raises, as calibrate_hf's agree() arranges)."""
     def say(msg):
         if every_rank or launched_rank() == 0:
             print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    # SIGTERM (kill, SLURM's time limit) ends the run as Ctrl-C does, so that
+    # the temporary files are removed; a command may set its own handler.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, stop) if main else None
     try:
         body()
     except UsageError as e:
@@ -96,4 +107,7 @@ def run_command(prog, body, every_rank=False):
     except OSError as e:  # the system's, not the input's: disk full, a lost mount
         say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return 1
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
     return 0

@@ -38,10 +38,9 @@ def check_outputs(outputs, inputs=(), force=False):
     it) when it is a folder, a device, a FIFO or a socket; when it is any
     input of the run or a file inside an input folder, compared by device
     and inode (so another path, a symbolic or a hard link to an input is
-    caught); when two outputs are
-    one file; when it exists and `force` is false; and when its folder does
-    not exist or a file cannot be created there (tried, not guessed from
-    permission bits: root passes those, and /proc refuses anyway).
+    caught); when two outputs are one file; when it exists and `force` is
+    false; and when its folder does not exist or a file cannot be created
+    there (see _probe).
     Inputs that do not exist are left to the readers to report.  Not
     collective: under MPI, rank 0 calls it and shares the verdict."""
     seen_in = {}
