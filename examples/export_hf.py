@@ -117,7 +117,7 @@ def run(args):
 
 def parse(argv):
     from kqsvd.commands.cli import ArgumentParser, count
-    from kqsvd.formats.files import check_folder_output
+    from kqsvd.formats.files import check_folder_output, check_input_file
     ap = ArgumentParser(prog="examples/export_hf.py", description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="local folder, GGUF file or id (offline)")
@@ -142,8 +142,7 @@ def parse(argv):
     ap.add_argument("--model-name", help="the files' model attribute [--model]")
     ap.add_argument("--out", required=True, help="the export's folder (made if missing)")
     args = ap.parse_args(argv)
-    if not os.path.isfile(args.text):
-        raise KqsvdError(f"--text {args.text}: no such file")
+    check_input_file("--text", args.text)
     if args.device_map and args.device != "cpu":
         raise UsageError("--device-map places the model itself; give no --device with it")
     check_folder_output("--out", args.out, [("--text", args.text), ("--model", args.model)])

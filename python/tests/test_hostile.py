@@ -235,6 +235,10 @@ class Hostile(unittest.TestCase):
                                      for x in self.allocate(a)], 1, "/nope.txt")
         self.refused(calibrate_hf.main, [x if x != self.text else "/nope.txt"
                                          for x in self.calib(a)], 1, "--text", "/nope.txt")
+        self.refused(quality.main, self.quality(r, text="/dev/zero"), 1, "/dev/zero",
+                     "not a regular file")
+        for bad in ("", self.out + os.sep):
+            self.refused(quality.main, self.quality(bad), 2, "--json", "give a file name")
         self.refused(quality.main, self.quality(r, "--seq-len", "1000"), 2, "--seq-len 1000",
                      "max_position_embeddings")
         line = self.refused(quality.main, self.quality(r, ranks="nonsense"), 2, "nonsense")

@@ -22,7 +22,7 @@ def main(argv=None):
 def parse(argv):
     from .. import models
     from .cli import ArgumentParser, count, fraction, positive
-    from ..formats.files import check_outputs
+    from ..formats.files import check_input_file, check_outputs
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
@@ -52,8 +52,7 @@ def parse(argv):
     if bad or not a.methods:
         raise UsageError(f"--methods {','.join(a.methods)}: expected some of {', '.join(METHODS)}, "
                          "each once")
-    if not os.path.isfile(a.text):  # before the model loads
-        raise KqsvdError(f"--text {a.text}: no such file")
+    check_input_file("--text", a.text)
     check_outputs([("--out", a.out)], [("--proj", a.proj), ("--text", a.text),
                                        ("--model", models.resolve(a.model))], a.force)
     return a

@@ -22,7 +22,7 @@ import time
 
 from ..calibration.capture import KEYS
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_outputs
+from ..formats.files import check_input_file, check_outputs
 
 HELP = __doc__.split("\n\n")[0] + """
 
@@ -357,8 +357,7 @@ def parse(argv):
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
-    if not os.path.isfile(args.text):
-        raise KqsvdError(f"--text {args.text}: no such file")
+    check_input_file("--text", args.text)
     if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
                          "missing)")

@@ -26,7 +26,7 @@ import sys
 import time
 
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_outputs, write_all
+from ..formats.files import check_input_file, check_outputs, write_all
 from ..formats.projections import METHODS, load_projections, save_ranks
 from ..quality.kl import PREFIX, TUNED, parse_policy
 from ..quality.measure import measure, resolve_policies
@@ -104,8 +104,7 @@ def parse(argv):
                 (opt == "--calib-seqs" and p.startswith(TUNED))]
         if n < 1 and uses:
             raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
-    if not os.path.isfile(a.text):  # before the model loads
-        raise KqsvdError(f"--text {a.text}: no such file")
+    check_input_file("--text", a.text)
     check_outputs([("--json", a.json), ("--plot", a.plot)] +
                   [(f"the {pol} file", path) for pol, path in a.fitted.items()],
                   [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)

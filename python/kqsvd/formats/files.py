@@ -57,6 +57,8 @@ def check_outputs(outputs, inputs=(), force=False):
         if path is None:
             continue
         name = f"{label} {path}"
+        if not path or path.endswith(os.sep):
+            raise UsageError(f"{label} '{path}': give a file name")
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -85,6 +87,15 @@ def check_outputs(outputs, inputs=(), force=False):
         if not os.path.isdir(folder):
             raise UsageError(f"{name}: the folder {folder} does not exist")
         _probe(name, folder)
+
+
+def check_input_file(label, path):
+    """An input read whole (a text): a regular file, so that a device such
+    as /dev/zero is not read forever.  Raises KqsvdError naming it."""
+    if not os.path.exists(path):
+        raise KqsvdError(f"{label} {path}: no such file")
+    if not os.path.isfile(path):
+        raise KqsvdError(f"{label} {path}: not a regular file")
 
 
 def check_folder_output(label, path, inputs=()):
