@@ -317,6 +317,11 @@ class Hostile(unittest.TestCase):
             msg = str(e.exception)
             self.assertNotIn("--", msg, msg)  # no command-line flags in a library's words
             self.assertTrue("ranks" in msg or "rank policy" in msg, msg)
+        for path, method in ((None, "kqsvd"), (self.proj, None), (self.proj, ["kqsvd"])):
+            with self.assertRaises(kqsvd.UsageError):
+                kqsvd.load_projections(path, method)
+        with self.assertRaises(kqsvd.UsageError):
+            kqsvd.save_ranks(self.proj, os.path.join(self.out, "s.h5"), [4, 4], "x")
         ok = kqsvd.load_projections(self.proj, "kqsvd", (8, 4))
         self.assertEqual((ok.rank_k.tolist(), ok.rank_v.tolist()), ([8, 8], [4, 4]))
 

@@ -136,6 +136,11 @@ def _short(value):
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _check_path(name, path):
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{name} must be a file name, not {type(path).__name__}")
+
+
 def _tool_message(p):
     """`kqsvd ranks`' one-line error, worded for a library call: without
     the tool's prefix, its --help pointer, or its option's name."""
@@ -216,8 +221,9 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
     in 1..head_dim.
     Returns a Projections.  Raises KqsvdError naming the file and field for
     a bad file, UsageError for an unknown method or impossible ranks."""
-    if method not in METHODS:
-        raise UsageError(f"unknown method '{method}' (expected one of {', '.join(METHODS)})")
+    _check_path("path", path)
+    if not isinstance(method, str) or method not in METHODS:
+        raise UsageError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
     names = [f"{method}/{n}" for n in MATRICES + ("rank_k", "rank_v")]
     with h5io.open_file(path, "projections", names) as f:
         s = h5io.sizes(f, path)
@@ -294,6 +300,11 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
     with force.  Written under a temporary name and renamed."""
     import h5py
     from .files import check_outputs, write_atomic
+    _check_path("src", src)
+    _check_path("dst", dst)
+    if not isinstance(ranks, dict):
+        raise UsageError(f"save_ranks: ranks must be a dict {{method: (rank_k, rank_v)}}, not "
+                         f"{type(ranks).__name__}")
     check_outputs([("dst", dst)], [("src", src)], force)
     with h5io.open_file(src, "projections") as f:
         s = h5io.sizes(f, src)
