@@ -362,6 +362,39 @@ class Hostile(unittest.TestCase):
         self.assertEqual(stat.S_IMODE(os.stat(st).st_mode), 0o644)
         self.assertEqual(listing(self.out), ["p.safetensors"])
 
+    def test_compressed_leaves_the_model_as_it_was(self):
+        import torch
+        from kqsvd.models import load
+        model, _, _ = load(self.model)
+        ids = torch.arange(5, 37)[None]
+
+        def state():
+            return ({k: v.clone() for k, v in model.state_dict().items()},
+                    model.config.to_json_string(), dict(model.config.__dict__),
+                    [dict(lay.self_attn.__dict__) for lay in model.model.layers])
+        before, logits = state(), model(input_ids=ids).logits
+        proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
+        for kw in ({}, {"fold": True}):
+            with kqsvd.compressed(model, proj, **kw) as m:
+                inside = m(input_ids=ids).logits
+                self.assertGreater((inside - logits).abs().max().item(), 1e-3)  # compressed
+            after = state()
+            self.assertTrue(all(torch.equal(before[0][k], after[0][k]) for k in before[0]))
+            self.assertEqual(before[1:], after[1:])
+            self.assertTrue(torch.equal(model(input_ids=ids).logits, logits))
+        # An error inside the block restores too; one before it changes nothing.
+        with self.assertRaises(RuntimeError):
+            with kqsvd.compressed(model, proj):
+                raise RuntimeError("the user's")
+        self.assertEqual(before[1:], state()[1:])
+        other = kqsvd.load_projections(self.proj, "kqsvd", 4)
+        other.num_kv_heads = 1  # projections of another model
+        with self.assertRaises(kqsvd.KqsvdError):
+            with kqsvd.compressed(model, other):
+                pass
+        self.assertEqual(before[1:], state()[1:])
+        self.assertTrue(torch.equal(model(input_ids=ids).logits, logits))
+
     def test_library_tune(self):
         from kqsvd.models import load
         from kqsvd.quality.tune import tune

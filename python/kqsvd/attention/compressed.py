@@ -33,6 +33,7 @@ err_out, as `kqsvd evaluate` defines them), and passes the exact output on,
 so every layer sees the full model's inputs.  Scores are compared after
 RoPE for both kinds of projections: those the model really uses.
 """
+import contextlib
 import inspect
 import math
 import os
@@ -280,6 +281,40 @@ def compress(model, proj, fold=False, probe=False):
         attn._kqsvd = lp
         attn._kqsvd_probe = [] if (probe and proj is not None) else None
     return model
+
+
+_CONFIG_FIELDS = ("_attn_implementation_internal", "pretraining_tp")
+_LAYER_FIELDS = ("forward", "_kqsvd_forward", "_kqsvd", "_kqsvd_probe")
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def compressed(model, proj, fold=False, probe=False):
+    """with compressed(model, proj): the model attends through `proj` (as
+    compress() installs it) inside the block and is exactly as it was
+    after it: the attention modules' own forward, the config's fields,
+    any projections installed before.  Everything is built and checked
+    before anything changes, so an error leaves the model untouched.
+    Yields the model.  Not collective; not thread-safe."""
+    cfg = model.config
+    saved_cfg = {k: cfg.__dict__.get(k, _MISSING) for k in _CONFIG_FIELDS}
+    saved = [{k: layer.self_attn.__dict__.get(k, _MISSING) for k in _LAYER_FIELDS}
+             for layer in _layers(model)]
+    compress(model, proj, fold=fold, probe=probe)
+    try:
+        yield model
+    finally:
+        for k, v in saved_cfg.items():
+            if v is _MISSING:
+                cfg.__dict__.pop(k, None)
+            else:
+                cfg.__dict__[k] = v
+        for layer, fields in zip(_layers(model), saved):
+            for k, v in fields.items():
+                if v is _MISSING:
+                    layer.self_attn.__dict__.pop(k, None)
+                else:
+                    layer.self_attn.__dict__[k] = v
 
 
 def probe_errors(model):
