@@ -158,6 +158,26 @@ class Hostile(unittest.TestCase):
         self.refused(quality.main, self.quality(stem + ".json", ranks="quality-budget:0.5"), 2,
                      "quality-budget-0.5.h5", "--force", leaves=["q.quality-budget-0.5.h5"])
 
+    def test_a_failed_write_names_the_output_and_leaves_nothing(self):
+        import errno
+        from kqsvd.formats.files import write_all
+        report, plot = os.path.join(self.out, "r.json"), os.path.join(self.out, "r.png")
+        seen = []
+
+        def full(tmp):  # a disk that fills up while the second file is written
+            seen.append(tmp)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tmp)
+
+        def h5_like(tmp):  # h5py's errors carry the name in the text, no strerror
+            seen.append(tmp)
+            raise OSError(f"Unable to create file (name = '{tmp}', errno = 28)")
+        for second in (full, h5_like):
+            with self.assertRaises(kqsvd.KqsvdError) as e:
+                write_all([(report, lambda tmp: open(tmp, "w").write("{}")), (plot, second)])
+            self.assertIn(plot, str(e.exception))
+            self.assertNotIn(seen[-1], str(e.exception))
+            self.assertEqual(listing(self.out), [])
+
     def test_two_outputs_one_file(self):
         same = os.path.join(self.out, "r.png")
         self.refused(quality.main, self.quality(same, "--plot", same), 2, "--plot", "also")
