@@ -34,9 +34,9 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"
     group = info.num_heads // info.num_kv_heads
     if isinstance(cal, TorchFold):
         fold = cal.absorb
-    else:
+    else:  # the C fold reads host memory: rows of a model on a GPU come over
         def fold(layer, kind, t):
-            fold_heads(cal, group, layer, kind, t)
+            fold_heads(cal, group, layer, kind, t.cpu())
 
     def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
         fold(layer, kind, t[0].detach())

@@ -299,7 +299,7 @@ def run(args):
     cal.reduce(comm, 0)
     if rank == 0:
         for l, w in enumerate(attention_out_proj(model, info.model_type)):
-            cal.absorb_oproj(l, w.detach())
+            cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
         res = cal.finish(args.ranks, args.beta)
         res.write(args.out, model=args.model_name or args.model,
                   tokens=args.num_seqs * args.seq_len, causal=info.causal,
