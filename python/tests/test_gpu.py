@@ -1,0 +1,92 @@
+"""The Python side on a CUDA device: in-situ calibration with the model on
+the GPU (the fold there, --fold torch, or in the C library, --fold c) and
+the quality command, against the same runs on the CPU.  Skipped (ctest
+says so) where PyTorch sees no GPU.  The tiny model's tokenizer is made
+here from the bundled text, so no model package is needed."""
+import json
+import os
+import sys
+import unittest
+
+import h5py
+import numpy as np
+from common import TEXT, run, workdir
+
+
+def cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+def tiny_model(folder):
+    """A random GQA Llama with a word-level tokenizer of the bundled text."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([TEXT], trainers.WordLevelTrainer(vocab_size=2000, special_tokens=["[UNK]"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.save_pretrained(folder)
+    cfg = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # scores that are not flat
+        for lay in model.model.layers:
+            lay.self_attn.q_proj.weight.mul_(8.0)
+            lay.self_attn.k_proj.weight.mul_(8.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def datasets(path):
+    with h5py.File(path) as f:
+        return {f"{g}/{k}": f[g][k][...] for g in ("kqsvd", "ksvd", "eigen", "spectra") for k in f[g]}
+
+
+@unittest.skipUnless(cuda(), "PyTorch sees no CUDA device")
+class OnTheGPU(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("gpu")
+        cls.model = tiny_model(os.path.join(cls.wd, "model"))
+
+    def calibrate(self, device, fold):
+        out = os.path.join(self.wd, f"proj-{device}-{fold}.h5")
+        run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", self.model, "--text", TEXT,
+             "--seq-len", "64", "--num-seqs", "16", "--dtype", "f64", "--device", device,
+             "--fold", fold, "--out", out])
+        return datasets(out)
+
+    def test_insitu_on_the_gpu_equals_the_cpu(self):
+        def worst(a, b):
+            return max(np.abs(a[k] - b[k]).max() / (np.abs(a[k]).max() or 1.0) for k in a)
+        cpu, torch_fold, c_fold = (self.calibrate(*run) for run in
+                                   (("cpu", "c"), ("cuda", "torch"), ("cuda", "c")))
+        # The same rows folded on the GPU (cuSOLVER) and in the C library.
+        self.assertLess(worst(c_fold, torch_fold), 1e-9)
+        # The model on the GPU: transformers computes RoPE's cos and sin in
+        # float32, which the GPU rounds otherwise than the CPU (measured on an
+        # H100: 1.1e-6, in K-SVD's vectors, the most sensitive).
+        self.assertLess(worst(cpu, torch_fold), 1e-5)
+
+    def test_quality_on_the_gpu_equals_the_cpu(self):
+        proj = os.path.join(self.wd, "proj-cpu-c.h5")
+        if not os.path.exists(proj):
+            self.calibrate("cpu", "c")
+        reports = {}
+        for device in ("cpu", "cuda"):
+            reports[device] = os.path.join(self.wd, f"q-{device}.json")
+            run([sys.executable, "-m", "kqsvd.quality", "--model", self.model, "--text", TEXT,
+                 "--proj", proj, "--ranks", "fixed:16,fixed:4", "--methods", "kqsvd,ksvd",
+                 "--seq-len", "64", "--num-seqs", "4", "--dtype", "float64", "--device", device,
+                 "--json", reports[device]])
+        a, b = (json.load(open(reports[d])) for d in ("cpu", "cuda"))
+        for x, y in zip([a["full"]] + a["results"], [b["full"]] + b["results"]):
+            self.assertLess(abs(x["perplexity"] / y["perplexity"] - 1), 1e-7)
+
+
+if __name__ == "__main__":
+    unittest.main()
