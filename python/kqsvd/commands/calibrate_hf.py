@@ -361,16 +361,6 @@ def parse(argv):
     if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
                          "missing)")
-    if args.device != "cpu":
-        import torch
-        if not args.device.startswith("cuda"):
-            raise UsageError(f"--device {args.device}: cpu or cuda[:N]")
-        if not torch.backends.cuda.is_built():
-            raise UsageError(f"--device {args.device}: this PyTorch ({torch.__version__}) is built "
-                             "without CUDA, as Debian's python3-torch is; install a CUDA build into "
-                             ".venv first: .venv/bin/pip install 'torch>=2.1,<2.5' (see the README)")
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: no CUDA device is visible to PyTorch")
     return args
 
 

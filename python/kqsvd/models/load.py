@@ -169,9 +169,10 @@ def check_device(device, flags=False):
                          f"{DEVICES})")
     if device.startswith("cuda"):
         if not torch.backends.cuda.is_built():
-            raise UsageError(f"{_name('device', flags)} {device}: this PyTorch ({torch.__version__}) is built "
-                             "without CUDA, as Debian's python3-torch is; install a CUDA build "
-                             "into .venv first (see the README)")
+            raise UsageError(f"{_name('device', flags)} {device}: this PyTorch "
+                             f"({torch.__version__}) is built without CUDA (Debian's "
+                             "python3-torch is); scripts/hf-env.sh puts PyPI's CUDA build into "
+                             ".venv")
         n = torch.cuda.device_count()
         index = int(device[5:]) if ":" in device else 0
         if index >= n:
