@@ -25,6 +25,7 @@ from common import TEXT, Calibrated
 
 import kqsvd
 from kqsvd.quality import allocate as al
+from kqsvd.quality.kl import parse_policy
 from kqsvd import models
 from kqsvd.errors import UsageError
 
@@ -50,8 +51,8 @@ class Exact(unittest.TestCase):
         with self.assertRaisesRegex(UsageError, "each needs at least 1"):
             al.budget_ranks(0.01, 12, 16)
         with self.assertRaisesRegex(UsageError, r"fraction must be in \(0, 1\]"):
-            al.parse_policy("quality-budget:1.5")
-        self.assertIsNone(al.parse_policy("budget:0.5"))
+            parse_policy("quality-budget:1.5")
+        self.assertIsNone(parse_policy("budget:0.5"))
         u = al.uniform(100, 3, 2)
         self.assertEqual(int(u.sum()), 100)
         self.assertLessEqual(int(u.max() - u.min()), 1)

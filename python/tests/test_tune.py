@@ -28,10 +28,10 @@ from common import KQSVD, TEXT, Calibrated
 from test_attention import reference_nll
 
 import kqsvd
-from kqsvd.quality import allocate as al
 from kqsvd import models
 from kqsvd.attention import cache_bytes
 from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.quality.kl import parse_policy
 from kqsvd.quality.tune import tune, tuned_file
 
 
@@ -228,7 +228,7 @@ class Commands(unittest.TestCase):
                             "--methods", "kqsvd", "--out", out], capture_output=True, text=True)
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertEqual(kqsvd.load_projections(out, "kqsvd").policy, "quality-tuned:0.5")
-        self.assertIsNotNone(al.parse_policy("quality-tuned:0.5"))
+        self.assertIsNotNone(parse_policy("quality-tuned:0.5"))
 
 
 if __name__ == "__main__":

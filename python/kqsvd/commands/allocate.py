@@ -3,10 +3,9 @@ fraction of the full KV cache (the policy quality-budget:F; with --tune,
 quality-tuned:F), written into a copy of the projections file.  The work
 is kqsvd.quality.allocate.fit; this module parses and prints."""
 import argparse
-import os
 import sys
 
-from ..errors import KqsvdError, UsageError
+from ..errors import UsageError
 from ..formats.projections import METHODS
 from ..quality.allocate import fit
 from ..quality.kl import PREFIX, TUNED

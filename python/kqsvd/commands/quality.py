@@ -5,7 +5,7 @@ compressed model against the full one, per rank policy and method.
         [--split validation] [--seq-len 256] [--num-seqs 8] [--methods kqsvd,ksvd,eigen]
         [--dtype float32|float64] [--device cpu] [--fold] [--score-errors]
         [--calib-seqs 4] [--rounds 6] [--tune-steps 30] [--check-seqs 4] [--lr 3e-3]
-        --json OUT [--plot PNG]
+        --json OUT [--plot PNG] [--force]
 
 The policies are `kqsvd calibrate`'s (eps:E, fixed:R, budget:F), resolved by
 `kqsvd ranks` from the file's spectra, so the ranks are exactly the C tool's,
@@ -98,10 +98,10 @@ def parse(argv):
         frac = parse_policy(pol)
         if frac is not None:
             a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{frac:g}.h5"
-    for opt, n, prefix in (("--calib-seqs", a.calib_seqs, PREFIX), ("--check-seqs", a.check_seqs,
-                                                                     TUNED)):
-        uses = [p for p in a.policies if p.startswith(prefix) or
-                (opt == "--calib-seqs" and p.startswith(TUNED))]
+    # Windows are needed only by the policies that use them.
+    tuned = [p for p in a.fitted if p.startswith(TUNED)]
+    for opt, n, uses in (("--calib-seqs", a.calib_seqs, list(a.fitted)),
+                         ("--check-seqs", a.check_seqs, tuned)):
         if n < 1 and uses:
             raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
     check_input_file("--text", a.text)

@@ -121,9 +121,9 @@ def _probe(name, folder):
     permission bits (root passes those, and /proc refuses anyway); but a
     folder that nobody may write to (mode a-w) is taken as read-only for
     root too, as the user meant it."""
-    if not os.stat(folder).st_mode & 0o222:
-        raise UsageError(f"{name}: the folder {folder} is read-only (mode "
-                         f"{stat.S_IMODE(os.stat(folder).st_mode):04o})")
+    mode = stat.S_IMODE(os.stat(folder).st_mode)
+    if not mode & 0o222:
+        raise UsageError(f"{name}: the folder {folder} is read-only (mode {mode:04o})")
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".kqsvd.", suffix=".probe")
     except OSError as e:

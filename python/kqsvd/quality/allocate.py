@@ -33,15 +33,11 @@ the text it was calibrated on.
 With --tune STEPS the up-projections are then trained at those ranks
 (kqsvd.quality.tune; the policy quality-tuned:F), on the same windows, the step
 kept chosen on --check-seqs windows that follow them."""
-import argparse
-import os
-import sys
-
 import numpy as np
 
 from ..errors import KqsvdError, UsageError
 
-from .kl import PREFIX, TUNED, full_logprobs, kl_to_full, parse_policy, weights_frozen
+from .kl import PREFIX, full_logprobs, kl_to_full, weights_frozen
 from ..formats.projections import METHODS
 
 def budget_ranks(fraction, units, d):
