@@ -3,7 +3,7 @@
 
     import kqsvd
     proj = kqsvd.load_projections("proj.h5", "kqsvd", ranks="budget:0.25")
-    with kqsvd.compressed(model, proj):  # Llama, Mistral, Qwen2 (eager attention)
+    with kqsvd.compressed(model, proj):  # the cache holds K A and V A_v
         out = model.generate(ids, max_new_tokens=20)
     # here the model is exactly as it was; kqsvd.compress(model, proj)
     # installs the projections until kqsvd.compress(model, None)
@@ -16,11 +16,12 @@ from .formats.projections import METHODS, Projections, load_projections, policy_
 __version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
            "policy_ranks", "save_ranks", "compress", "compressed", "fold_o_proj", "cache_bytes",
-           "probe_errors", "export_safetensors", "read_dataset"]
+           "probe_errors", "latent_cache", "export_safetensors", "read_dataset"]
 
 
 def __getattr__(name):  # torch-dependent parts load on first use
-    if name in ("compress", "compressed", "fold_o_proj", "cache_bytes", "probe_errors"):
+    if name in ("compress", "compressed", "fold_o_proj", "cache_bytes", "probe_errors",
+                "latent_cache"):
         from . import attention
         return getattr(attention, name)
     if name == "export_safetensors":

@@ -7,7 +7,7 @@ import os
 from .errors import KqsvdError
 
 # Inclusive floor, exclusive bound: what scripts/hf-env.sh installs is inside.
-TRANSFORMERS = ("4.44", "4.45")
+TRANSFORMERS = ("4.56", "5.3")
 
 
 def _key(version):

@@ -37,28 +37,111 @@ def minilm_tokenizer():
     return os.path.join(os.path.dirname(spec.origin), "model")
 
 
-def tiny_decoder(kind, folder, seed=1, layers=2, heads=4, kv_heads=2, hidden=64, **extra):
-    """A randomly initialised causal LM with GQA and the MiniLM tokenizer,
-    saved in `folder`; queries and keys scaled up so softmax is not flat."""
+# Each family's config beyond the shared sizes: Phi-3 rotates half of each
+# head (partial RoPE); Starcoder2 has biases (o_proj's too) and LayerNorm;
+# Qwen3 normalises queries and keys before RoPE; Gemma's head_dim is free.
+FAMILIES = {"llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {"head_dim": None},
+            "mixtral": {"num_local_experts": 3, "num_experts_per_tok": 2},
+            "phi3": {"partial_rotary_factor": 0.5, "pad_token_id": 0}, "gemma": {"head_dim": None},
+            "starcoder2": {"use_bias": True}}
+
+
+def tiny_lm(kind, vocab, seed=1, layers=2, heads=4, kv_heads=2, hidden=64, **extra):
+    """A randomly initialised causal LM of one of FAMILIES with GQA, in
+    eval mode; queries and keys scaled up so softmax is not flat."""
     import torch
-    from transformers import AutoTokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
-    tok = AutoTokenizer.from_pretrained(minilm_tokenizer())
-    cfg = cls[0](vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                 num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                 max_position_embeddings=512, tie_word_embeddings=False, **extra)
+    import transformers
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3", "starcoder2": "Starcoder2"}.get(
+        kind, kind.capitalize())
+    kw = dict(FAMILIES[kind])
+    if "head_dim" in kw:
+        kw["head_dim"] = hidden // heads
+    kw.update(extra)
+    cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=False, **kw)
     torch.manual_seed(seed)
-    model = cls[1](cfg)
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for lay in model.model.layers:
-            for p in (lay.self_attn.q_proj.weight, lay.self_attn.k_proj.weight):
-                p.mul_(8.0)
+            att = lay.self_attn
+            if hasattr(att, "qkv_proj"):
+                att.qkv_proj.weight[:(heads + kv_heads) * (hidden // heads)].mul_(8.0)
+            else:
+                for p in (att.q_proj.weight, att.k_proj.weight):
+                    p.mul_(8.0)
+    return model
+
+
+def orthonormal_projections(model, rank, rope="post", seed=0):
+    """A Projections for `model` made here, without the C tool: per (layer,
+    KV head) A = B and A_v = B_v with orthonormal columns (r = head_dim:
+    A B^T = I, the full model's attention)."""
+    import numpy as np
+    from kqsvd.formats.projections import Projections
+    cfg = model.config
+    L, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    hkv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    rng = np.random.default_rng(seed)
+
+    def orth():
+        return np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:, :rank]
+                         for _ in range(hkv)])
+    a, av = [orth() for _ in range(L)], [orth() for _ in range(L)]
+    ranks = np.full(L, rank, dtype=np.int64)
+    return Projections(path="orthonormal", method="kqsvd", policy=f"fixed:{rank}", model="tiny",
+                       num_layers=L, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                       hidden_size=cfg.hidden_size, rank_k=ranks, rank_v=ranks.copy(),
+                       key_down=a, query_down=a, value_down=av, value_up=av,
+                       rank_k_heads=np.repeat(ranks[:, None], hkv, 1),
+                       rank_v_heads=np.repeat(ranks[:, None], hkv, 1), rope=rope)
+
+
+def tiny_decoder(kind, folder, seed=1, **extra):
+    """tiny_lm with the MiniLM tokenizer, saved in `folder`."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(minilm_tokenizer())
+    model = tiny_lm(kind, tok.vocab_size, seed, **extra)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def rope_theta(cfg):
+    """RoPE's base of a transformers config (5.x keeps it in rope_parameters)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return params["rope_theta"] if "rope_theta" in params else cfg.rope_theta
+
+
+def rope_scaling(cfg):
+    """A config's RoPE scaling without its base, or None for plain RoPE
+    (5.x merges both into rope_parameters, and rope_scaling names it)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    params.pop("rope_theta", None)
+    return None if params.get("rope_type", params.get("type", "default")) == "default" else params
+
+
+def installed(model):
+    """Each layer's installation (kqsvd.attention.compressed.Site) in a
+    compressed model, whose projections P a test may swap."""
+    from kqsvd.attention.compressed import _INSTALLED
+    return _INSTALLED[model].sites
+
+
+def padded(proj, layer, info):
+    """A LayerProjection of proj's per-head ranks with zero-padded per-layer
+    matrices (the slow way to compute what ragged ranks compute)."""
+    import numpy as np
+    import kqsvd
+    from kqsvd.attention import LayerProjection
+    p = next(layer.parameters())
+    flat = kqsvd.load_projections(proj.path, proj.method, (proj.rank_k_heads, proj.rank_v_heads))
+    flat.rank_k_heads = np.repeat(flat.rank_k[:, None], info.num_kv_heads, 1)
+    flat.rank_v_heads = np.repeat(flat.rank_v[:, None], info.num_kv_heads, 1)
+    P = LayerProjection(flat, layer.self_attn.layer_idx, info.num_heads, p.dtype, p.device)
+    assert not P.ragged and P.rope == proj.rope
+    return P
 
 
 def run(cmd, expect=0, np_=None, **kw):

@@ -18,7 +18,7 @@ import unittest
 import numpy as np
 import torch
 
-from common import Calibrated, evaluate
+from common import FAMILIES, Calibrated, evaluate, installed, padded, rope_theta, tiny_lm
 
 import kqsvd
 from kqsvd import models
@@ -124,7 +124,7 @@ class PerHead(unittest.TestCase):
             self.assertTrue(all(proj.per_head(l) for l in range(info.num_layers)))
             with torch.no_grad():
                 kqsvd.compress(model, proj)
-                self.assertTrue(model.model.layers[0].self_attn._kqsvd.ragged)
+                self.assertTrue(kqsvd.attention.layer_projections(model)[0].ragged)
                 step = model(input_ids=ids, use_cache=True)
                 ragged = step.logits
                 T = ids.shape[1]
@@ -132,10 +132,9 @@ class PerHead(unittest.TestCase):
                                  4 * 2 * T * int(rk.sum() + rv.sum()))
                 for fold in (True, False):
                     kqsvd.compress(model, proj, fold=fold)
-                    for layer in model.model.layers:  # the padded path, the same numbers
-                        P = layer.self_attn._kqsvd
-                        if not fold:
-                            layer.self_attn._kqsvd = padded(proj, layer, info, P)
+                    for site, layer in zip(installed(model), model.model.layers):
+                        if not fold:  # the padded path, the same numbers
+                            site.P = padded(proj, layer, info)
                     got = model(input_ids=ids).logits
                     self.assertLess(rel(got, ragged), 1e-5, f"{m} fold={fold}")
                 kqsvd.compress(model, None)
@@ -161,16 +160,48 @@ class PerHead(unittest.TestCase):
             kqsvd.load_projections(out, "kqsvd")
 
 
-def padded(proj, layer, info, ragged):
-    """A LayerProjection computing with the zero-padded per-layer matrices."""
-    from kqsvd.attention import LayerProjection
-    p = next(layer.parameters())
-    flat = kqsvd.load_projections(proj.path, proj.method, (proj.rank_k_heads, proj.rank_v_heads))
-    flat.rank_k_heads = np.repeat(flat.rank_k[:, None], info.num_kv_heads, 1)
-    flat.rank_v_heads = np.repeat(flat.rank_v[:, None], info.num_kv_heads, 1)
-    P = LayerProjection(flat, layer.self_attn.layer_idx, info.num_heads, p.dtype, p.device)
-    assert not P.ragged and ragged.ragged
-    return P
+class Families(unittest.TestCase):
+    """Every family the package compresses, through transformers' attention
+    interface and cache layers: full-rank logits equal the model's (with
+    o_proj folded too: Starcoder2's carries a bias), and greedy generate()
+    over a left-padded batch, with the latent cache it starts by itself,
+    equals whole-sequence decoding of the compressed model."""
+
+    def test_every_family(self):
+        c = Calibrated.get("llama")  # its full-rank A B^T = I suits any model of its sizes
+        full = kqsvd.load_projections(c.proj, "kqsvd", 16)
+        low = kqsvd.load_projections(c.proj, "kqsvd", "fixed:6")
+        self.assertEqual(sorted(FAMILIES), sorted(models.COMPRESSIBLE))
+        for kind in FAMILIES:
+            with self.subTest(kind):
+                self.family(kind, full, low)
+
+    def family(self, kind, full, low):
+        model = tiny_lm(kind, 300, seed=3)
+        ids = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(4))
+        mask = torch.ones_like(ids)
+        mask[1, :4] = 0  # left padding
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+            for fold in (False, True):
+                with kqsvd.compressed(model, full, fold=fold):
+                    got = model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
+                self.assertLess(rel(got, want), 1e-5, f"{kind} fold={fold}")
+            with kqsvd.compressed(model, low):
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                     do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+                self.assertIsInstance(out.past_key_values, kqsvd.attention.LatentCache)
+                seq, m = ids, mask
+                for _ in range(6):  # whole sequences, no cache, positions as generate's
+                    pos = (m.cumsum(-1) - 1).clamp(min=0)
+                    logits = model(input_ids=seq, attention_mask=m, position_ids=pos,
+                                   use_cache=False).logits
+                    nxt = logits[:, -1].argmax(-1, keepdim=True)
+                    seq, m = torch.cat([seq, nxt], -1), torch.cat([m, torch.ones_like(nxt)], -1)
+        self.assertTrue(torch.equal(out.sequences, seq), kind)
+        T = seq.shape[1] - 1  # the last token is never fed back
+        self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+                         4 * 2 * T * 2 * int(low.rank_k.sum() + low.rank_v.sum()))
 
 
 class TiedToEvaluate(unittest.TestCase):
@@ -205,7 +236,7 @@ def reference_nll(sd, cfg, proj, ids):
     x = sd["model.embed_tokens.weight"][ids].double()
     T, d = len(ids), cfg.hidden_size // cfg.num_attention_heads
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
     cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
 

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from common import rope_theta  # noqa: E402
 from kqsvd.models.gguf_loader import GGUFError, is_gguf, load_gguf  # noqa: E402
 
 TEXT_PATH = os.path.join(ROOT, "examples", "data", "us-founding-documents.txt")
@@ -109,7 +110,7 @@ def quantizable(arr, qtype, name=""):
     """Whether convert_hf_to_gguf would quantize `arr`: matrices (3-D expert stacks
     too) whose rows hold whole blocks; norms, biases and the MoE router stay F32."""
     return (arr.ndim >= 2 and qtype != QT.F32 and "ffn_gate_inp" not in name
-            and "block_sparse_moe.gate." not in name
+            and not name.endswith(".mlp.gate.weight")
             and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
 
@@ -127,7 +128,7 @@ def base_meta(cfg, tok, pre="gpt-2", add_bos=False):
             "{arch}.embedding_length": cfg.hidden_size, "{arch}.feed_forward_length": cfg.intermediate_size,
             "{arch}.attention.head_count": cfg.num_attention_heads,
             "{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-            "{arch}.rope.freq_base": float(cfg.rope_theta),
+            "{arch}.rope.freq_base": float(rope_theta(cfg)),
             "{arch}.attention.layer_norm_rms_epsilon": float(getattr(cfg, "rms_norm_eps", 1e-5)),
             "{arch}.vocab_size": cfg.vocab_size,
             "{arch}.rope.dimension_count": cfg.hidden_size // cfg.num_attention_heads,
@@ -445,7 +446,7 @@ class TestSmolLM2(unittest.TestCase):
         c = self.model.config
         self.assertEqual((c.num_hidden_layers, c.hidden_size, c.intermediate_size), (30, 576, 1536))
         self.assertEqual((c.num_attention_heads, c.num_key_value_heads, c.vocab_size), (9, 3, 49152))
-        self.assertEqual((c.rope_theta, c.max_position_embeddings), (1e5, 8192))
+        self.assertEqual((rope_theta(c), c.max_position_embeddings), (1e5, 8192))
         self.assertIs(self.model.lm_head.weight, self.model.model.embed_tokens.weight)
         self.assertFalse(self.model.training)
 
@@ -471,6 +472,30 @@ class TestSmolLM2(unittest.TestCase):
         ppl = math.exp(nll / n)
         log(f"SmolLM2 perplexity, first 1024 tokens (2 x 512, no BOS): {ppl:.2f}")
         self.assertTrue(5 < ppl < 60, ppl)
+
+    def test_same_weights_as_transformers_gguf_loader(self):
+        """transformers' own GGUF loader (gguf_file=), an independent reading
+        of the same file, gives the same model bit for bit; its tokenizer
+        does not split digits first, so it is not used (docs/design.md)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+        folder, name = os.path.split(SMOLLM2)
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            t0 = time.time()
+            hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            log(f"SmolLM2 through transformers' GGUF loader: {time.time() - t0:.2f}s")
+            hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+        ours, theirs = self.model.state_dict(), hf.state_dict()
+        self.assertEqual(sorted(ours), sorted(theirs))
+        for k in ours:
+            self.assertTrue(torch.equal(ours[k], theirs[k]), k)
+        self.assertEqual(self.tok.tokenize("x  1"), ["x", "ĠĠ", "1"])
+        self.assertNotEqual(hf_tok.tokenize("x  1"), self.tok.tokenize("x  1"))
 
     def test_tokenizer(self):
         sample = TEXT[:4000]

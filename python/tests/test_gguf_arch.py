@@ -30,6 +30,7 @@ from transformers import (GemmaConfig, GemmaForCausalLM, LlamaForCausalLM, Mistr
 
 from test_gguf import (TEXT, Base, base_meta, llama_cpp_permute, log, logits, max_rel_diff,  # noqa: E402
                        roundtrip, train_tokenizer, write_raw)
+from common import rope_scaling  # noqa: E402
 from kqsvd.errors import KqsvdError  # noqa: E402
 from kqsvd.models.gguf_loader import GGUFError, load_gguf  # noqa: E402
 
@@ -76,11 +77,18 @@ def to_gguf_tensors(model, family):
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:  # tied output is not written (Gemma's never is)
         sd.pop("lm_head.weight", None)
-    out, experts = [], {}
+    out = []
     for hf, arr in sd.items():
-        m = re.match(r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$", hf)
+        # transformers 5's experts: [E, 2F, D] gate and up side by side, [E, D, F] down
+        m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$", hf)
         if m:
-            experts.setdefault((int(m[1]), m[3]), {})[int(m[2])] = arr
+            stacked = {"gate_up": np.split(arr, 2, axis=1), "down": [arr]}[m[2]]
+            for kind, a in zip({"gate_up": ("gate", "up"), "down": ("down",)}[m[2]], stacked):
+                out.append((f"blk.{m[1]}.ffn_{kind}_exps.weight", np.ascontiguousarray(a)))
+            continue
+        if hf.endswith(".mlp.gate.weight"):
+            out.append((hf.replace("model.layers.", "blk.").replace(".mlp.gate.weight",
+                                                                    ".ffn_gate_inp.weight"), arr))
             continue
         if GGUF_ARCH[family] == "llama":  # LlamaModel.modify_tensors
             if ".q_proj." in hf:
@@ -90,10 +98,6 @@ def to_gguf_tensors(model, family):
         if family == "gemma" and hf.endswith("norm.weight"):  # GemmaModel.modify_tensors
             arr = arr + 1
         out.append((names.get_name(hf, try_suffixes=(".weight", ".bias")), arr))
-    for (bid, w), per_expert in sorted(experts.items()):  # stacked, expert index first
-        stacked = np.stack([per_expert[x] for x in range(len(per_expert))])
-        merged = f"model.layers.{bid}.block_sparse_moe.experts.{w}.weight"
-        out.append((names.get_name(merged, try_suffixes=(".weight",)), stacked))
     return out
 
 
@@ -111,7 +115,7 @@ def family_meta(model, family, tok, pre="gpt-2"):
     elif family == "phi3":
         meta.update({"{arch}.vocab_size": None, "{arch}.attention.sliding_window": cfg.sliding_window,
                      "{arch}.rope.scaling.original_context_length": cfg.original_max_position_embeddings})
-        if cfg.rope_scaling:
+        if rope_scaling(cfg):
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
             meta["{arch}.rope.scaling.attn_factor"] = float(
                 np.sqrt(1 + np.log(scale) / np.log(cfg.original_max_position_embeddings)))
@@ -128,9 +132,9 @@ def write_family(path, model, family, tok, qtype=QT.F32, kv=None, drop=(), extra
     meta.update(kv or {})
     tensors = to_gguf_tensors(model, family)
     cfg = model.config
-    if family == "phi3" and cfg.rope_scaling:  # Phi3MiniModel.generate_extra_tensors
-        tensors += [("rope_factors_long.weight", np.array(cfg.rope_scaling["long_factor"])),
-                    ("rope_factors_short.weight", np.array(cfg.rope_scaling["short_factor"]))]
+    if family == "phi3" and rope_scaling(cfg):  # Phi3MiniModel.generate_extra_tensors
+        tensors += [("rope_factors_long.weight", np.array(rope_scaling(cfg)["long_factor"])),
+                    ("rope_factors_short.weight", np.array(rope_scaling(cfg)["short_factor"]))]
     tensors += list((extra or {}).items())
     tensors = [(n, a) for n, a in tensors if n not in drop]
     write_raw(path, arch or GGUF_ARCH[family], meta, tensors, qtype)
@@ -142,7 +146,7 @@ class TestFamilies(Base):
     # Settings whose effect on tiny random models can hide below the logit tolerance
     # (e.g. tanh-approximate vs exact GELU on small activations).
     CONFIG_KEYS = ("hidden_act", "hidden_activation", "rms_norm_eps", "norm_epsilon", "rope_theta",
-                   "head_dim", "use_bias", "num_local_experts", "num_experts_per_tok", "rope_scaling",
+                   "head_dim", "use_bias", "num_local_experts", "num_experts_per_tok", "rope_parameters",
                    "max_position_embeddings", "original_max_position_embeddings", "attention_bias")
 
     def assertSameConfig(self, got, want):
@@ -198,7 +202,7 @@ class TestFamilies(Base):
         self.assertEqual((loaded.config.num_local_experts, loaded.config.num_experts_per_tok), (4, 2))
         # The routing really mixes experts: dropping one changes the output.
         with torch.no_grad():
-            loaded.model.layers[0].block_sparse_moe.experts[3].w2.weight.zero_()
+            loaded.model.layers[0].mlp.experts.down_proj[3].zero_()
         self.assertGreater(max_rel_diff(logits(loaded, self.ids), logits(model, self.ids)), 1e-4)
         bf, _ = load_gguf(self.path("mixtral-F32.gguf"), dtype=torch.bfloat16)
         self.assertEqual(bf.lm_head.weight.dtype, torch.bfloat16)

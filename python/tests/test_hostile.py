@@ -355,7 +355,7 @@ class Hostile(unittest.TestCase):
             kqsvd.compress(model, self.proj)
         self.assertIn("load_projections", str(e.exception))
         self.assertTrue(torch.equal(model(input_ids=ids).logits, before))
-        self.assertFalse(hasattr(model.model.layers[0].self_attn, "_kqsvd_forward"))
+        self.assertEqual(model.config._attn_implementation, "eager")  # nothing installed
         proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
         w = [lay.self_attn.o_proj.weight.detach() for lay in model.model.layers]
         st = os.path.join(self.out, "p.safetensors")
@@ -388,10 +388,10 @@ class Hostile(unittest.TestCase):
         model, _, _ = load(self.model)
         ids = torch.arange(5, 37)[None]
 
-        def state():
+        def state():  # parameters; config; modules, attributes and hooks
             return ({k: v.clone() for k, v in model.state_dict().items()},
                     model.config.to_json_string(), dict(model.config.__dict__),
-                    [dict(lay.self_attn.__dict__) for lay in model.model.layers])
+                    [(n, m, dict(m.__dict__)) for n, m in model.named_modules()])
         before, logits = state(), model(input_ids=ids).logits
         proj = kqsvd.load_projections(self.proj, "kqsvd", 4)
         for kw in ({}, {"fold": True}):
@@ -402,6 +402,14 @@ class Hostile(unittest.TestCase):
             self.assertTrue(all(torch.equal(before[0][k], after[0][k]) for k in before[0]))
             self.assertEqual(before[1:], after[1:])
             self.assertTrue(torch.equal(model(input_ids=ids).logits, logits))
+        # Projections installed before the block are there again after it.
+        kqsvd.compress(model, kqsvd.load_projections(self.proj, "ksvd", 3))
+        outer = model(input_ids=ids).logits
+        with kqsvd.compressed(model, proj, fold=True):
+            pass
+        self.assertTrue(torch.equal(model(input_ids=ids).logits, outer))
+        kqsvd.compress(model, None)
+        self.assertEqual(before[1:], state()[1:])
         # An error inside the block restores too; one before it changes nothing.
         with self.assertRaises(RuntimeError):
             with kqsvd.compressed(model, proj):

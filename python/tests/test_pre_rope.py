@@ -28,7 +28,8 @@ import h5py
 import numpy as np
 import torch
 
-from common import EXPORT, KQSVD, MPIENV, TEXT, calibrate, run, tiny_decoder, workdir
+from common import (EXPORT, KQSVD, MPIENV, TEXT, calibrate, installed, padded, rope_theta, run,
+                    tiny_decoder, workdir)
 
 import kqsvd
 from kqsvd import models
@@ -55,7 +56,7 @@ def insitu(model, out, *extra, expect=0):
 def rope(x, cfg, positions):
     """x [..., T, d] rotated by Llama's RoPE (rotate-half), written here."""
     d = x.shape[-1]
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ang = positions.double()[:, None] * inv[None]
     cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
     return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
@@ -206,7 +207,7 @@ class PreRope(unittest.TestCase):
                 rv[:, 0] = np.where(rv[:, 1] == 1, 2, 1)  # heads of every layer differ
                 kqsvd.compress(lm, kqsvd.load_projections(
                     self.proj_pre, m, (np.full(shape, info.head_dim), rv)))
-                self.assertTrue(lm.model.layers[0].self_attn._kqsvd.ragged)
+                self.assertTrue(kqsvd.attention.layer_projections(lm)[0].ragged)
                 ref_v = kqsvd.load_projections(self.proj_post, m, (np.full(shape, info.head_dim), rv))
                 ragged = lm(input_ids=ids).logits
                 kqsvd.compress(lm, ref_v)
@@ -215,8 +216,8 @@ class PreRope(unittest.TestCase):
                 proj = kqsvd.load_projections(self.proj_pre, m, (rk, rv))
                 kqsvd.compress(lm, proj)
                 ragged = lm(input_ids=ids).logits
-                for layer in lm.model.layers:
-                    layer.self_attn._kqsvd = padded(proj, layer, info)
+                for site, layer in zip(installed(lm), lm.model.layers):
+                    site.P = padded(proj, layer, info)
                 self.assertLess(rel(lm(input_ids=ids).logits, ragged), 1e-5, f"{m} padded")
 
     def test_quality_budget_on_pre_rope_keys(self):
@@ -438,18 +439,6 @@ class PreRope(unittest.TestCase):
         self.assertIn("rank-0-of-1.json: field 'inputs' differs", p.stderr)
         self.assertIn("--keys", p.stderr)
         self.assertFalse(os.path.exists(out))
-
-
-def padded(proj, layer, info):
-    """A LayerProjection computing with the zero-padded per-layer matrices."""
-    from kqsvd.attention import LayerProjection
-    p = next(layer.parameters())
-    flat = kqsvd.load_projections(proj.path, proj.method, (proj.rank_k_heads, proj.rank_v_heads))
-    flat.rank_k_heads = np.repeat(flat.rank_k[:, None], info.num_kv_heads, 1)
-    flat.rank_v_heads = np.repeat(flat.rank_v[:, None], info.num_kv_heads, 1)
-    P = LayerProjection(flat, layer.self_attn.layer_idx, info.num_heads, p.dtype, p.device)
-    assert not P.ragged and P.rope == "pre"
-    return P
 
 
 if __name__ == "__main__":

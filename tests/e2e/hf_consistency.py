@@ -145,7 +145,8 @@ FAMILIES = {  # model_type -> (config class, model class) names in transformers,
     "llama": ("LlamaConfig", "LlamaModel", 1), "mistral": ("MistralConfig", "MistralModel", 2),
     "qwen2": ("Qwen2Config", "Qwen2Model", 3), "mixtral": ("MixtralConfig", "MixtralModel", 4),
     "phi3": ("Phi3Config", "Phi3Model", 5), "gemma": ("GemmaConfig", "GemmaModel", 6),
-    "starcoder2": ("Starcoder2Config", "Starcoder2Model", 7)}
+    "starcoder2": ("Starcoder2Config", "Starcoder2Model", 7),
+    "qwen3": ("Qwen3Config", "Qwen3Model", 8)}
 # Sizes that differ from the family's defaults in ways worth testing: Gemma's
 # head_dim is not hidden / heads (as in the real ones), Mixtral routes over
 # few experts, Starcoder2 has biases (its default).
@@ -169,7 +170,7 @@ def tiny_decoder(kind, folder, tok_path, **extra):
         for lay in model.layers:
             att = lay.self_attn
             if hasattr(att, "qkv_proj"):  # fused: queries and keys are the first rows
-                qk = (att.num_heads + att.num_key_value_heads) * att.head_dim
+                qk = (cfg.num_attention_heads + cfg.num_key_value_heads) * att.head_dim
                 att.qkv_proj.weight[:qk].mul_(8.0)
             else:
                 for p in (att.q_proj.weight, att.k_proj.weight):
@@ -222,19 +223,15 @@ def main():
     sw = tiny_decoder("mistral", os.path.join(wd, "tiny-sw"), minilm, sliding_window=16)
     p = export(sw, os.path.join(wd, "sw-out"), expect=2)  # an option the model cannot take
     check("sliding_window = 16" in p.stderr, f"sliding window: {p.stderr}")
-    # head_dim apart from hidden / heads: exported where the family's
-    # attention honours it (Mistral, as Gemma above), refused where not.
-    hd = tiny_decoder("mistral", os.path.join(wd, "tiny-hd"), minilm, head_dim=24)
-    consistency("tiny mistral (head_dim 24 of hidden 64, 4 heads)", hd, "mistral",
-                os.path.join(wd, "tiny-hd-out"))
-    hd = tiny_decoder("llama", os.path.join(wd, "tiny-llama-hd"), minilm)
-    edit_config(hd, head_dim=24)
-    p = export(hd, os.path.join(wd, "llama-hd-out"), expect=1)
-    check("head_dim = 24 differs from hidden_size / num_attention_heads = 16" in p.stderr,
-          f"llama head_dim: {p.stderr}")
-    # Architectures newer than transformers, or whose attention is not the
-    # contract's, are refused by name, without a traceback.
-    for mtype, needle in (("qwen3", "architecture 'qwen3' is not supported"),
+    # head_dim apart from hidden / heads, which every family's attention
+    # honours from transformers 4.56 on (Gemma above too).
+    for kind in ("mistral", "llama"):
+        hd = tiny_decoder(kind, os.path.join(wd, f"tiny-{kind}-hd"), minilm, head_dim=24)
+        consistency(f"tiny {kind} (head_dim 24 of hidden 64, 4 heads)", hd, kind,
+                    os.path.join(wd, f"tiny-{kind}-hd-out"))
+    # Architectures unknown here, or whose attention is not the contract's,
+    # are refused by name, without a traceback.
+    for mtype, needle in (("olmo", "architecture 'olmo' is not supported"),
                           ("gemma2", "'gemma2' is not supported: its attention soft-caps")):
         folder = os.path.join(wd, f"fake-{mtype}")
         os.makedirs(folder, exist_ok=True)

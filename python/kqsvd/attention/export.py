@@ -36,7 +36,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     a bad file."""
     import torch
     from safetensors.torch import save_file
-    from .compressed import fold_o_proj
+    from .projection import fold_o_proj
     if dtype not in DTYPES:
         raise UsageError(f"export_safetensors: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     if not isinstance(proj, (Projections, str, os.PathLike)):

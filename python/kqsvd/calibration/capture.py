@@ -5,6 +5,7 @@ projection.  One implementation for examples/export_hf.py (which writes
 them as cache shards) and python -m kqsvd.calibrate_hf (which folds them
 into R factors at once)."""
 import sys
+import weakref
 
 from ..errors import UsageError
 from ..models import ENCODERS, head_dim
@@ -31,12 +32,22 @@ class Capture:
     """Records each layer's Q, K and V as the attention computes them and
     hands them to `sink(layer, kind, tensor [B, H, T, d])`.  rope "post"
     (the default): queries and keys after RoPE, as the scores use them;
-    "pre": before it, as q_proj and k_proj give them (the arguments of the
-    rotation), for projections that are fused into k_proj and applied
-    before the keys are rotated."""
+    "pre": before it (after q_norm and k_norm where the family has them),
+    for projections applied before the keys are rotated.  Close it (or use
+    it in a with block) to leave the model as it was.
+
+    Decoders: a transformers attention function (capture_attention,
+    registered as CAPTURE + the model's own implementation) receives the
+    post-RoPE queries and keys and the values, hands them on, and computes
+    the attention as the model's own implementation would; keys and
+    queries before RoPE come from forward hooks on the modules that make
+    them.  Encoders: forward hooks on their query, key and value layers."""
 
     def __init__(self, model, mtype, cfg, sink, rope="post"):
-        self.sink, self.handles, self.layer = sink, [], None
+        if rope not in ("post", "pre"):
+            raise UsageError(f"Capture: rope must be 'post' or 'pre', not {rope!r}")
+        self.sink, self.handles, self.rope, self.cfg = sink, [], rope, cfg
+        self.saved = None
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
         self.d = head_dim(getattr(cfg, "_name_or_path", "") or "model", cfg)
@@ -48,60 +59,124 @@ class Capture:
                                      ("v", att.value, self.hkv)):
                     self.handles.append(mod.register_forward_hook(self._linear(l, kind, h)))
             return
+        _register()
         self.layers = list(model.layers)
-        # Post-RoPE queries and keys are what the module-level
-        # apply_rotary_pos_emb returns, pre-RoPE ones what it is given (its
-        # q and k, positional or by name); each attention calls it once, so
-        # a pre-hook on the attention says which layer the call belongs to.
-        self.module = sys.modules[type(self.layers[0].self_attn).__module__]
-        self.original = self.module.apply_rotary_pos_emb
-        if rope not in ("post", "pre"):
-            raise UsageError(f"Capture: rope must be 'post' or 'pre', not {rope!r}")
-
-        def rotate(*args, **kwargs):
-            if rope == "pre":
-                self.sink(self.layer, "q", args[0] if args else kwargs["q"])
-                self.sink(self.layer, "k", args[1] if len(args) > 1 else kwargs["k"])
-            q, k = self.original(*args, **kwargs)
-            if rope == "post":
-                self.sink(self.layer, "q", q)
-                self.sink(self.layer, "k", k)
-            return q, k
-
-        self.module.apply_rotary_pos_emb = rotate
+        own = cfg._attn_implementation or "eager"
+        name = CAPTURE + (own if own in ("eager", "sdpa") else "sdpa")
         for l, lay in enumerate(self.layers):
-            self.handles.append(lay.self_attn.register_forward_pre_hook(self._enter(l)))
             att = lay.self_attn
-            if hasattr(att, "qkv_proj"):  # Phi-3: one fused projection, values last
-                self.handles.append(att.qkv_proj.register_forward_hook(self._fused_v(l)))
-            else:
-                self.handles.append(att.v_proj.register_forward_hook(self._linear(l, "v", self.hkv)))
+            SITES[att] = (self, l)
+            if rope == "pre":
+                self._pre_hooks(l, att)
+        self.saved = own
+        cfg._attn_implementation = name
 
-    def _enter(self, l):
-        def hook(_mod, _inp):
-            self.layer = l
+    def _pre_hooks(self, l, att):
+        if hasattr(att, "qkv_proj"):  # Phi-3: one fused projection, queries first
+            self.handles.append(att.qkv_proj.register_forward_hook(
+                self._slice(l, (("q", 0, self.hq), ("k", self.hq * self.d, self.hkv)))))
+            return
+        for kind, heads in (("q", self.hq), ("k", self.hkv)):
+            norm = getattr(att, f"{kind}_norm", None)  # Qwen3: RoPE acts on the normed rows
+            if norm is not None:
+                self.handles.append(norm.register_forward_hook(self._normed(l, kind)))
+            else:
+                self.handles.append(getattr(att, f"{kind}_proj").register_forward_hook(
+                    self._linear(l, kind, heads)))
+
+    # Each hook returns its output rebuilt from the views it handed on, so
+    # that those views are what the model computes with and a sink that
+    # retains their gradients (kqsvd.quality.allocate) gets them.
+    def _normed(self, l, kind):
+        def hook(_mod, _inp, out):  # [b, T, H, d]
+            x = out.transpose(1, 2)
+            self.sink(l, kind, x)
+            return x.transpose(1, 2)
         return hook
 
     def _linear(self, l, kind, heads):
         def hook(_mod, _inp, out):
             b, t, _ = out.shape
-            self.sink(l, kind, out.view(b, t, heads, self.d).transpose(1, 2))
+            x = out.view(b, t, heads, self.d).transpose(1, 2)
+            self.sink(l, kind, x)
+            return x.transpose(1, 2).reshape(b, t, heads * self.d)
         return hook
 
-    def _fused_v(self, l):
-        start = (self.hq + self.hkv) * self.d
+    def _slice(self, l, parts):
+        import torch
 
         def hook(_mod, _inp, out):
             b, t, _ = out.shape
-            v = out[..., start:start + self.hkv * self.d]
-            self.sink(l, "v", v.reshape(b, t, self.hkv, self.d).transpose(1, 2))
+            pieces, end = [], 0
+            for kind, start, heads in parts:  # adjacent, from column 0
+                x = out[..., start:start + heads * self.d].reshape(b, t, heads, self.d)
+                x = x.transpose(1, 2)
+                self.sink(l, kind, x)
+                pieces.append(x.transpose(1, 2).reshape(b, t, heads * self.d))
+                end = start + heads * self.d
+            return torch.cat(pieces + [out[..., end:]], -1)
         return hook
+
+    def seen(self, l, q, k, v):
+        """What the capture attention function receives (the last T keys and
+        values are the current tokens')."""
+        T = q.shape[2]
+        if k.shape[-2] != T:  # a cache's earlier keys before the current ones
+            k, v = k[..., -T:, :], v[..., -T:, :]
+        if self.rope == "post":
+            self.sink(l, "q", q)
+            self.sink(l, "k", k)
+        self.sink(l, "v", v)
 
     def close(self):
         for h in self.handles:
             h.remove()
-        if hasattr(self, "original"):
-            self.module.apply_rotary_pos_emb = self.original
+        self.handles = []
+        for lay in self.layers:
+            att = getattr(lay, "self_attn", None)
+            if att is not None and SITES.get(att, (None,))[0] is self:
+                del SITES[att]
+        if self.saved is not None:
+            self.cfg._attn_implementation, self.saved = self.saved, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+CAPTURE = "kqsvd_capture_"
+# attention module -> (Capture, layer) while a capture runs
+SITES = weakref.WeakKeyDictionary()
+_REGISTERED = []
+
+
+def _capture_with(own):
+    """The capture attention function that computes as `own` does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def capture_attention(module, query, key, value, attention_mask, **kwargs):
+        site = SITES.get(module)
+        if site is not None:
+            site[0].seen(site[1], query, key, value)
+        if own == "sdpa":
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        # the family's own eager attention, as transformers picks it for "eager"
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    return capture_attention
+
+
+def _register():
+    if _REGISTERED:
+        return
+    _REGISTERED.append(True)
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    for own, mask in (("eager", eager_mask), ("sdpa", sdpa_mask)):
+        AttentionInterface.register(CAPTURE + own, _capture_with(own))
+        AttentionMaskInterface.register(CAPTURE + own, mask)
 
 
 def attention_out_proj(model, mtype):

@@ -206,9 +206,8 @@ class _Mixtral(_Llama):
     """``llama`` with ``llama.expert_count`` > 0 (Mixtral) -> MixtralForCausalLM."""
 
     config_class, model_class = "MixtralConfig", "MixtralForCausalLM"
-    rope_scaling_types = ("none",)  # MixtralConfig 4.44 has no rope_scaling
-    # MixtralRotaryEmbedding (4.44) caches cos/sin at construction, so the
-    # rope_freqs.weight factors could not be applied afterwards: refused as unknown.
+    rope_scaling_types = ("none",)
+    # llama.cpp's Mixtral conversions never carry rope_freqs.weight: refused as unknown.
     extras = ()
     optional = ("output.weight",)
 
@@ -236,11 +235,13 @@ class _Mixtral(_Llama):
 
     def ffn_tensors(self, hp):
         h, f, e = hp["hidden_size"], hp["intermediate_size"], hp["experts"]
-        # convert_hf_to_gguf stacks w1/w2/w3 of all experts along a new first axis.
-        return {"ffn_gate_inp.weight": ("block_sparse_moe.gate.weight", (e, h)),
-                "ffn_gate_exps.weight": ("block_sparse_moe.experts.{x}.w1.weight", (e, f, h)),
-                "ffn_down_exps.weight": ("block_sparse_moe.experts.{x}.w2.weight", (e, h, f)),
-                "ffn_up_exps.weight": ("block_sparse_moe.experts.{x}.w3.weight", (e, f, h))}
+        # convert_hf_to_gguf stacks each projection of all experts along a new
+        # first axis; transformers 5 holds gate and up side by side in one
+        # tensor ("#0", "#1": the parts, joined along rows).
+        return {"ffn_gate_inp.weight": ("mlp.gate.weight", (e, h)),
+                "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj#0", (e, f, h)),
+                "ffn_up_exps.weight": ("mlp.experts.gate_up_proj#1", (e, f, h)),
+                "ffn_down_exps.weight": ("mlp.experts.down_proj", (e, h, f))}
 
     def config_kwargs(self, hp, extras, m):
         # llama.cpp's llama graph has no sliding window, so none here either.
@@ -457,7 +458,7 @@ def load_tensors(reader, m, spec, hp, vocab):
                 raise GGUFError(path, f"tensor '{name}' has type {t.tensor_type.name}, which "
                                       f"gguf.quants cannot dequantize") from None
             probed.add(t.tensor_type)
-    weights, extras = {}, {}
+    weights, extras, parts = {}, {}, {}
     for name, t in by_name.items():
         hf, shape = expected[name]
         arr = _dequantize(t, shape)
@@ -465,11 +466,13 @@ def load_tensors(reader, m, spec, hp, vocab):
         arr = spec.convert(layer_key.group(2) if layer_key else name, arr, hp)
         if hf is None:
             extras[name] = arr
-        elif "{x}" in hf:  # one slice per expert; views keep a single copy in memory
-            for x in range(arr.shape[0]):
-                weights[hf.format(x=x)] = arr[x]
+        elif "#" in hf:
+            whole, part = hf.split("#")
+            parts.setdefault(whole, {})[int(part)] = arr
         else:
             weights[hf] = arr
+    for whole, got in parts.items():
+        weights[whole] = np.concatenate([got[i] for i in sorted(got)], axis=1)
     return weights, extras
 
 
@@ -493,7 +496,7 @@ def build_model(spec, m, hp, vocab, weights, extras, tokenizer, dtype):
     """The transformers model for ``spec`` holding ``weights`` (eager attention, eval mode)."""
     import torch
     import transformers
-    from transformers.modeling_utils import no_init_weights
+    from transformers.initialization import no_init_weights
 
     tied = "lm_head.weight" not in weights
     common = dict(
@@ -503,7 +506,7 @@ def build_model(spec, m, hp, vocab, weights, extras, tokenizer, dtype):
         max_position_embeddings=hp["max_position_embeddings"], rope_theta=hp["rope_theta"],
         tie_word_embeddings=tied, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype, attn_implementation="eager")
+        dtype=dtype, attn_implementation="eager")
     common.update(spec.config_kwargs(hp, extras, m))
     try:
         config = getattr(transformers, spec.config_class)(**common)

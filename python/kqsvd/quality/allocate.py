@@ -150,17 +150,12 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
     live = []
 
     def sink(layer, kind, t):
-        if kind == "k" and t.requires_grad:
+        if kind in ("k", "v") and t.requires_grad:
             live.append((layer, kind, t))
             t.retain_grad()
 
     hooks = [model.get_input_embeddings().register_forward_hook(
         lambda _m, _i, out: out.requires_grad_(True))]
-    for l, lay in enumerate(model.model.layers):  # the v_proj output the model uses
-        def vhook(_mod, _inp, out, l=l):
-            out.retain_grad()
-            live.append((l, "vraw", out))
-        hooks.append(lay.self_attn.v_proj.register_forward_hook(vhook))
     # The keys the projections act on: after RoPE, or before it (--keys pre-rope).
     ropes = {p.rope for p in projs.values()}
     if len(ropes) != 1:
@@ -196,15 +191,7 @@ def _cost_passes(model, info, seqs, batch, draws, gen, live, sens):
             loss = -logp.gather(2, ids[:, 1:, None]).sum()
         loss.backward()
         for layer, kind, t in live:
-            g = t.grad
-            if kind == "vraw":
-                b, T, _ = t.shape
-                shape = (b, T, info.num_kv_heads, info.head_dim)
-                x = t.detach().view(shape).transpose(1, 2)
-                g = g.view(shape).transpose(1, 2)
-                kind = "v"
-            else:
-                x = t.detach()
+            x, g = t.detach(), t.grad
             sens.add(layer, kind, x.double().cpu().numpy(), g.double().cpu().numpy(),
                      joint=draws > 0)
 
@@ -217,9 +204,9 @@ class Gates:
 
     def __init__(self, model, proj_full, info):
         import torch
-        from ..attention import compress
+        from ..attention import compress, layer_projections
         compress(model, proj_full)
-        self.layers = [lay.self_attn._kqsvd for lay in model.model.layers]
+        self.layers = layer_projections(model)
         self.A = [P.A.detach().clone() for P in self.layers]
         self.Av = [P.Av.detach().clone() for P in self.layers]
         L, H, d = info.num_layers, info.num_kv_heads, info.head_dim

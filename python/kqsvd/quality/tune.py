@@ -27,10 +27,10 @@ class _Trainable:
 
     def __init__(self, model, proj):
         import torch
-        from ..attention import compress
+        from ..attention import compress, layer_projections
         compress(model, proj)
         p = next(model.parameters())
-        self.layers = [lay.self_attn for lay in model.model.layers]
+        self.layers = layer_projections(model)
         self.qd = [torch.tensor(m, dtype=p.dtype, device=p.device, requires_grad=True)
                    for m in proj.query_down]                       # [Hkv, d, rk]
         self.vu = [torch.tensor(m, dtype=p.dtype, device=p.device, requires_grad=True)
@@ -39,16 +39,15 @@ class _Trainable:
     def install(self):
         # The layouts of attention.LayerProjection, rebuilt from the leaves
         # so that the gradients reach them.
-        for att, qd, vu in zip(self.layers, self.qd, self.vu):
-            P, g = att._kqsvd, att.num_heads // att.num_key_value_heads
+        for P, qd, vu in zip(self.layers, self.qd, self.vu):
             if P.ragged:
                 P.Bq = [qd[j, :, :r] for j, r in enumerate(P.rk)]
                 P.BkT = [b.T for b in P.Bq]
                 P.BvT = [vu[j, :, :r].T for j, r in enumerate(P.rv)]
             else:
-                P.Bq = qd.repeat_interleave(g, 0)
+                P.Bq = qd.repeat_interleave(P.g, 0)
                 P.BkT = qd.transpose(1, 2)
-                P.BvT = vu.transpose(1, 2).repeat_interleave(g, 0)
+                P.BvT = vu.transpose(1, 2).repeat_interleave(P.g, 0)
 
     def leaves(self):
         return self.qd + self.vu

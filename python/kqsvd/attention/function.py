@@ -1,0 +1,117 @@
+"""The compressed attention as a transformers attention function, registered
+with AttentionInterface (and AttentionMaskInterface: a name unknown there
+makes transformers drop the mask, and left padding with it) under NAME.
+
+transformers calls it from each attention module with the queries after
+RoPE and with what the cache's update returned: the latent columns from a
+LatentLayer, or full keys and values (no cache, or a cache of another
+kind), which it projects itself, so the result is the same either way.
+Scores are (q B)(K A)^T scaled by the module's own scaling (1/sqrt(d),
+never 1/sqrt(r)), the weights multiply V A_v, and B_v^T (or the folded
+o_proj) takes the result back; all through
+torch.nn.functional.scaled_dot_product_attention.
+
+Probe mode (compress(..., probe=True)) measures instead: it computes the
+exact and the compressed scores and outputs eagerly, records their
+relative squared errors per sequence (err_kq and err_out as `kqsvd
+evaluate` defines them: scores after RoPE, W^O without its bias), and
+returns the exact output, so every layer sees the full model's inputs."""
+import weakref
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..errors import KqsvdError
+from .projection import key_positions, rope
+
+NAME = "kqsvd"
+
+# attention module -> compressed.Site while the module's model is compressed;
+# weak keys, so nothing is attached to the model and nothing outlives it.
+SITES = weakref.WeakKeyDictionary()
+
+
+def latent_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    site = SITES.get(module)
+    if site is None:  # a module of a model not (or no longer) compressed
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise KqsvdError("compressed attention does not support logit soft-capping")
+    P = site.P
+    T, N = query.shape[2], key.shape[2]
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        pos = torch.arange(N - T, N, device=query.device)[None]
+    kpos = key_positions(pos, T, N)
+    handed, site.handoff = site.handoff, None
+    latent = handed is not None and handed[0] is key and handed[1] is value
+    if site.probe is not None:
+        if latent or N != T:
+            raise KqsvdError("probe mode measures whole sequences: call the model with "
+                             "use_cache=False")
+        return _probe(module, site, query, key, value, attention_mask, scaling, pos)
+    if latent:
+        kc, vc = key, value
+    else:
+        if key.shape[-1] != query.shape[-1]:
+            raise KqsvdError("this cache was filled under other projections: start a new one "
+                             "(kqsvd.latent_cache) after each compress()")
+        cos, sin = site.rotary(value, kpos) if P.pre else (None, None)
+        kc, vc = P.project(key, value, cos, sin)
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, :N]
+    causal = mask is None and T > 1 and getattr(module, "is_causal", True)
+    drop = dropout if module.training else 0.0
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
+                                              is_causal=causal, scale=scaling,
+                                              enable_gqa=q.shape[1] != k.shape[1]), None
+
+    heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, *site.rotary(x, kpos)))
+    if folded is not None:
+        return folded.unsqueeze(2), None
+    return heads.transpose(1, 2).contiguous(), None
+
+
+def _probe(module, site, q, k, v, mask, scaling, pos):
+    """Probe mode's measurement (see the module's doc)."""
+    P = site.P
+    T = q.shape[2]
+    cos, sin = site.rotary(v, pos) if P.pre else (None, None)
+    kc, vc = P.project(k, v, cos, sin)
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]
+    mask = mask[:, :, :, :T]
+
+    def attend(qq, kk, vv):
+        rep = qq.shape[1] // kk.shape[1]
+        s = qq @ kk.repeat_interleave(rep, 1).transpose(2, 3)
+        # as transformers' eager masks: finfo.min rather than -inf, so that
+        # a row of padding gives no NaN
+        bias = (torch.zeros_like(s).masked_fill(~mask, torch.finfo(s.dtype).min)
+                if mask.dtype == torch.bool else mask)
+        w = torch.softmax(s * scaling + bias, -1, dtype=torch.float32).to(qq.dtype)
+        return w @ vv.repeat_interleave(rep, 1), s
+
+    exact, s = attend(q, k, v)
+    approx, _, scores = P.attend(attend, q, kc, vc, lambda x: rope(x, cos, sin))
+    s_c = torch.cat(scores, 1)
+    b, hq, T, d = exact.shape
+    W = module.o_proj.weight if site.o_original is None else site.o_original.weight
+    y = exact.transpose(1, 2).reshape(b, T, hq * d) @ W.T
+    y_c = approx.transpose(1, 2).reshape(b, T, hq * d) @ W.T
+    for i in range(b):
+        site.probe.append((float(((s[i] - s_c[i]) ** 2).sum() / (s[i] ** 2).sum()),
+                           float(((y[i] - y_c[i]) ** 2).sum() / (y[i] ** 2).sum())))
+    return exact.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, latent_attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
