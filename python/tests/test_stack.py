@@ -1,0 +1,123 @@
+"""The package on the transformers it runs on, without the C tool or model
+files: ctest runs it as py_stack in .venv (the pinned newest) and as
+py_floor in .venv-floor (the declared floor, scripts/hf-env.sh --floor),
+so both ends of the range in pyproject.toml are tested.  On tiny random
+Llama and Qwen3 models (Qwen3 normalises keys before RoPE):
+- at full rank the compressed logits are the model's, keys after and
+  before RoPE, o_proj folded or not;
+- greedy generate() over a left-padded batch, with the latent cache it
+  starts by itself, equals whole-sequence decoding, and the cache holds
+  r columns per KV head;
+- the context manager leaves logits bit-identical;
+- capture hands on the keys the attention uses, after RoPE (as this test
+  rotates them from k_proj, and k_norm) and before it."""
+import os
+import unittest
+
+import torch
+
+from common import FAMILIES, orthonormal_projections, tiny_lm
+
+import kqsvd
+from kqsvd.calibration.capture import Capture
+from kqsvd.compat import TRANSFORMERS, _key
+
+
+def rotate(x, cos, sin):
+    """RoPE written here: x [b, H, T, d], cos and sin [b, T, d]."""
+    h = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat([-x[..., h:], x[..., :h]], -1) * sin[:, None]
+
+
+class Stack(unittest.TestCase):
+    KINDS = ("llama", "qwen3")
+
+    def test_version_in_range(self):
+        import transformers
+        want = os.environ.get("KQSVD_EXPECT_TRANSFORMERS")
+        if want:  # py_floor: the floor's venv really has the floor
+            self.assertEqual(transformers.__version__, want)
+        low, high = TRANSFORMERS
+        self.assertTrue(_key(low) <= _key(transformers.__version__) < _key(high))
+        self.assertGreaterEqual(_key(transformers.__version__), (4, 56))
+
+    def batch(self):
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(3, 200, (2, 12), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        return ids, mask
+
+    def test_full_rank_generate_and_restore(self):
+        for kind in self.KINDS:
+            with self.subTest(kind):
+                self.assertIn(kind, FAMILIES)
+                self.compressed(kind)
+
+    def compressed(self, kind):
+        model = tiny_lm(kind, 200, seed=2)
+        ids, mask = self.batch()
+        keep = mask.bool()
+        with torch.no_grad():
+            full = model(input_ids=ids, attention_mask=mask).logits
+            d = model.config.head_dim
+            for rope in ("post", "pre"):
+                for fold in (False, True):
+                    with kqsvd.compressed(model, orthonormal_projections(model, d, rope), fold=fold):
+                        got = model(input_ids=ids, attention_mask=mask).logits
+                    err = float((got - full)[keep].abs().max() / full[keep].abs().max())
+                    self.assertLess(err, 1e-5, f"{kind} {rope} fold={fold}")
+            low = orthonormal_projections(model, 5, seed=3)
+            with kqsvd.compressed(model, low):
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                     do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+                seq, m = ids, mask
+                for _ in range(5):
+                    pos = (m.cumsum(-1) - 1).clamp(min=0)
+                    nxt = model(input_ids=seq, attention_mask=m, position_ids=pos,
+                                use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+                    seq, m = torch.cat([seq, nxt], -1), torch.cat([m, torch.ones_like(nxt)], -1)
+            self.assertTrue(torch.equal(out.sequences, seq), kind)
+            cache = out.past_key_values
+            self.assertEqual({tuple(layer.keys.shape) for layer in cache.layers},
+                             {(2, model.config.num_key_value_heads, seq.shape[1] - 1, 5)})
+            self.assertTrue(torch.equal(model(input_ids=ids, attention_mask=mask).logits, full))
+
+    def test_capture(self):
+        for kind in self.KINDS:
+            with self.subTest(kind):
+                self.capture(kind)
+
+    def capture(self, kind):
+        model = tiny_lm(kind, 200, seed=4)
+        cfg = model.config
+        ids = self.batch()[0]
+        b, T = ids.shape
+        own = cfg._attn_implementation
+        with torch.no_grad():
+            full = model(input_ids=ids).logits
+            lay = model.model.layers[0]
+            att = lay.self_attn
+            h = lay.input_layernorm(model.model.embed_tokens(ids))
+            k = att.k_proj(h).view(b, T, cfg.num_key_value_heads, -1)
+            if hasattr(att, "k_norm"):
+                k = att.k_norm(k)
+            k = k.transpose(1, 2)
+            cos, sin = model.model.rotary_emb(h, torch.arange(T)[None])
+            for rope, want in (("post", rotate(k, cos, sin)), ("pre", k)):
+                got = {}
+
+                def sink(layer, what, t, got=got):
+                    got.setdefault((layer, what), t.detach().clone())
+                with Capture(model.model, cfg.model_type, cfg, sink, rope):
+                    same = model(input_ids=ids, use_cache=False).logits
+                self.assertEqual(sorted(got), [(l, w) for l in range(cfg.num_hidden_layers)
+                                               for w in "kqv"])
+                err = float((got[(0, "k")] - want).abs().max() / want.abs().max())
+                self.assertLess(err, 1e-6, f"{kind} {rope}")
+                self.assertTrue(torch.equal(same, full), f"{kind} {rope}: capture changed logits")
+        self.assertEqual(cfg._attn_implementation, own)
+
+
+if __name__ == "__main__":
+    unittest.main()
