@@ -318,6 +318,7 @@ class Hostile(unittest.TestCase):
         os.makedirs(inside)
         shutil.copyfile(self.text, os.path.join(inside, "t.txt"))
         for out, text, code, word in ((self.text, None, 2, "is a file"),
+                                      (os.path.join(self.text, "x", "y"), None, 2, "is a file"),
                                       (self.model, None, 2, "lies inside"),
                                       (inside, os.path.join(inside, "t.txt"), 2, "lies inside"),
                                       (os.path.join(self.out, "e2"), "/nope.txt", 1, "/nope.txt")):
@@ -327,6 +328,12 @@ class Hostile(unittest.TestCase):
             self.assertIn(word, lines[0])
         self.assertEqual(listing(self.out), ["exp"])
         self.assertEqual(listing(inside), ["t.txt"])
+        # Folders above --out that do not exist yet are made, as mkdir -p.
+        nested = os.path.join(self.out, "a", "b", "train")
+        p = export(nested)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertTrue(os.path.exists(os.path.join(nested, "model.h5")))
+        shutil.rmtree(os.path.join(self.out, "a"))
 
     # -- the library -------------------------------------------------------------
     def test_library_ranks(self):

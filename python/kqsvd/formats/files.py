@@ -100,15 +100,15 @@ def check_input_file(label, path):
 
 def check_folder_output(label, path, inputs=()):
     """A folder the run fills (an export, checkpoints): a folder or nothing
-    yet, in a folder that exists, where files can be created, and holding
-    no input of the run (the run removes its own temporary files there).
-    Raises UsageError naming it."""
+    yet (the run makes it and any folders above it, as mkdir -p), where
+    files can be created, and holding no input of the run (the run removes
+    its own temporary files there).  Raises UsageError naming it."""
     name = f"{label} {path}"
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise UsageError(f"{name} is a file, not a folder")
-    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    where = os.path.abspath(path)
+    while not os.path.lexists(where):  # the nearest part that exists
+        where = os.path.dirname(where)
     if not os.path.isdir(where):
-        raise UsageError(f"{name}: the folder {where} does not exist")
+        raise UsageError(f"{name}: {where} is a file, not a folder")
     _probe(name, where)
     inside = os.path.realpath(path) + os.sep
     for what, p in inputs:
