@@ -66,6 +66,37 @@ class SmolLM2(unittest.TestCase):
         self.assertLess(abs(math.exp((got - ref) / n) - 1), 1e-3)
         self.assertGreater(got - nll_full, 1.0)  # rank 24 of 64 costs something
 
+    def test_compressed_block(self):
+        """The issue's check: under `with kqsvd.compressed` at a fixed rank,
+        the perplexity of an independent implementation (1e-3), greedy
+        generate() with the compressed cache equal to whole-sequence
+        decoding, and the model bit for bit as it was after the block."""
+        proj = kqsvd.load_projections(self.proj, "kqsvd", "fixed:32")
+        row = self.ids[1]
+        x = torch.from_numpy(row[None])
+        tgt = torch.from_numpy(row[1:])[:, None]
+        prompt = self.tok("The capital of France is", return_tensors="pt").input_ids
+        ref = reference_nll(self.model.state_dict(), self.model.config, proj, row)
+        with torch.no_grad():
+            before = self.model(input_ids=x).logits
+            with kqsvd.compressed(self.model, proj):
+                logits = self.model(input_ids=x).logits[0, :-1].double()
+                out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                          max_new_tokens=8, do_sample=False,
+                                          return_dict_in_generate=True,
+                                          pad_token_id=self.tok.pad_token_id)
+                seq = prompt
+                for _ in range(8):
+                    nxt = self.model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1)
+                    seq = torch.cat([seq, nxt[:, None]], -1)
+            after = self.model(input_ids=x).logits
+        got = -float(torch.log_softmax(logits, -1).gather(1, tgt).sum())
+        self.assertLess(abs(math.exp((got - ref) / (len(row) - 1)) - 1), 1e-3)
+        self.assertTrue(torch.equal(out.sequences, seq))
+        T = seq.shape[1] - 1  # the last token is never fed back
+        self.assertEqual(kqsvd.cache_bytes(out.past_key_values), 4 * T * 30 * 3 * (32 + 32))
+        self.assertTrue(torch.equal(after, before))
+
     def test_quality_command(self):
         out = os.path.join(self.wd, "q.json")
         p = run([sys.executable, "-m", "kqsvd.quality", "--model", MODEL, "--text", TEXT,
