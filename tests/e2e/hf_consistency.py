@@ -47,7 +47,7 @@ def attention_outputs(model_path, mtype, ids):
     the output projection's bias (W^O is the contract's; the bias is not)."""
     from transformers import AutoModel
     model = AutoModel.from_pretrained(model_path, attn_implementation="eager",
-                                      torch_dtype=torch.float32).eval()
+                                      dtype=torch.float32).eval()
     outs, hooks = {}, []
     if mtype == "bert":
         for l, lay in enumerate(model.encoder.layer):
