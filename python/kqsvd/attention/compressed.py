@@ -164,6 +164,7 @@ def _build(model, proj, fold, probe):
                 if o.bias is not None:
                     folded.bias.copy_(o.bias)
             folded.train(o.training)
+            P.o_folded = folded.weight  # one copy of the folded matrix, not two
         sites.append(Site(attn, P, rotary, probe, folded))
     return _Install(model, sites)
 
@@ -178,13 +179,19 @@ def compress(model, proj, fold=False, probe=False):
     an unsupported model or transformers, or projections of other sizes;
     the model is then unchanged."""
     check_transformers()
-    built = None if proj is None else _build(model, proj, fold, probe)
-    old = _INSTALLED.get(model)
-    if old is not None:
-        old.remove()
+    _swap(model, None if proj is None else _build(model, proj, fold, probe))
+    return model
+
+
+def _swap(model, built):
+    """Removes what is installed in model, applies built (or nothing), and
+    returns what was installed before."""
+    before = _INSTALLED.get(model)
+    if before is not None:
+        before.remove()
     if built is not None:
         built.apply()
-    return model
+    return before
 
 
 @contextlib.contextmanager
@@ -194,17 +201,11 @@ def compressed(model, proj, fold=False, probe=False):
     it, including projections installed before the block.  Yields the
     model.  Not collective, not thread-safe; raises as compress()."""
     check_transformers()
-    built = _build(model, proj, fold, probe)
-    before = _INSTALLED.get(model)
-    if before is not None:
-        before.remove()
-    built.apply()
+    before = _swap(model, _build(model, proj, fold, probe))
     try:
         yield model
     finally:
-        built.remove()
-        if before is not None:
-            before.apply()
+        _swap(model, before)
 
 
 def layer_projections(model):

@@ -55,13 +55,15 @@ def latent_attention(module, query, key, value, attention_mask, scaling=None, dr
             raise KqsvdError("probe mode measures whole sequences: call the model with "
                              "use_cache=False")
         return _probe(module, site, query, key, value, attention_mask, scaling, pos)
+    # One table of every key's cos and sin per call, for undoing RoPE on
+    # full keys and redoing it on the rebuilt ones alike.
+    cos, sin = site.rotary(value, kpos) if P.pre else (None, None)
     if latent:
         kc, vc = key, value
     else:
         if key.shape[-1] != query.shape[-1]:
             raise KqsvdError("this cache was filled under other projections: start a new one "
                              "(kqsvd.latent_cache) after each compress()")
-        cos, sin = site.rotary(value, kpos) if P.pre else (None, None)
         kc, vc = P.project(key, value, cos, sin)
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
@@ -74,7 +76,7 @@ def latent_attention(module, query, key, value, attention_mask, scaling=None, dr
                                               is_causal=causal, scale=scaling,
                                               enable_gqa=q.shape[1] != k.shape[1]), None
 
-    heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, *site.rotary(x, kpos)))
+    heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, cos, sin))
     if folded is not None:
         return folded.unsqueeze(2), None
     return heads.transpose(1, 2).contiguous(), None
