@@ -18,6 +18,8 @@ typedef struct kqsvd_proj_meta {
   const char *inputs_hash; /* extension: what calibrate --manifest compares */
   const char *rope;        /* extension: "pre" or "post", where the caches' keys were
                               taken (docs/formats.md 5.3); NULL: no attribute */
+  int64_t head_groups;     /* extension: G > 1 for head-group projections, whose
+                              dims are the model's group view; 0 or 1: none */
 } kqsvd_proj_meta_t;
 
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;
@@ -80,6 +82,11 @@ double kqsvd_proj_beta(const kqsvd_proj_reader_t *r);
 double kqsvd_proj_eps(const kqsvd_proj_reader_t *r);
 int64_t kqsvd_proj_tokens(const kqsvd_proj_reader_t *r);
 const char *kqsvd_proj_policy(const kqsvd_proj_reader_t *r);
+/* The head_groups extension attribute (1 when absent): G > 1 means the
+ * file's dims are the group view of a model with num_kv_heads x G KV heads
+ * of head_dim / G (docs/formats.md 5.3); kqsvd_proj_open has checked that
+ * G divides head_dim. */
+int64_t kqsvd_proj_head_groups(const kqsvd_proj_reader_t *r);
 
 /* Reads float64 dataset group/name ("kqsvd"/"key_down", "spectra"/"K"):
  * the whole of it for layer < 0, else layer `layer` ([Hkv][d][d] or

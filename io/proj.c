@@ -75,6 +75,8 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   if (meta->rank_policy) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rank_policy", meta->rank_policy));
   if (meta->inputs_hash) KQSVD_CALL(kqsvd_h5_put_str(w->file, "inputs_hash", meta->inputs_hash));
   if (meta->rope) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rope", meta->rope));
+  if (meta->head_groups > 1)
+    KQSVD_CALL(kqsvd_h5_put_int(w->file, "head_groups", H5T_STD_I64LE, meta->head_groups));
 
   const hsize_t mat[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
                           (hsize_t)dm->head_dim};
@@ -229,7 +231,7 @@ struct kqsvd_proj_reader {
   hid_t file;
   kqsvd_dims_t dims;
   double eps, beta;
-  int64_t tokens;
+  int64_t tokens, head_groups;
   char policy[64];
   int head_ranks[KQSVD_NMETHODS]; /* the group holds rank_k_heads and rank_v_heads */
 };
@@ -318,6 +320,13 @@ static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out
   }
   if (H5Aexists(r->file, "rank_policy") > 0)
     KQSVD_CALL(kqsvd_h5_attr_str(r->file, path, "rank_policy", r->policy, sizeof r->policy));
+  r->head_groups = 1;
+  if (H5Aexists(r->file, "head_groups") > 0) {
+    KQSVD_CALL(kqsvd_h5_attr_int(r->file, path, "head_groups", &r->head_groups));
+    KQSVD_CHECK(r->head_groups >= 1 && r->dims.head_dim % r->head_groups == 0, KQSVD_ERR_INPUT,
+                "%s: attribute 'head_groups' = %lld must be >= 1 and divide head_dim = %lld",
+                path, (long long)r->head_groups, (long long)r->dims.head_dim);
+  }
   const char *groups[KQSVD_NMETHODS + 1] = {"kqsvd", "ksvd", "eigen", "spectra"};
   for (int g = 0; g <= KQSVD_NMETHODS; g++)
     KQSVD_CHECK(H5Lexists(r->file, groups[g], H5P_DEFAULT) > 0, KQSVD_ERR_INPUT,
@@ -358,6 +367,7 @@ void kqsvd_proj_reader_free(kqsvd_proj_reader_t **r) {
 const kqsvd_dims_t *kqsvd_proj_dims(const kqsvd_proj_reader_t *r) { return &r->dims; }
 double kqsvd_proj_beta(const kqsvd_proj_reader_t *r) { return r->beta; }
 double kqsvd_proj_eps(const kqsvd_proj_reader_t *r) { return r->eps; }
+int64_t kqsvd_proj_head_groups(const kqsvd_proj_reader_t *r) { return r->head_groups; }
 int64_t kqsvd_proj_tokens(const kqsvd_proj_reader_t *r) { return r->tokens; }
 const char *kqsvd_proj_policy(const kqsvd_proj_reader_t *r) { return r->policy; }
 int kqsvd_proj_has_head_ranks(const kqsvd_proj_reader_t *r, kqsvd_method_t m) {

@@ -66,6 +66,13 @@ typedef struct kqsvd_acc_options {
   double mem_limit_mib; /* refuse an accumulator whose factors and buffers
                            exceed this many MiB; 0 = no limit [0] */
   kqsvd_qr_t qr;        /* [KQSVD_QR_TSQR] */
+  /* Head-group latents [1]: G > 1 (dividing kv_heads) solves each group of
+   * G consecutive KV heads as one, G d wide: keys K_G = [K_1 .. K_G] side by
+   * side against Q_bd = blockdiag(Q_1 .. Q_G), values likewise against
+   * blockdiag(W_1 .. W_G), so that one latent of rank R serves the group
+   * (docs/formats.md, head-group projections).  Memory and time grow as
+   * (G d)^2 per group.  1 is the per-head form. */
+  int64_t head_groups;
 } kqsvd_acc_options_t;
 
 /* Fills *opt with the defaults above.  Not collective; cannot fail. */
@@ -84,7 +91,11 @@ KQSVD_API void kqsvd_acc_free(kqsvd_acc_t **acc);
  * KQSVD_VALUES of KV head `kv_head` (query must be 0), or KQSVD_QUERIES of
  * query head kv_head * group + query (0 <= query < group).  Row i holds
  * head_dim elements of `type` at rows + i * row_stride elements
- * (row_stride >= head_dim: e.g. Hq d for the output of q_proj).  The
+ * (row_stride >= head_dim: e.g. Hq d for the output of q_proj).  With
+ * head_groups G > 1, keys and values come a group at a time: kv_head is
+ * the group's first KV head (a multiple of G) and a row holds the G heads'
+ * head_dim elements side by side (G d: the columns of k_proj's output for
+ * those heads); queries are given per head as above.  The
  * group's query heads share one factor (of their rows stacked), so their
  * calls may come in any order (`kqsvd calibrate` gives block_rows rows of
  * each head in turn).  The result depends on the rows, their order and how they are split into
@@ -110,7 +121,9 @@ KQSVD_API kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *acc, int64_t layer,
 
 /* Copies the current R factor of one head's rows into R (d x d, row-major,
  * upper triangular, zeros below): tensor and indices as kqsvd_acc_absorb
- * (queries: the group's stacked heads, any `query`).  Unique up to the sign
+ * (queries: the group's stacked heads, any `query`).  With head_groups G,
+ * keys and values give the (G d) x (G d) factor of the group holding
+ * kv_head; queries stay d x d.  Unique up to the sign
  * of each row; under KQSVD_QR_GRAM, the Cholesky factor of the Gram matrix.
  * Not collective.  Errors: KQSVD_ERR_USAGE for an index out of range,
  * KQSVD_ERR_LAPACK. */
@@ -151,7 +164,10 @@ KQSVD_API void kqsvd_finish_options_default(kqsvd_finish_options_t *opt);
 
 /* Solves the d x d problems of every (layer, KV head) from this
  * accumulator's factors and chooses ranks: the three methods' projections,
- * spectra and ranks.  Call it after kqsvd_acc_reduce, on the root.  The
+ * spectra and ranks.  With head_groups G, the items are the (layer, group)
+ * pairs and their problems G d wide: the result's shape
+ * (kqsvd_result_shape) is the group view, kv_heads / G KV heads of
+ * head_dim G d serving group G query heads each.  Call it after kqsvd_acc_reduce, on the root.  The
  * accumulator is unchanged.  Not collective.  Errors: KQSVD_ERR_USAGE for
  * an unknown policy or a rank above head_dim, KQSVD_ERR_LAPACK,
  * KQSVD_ERR_NOMEM. */
@@ -178,8 +194,11 @@ KQSVD_API const double *kqsvd_result_sigma(const kqsvd_result_t *res, kqsvd_meth
 /* The chosen ranks of a method: [layers] each, or NULL. */
 KQSVD_API const int32_t *kqsvd_result_rank_k(const kqsvd_result_t *res, kqsvd_method_t method);
 KQSVD_API const int32_t *kqsvd_result_rank_v(const kqsvd_result_t *res, kqsvd_method_t method);
-/* The shape the result was made for. */
+/* The shape of the result's items: the model's, or its group view under
+ * head_groups (kqsvd_acc_finish).  Not collective. */
 KQSVD_API kqsvd_shape_t kqsvd_result_shape(const kqsvd_result_t *res);
+/* The head_groups the result was made with (1: per head).  Not collective. */
+KQSVD_API int64_t kqsvd_result_head_groups(const kqsvd_result_t *res);
 
 typedef struct kqsvd_write_options {
   const char *model; /* the root attribute `model` [""] */

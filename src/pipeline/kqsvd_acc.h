@@ -18,7 +18,10 @@ int64_t kqsvd_acc_state_doubles(const kqsvd_acc_t *acc);
 double *kqsvd_acc_state(kqsvd_acc_t *acc);
 /* The W^T factors: one packed triangle per item. */
 const double *kqsvd_acc_wstate(const kqsvd_acc_t *acc);
+/* The items' shape: the model's, or its group view under head_groups G
+ * (kv_heads / G heads of head_dim G d, group G query heads each). */
 const kqsvd_shape_t *kqsvd_acc_shape(const kqsvd_acc_t *acc);
+int64_t kqsvd_acc_head_groups(const kqsvd_acc_t *acc);
 const kqsvd_acc_options_t *kqsvd_acc_options(const kqsvd_acc_t *acc);
 /* Forgets the rows given to the current item since it became current (the
  * item whose rows arrived last): calibrate stops mid-item this way, so

@@ -24,7 +24,7 @@ enum { NMAT = 4, NSPEC = 5 }; /* matrices per method; K, Q, V, KQt, VWo */
 struct kqsvd_result {
   kqsvd_shape_t shape;
   int d;
-  int64_t nitems, tokens, block_rows;
+  int64_t nitems, tokens, block_rows, head_groups;
   double beta;
   char policy[64];
   double eps; /* NaN unless the policy is eps:E */
@@ -121,6 +121,7 @@ kqsvd_status_t kqsvd_acc_finish(const kqsvd_acc_t *acc, const kqsvd_finish_optio
   r->tokens = kqsvd_acc_tokens(acc);
   r->beta = o.beta;
   r->block_rows = kqsvd_acc_options(acc)->block_rows;
+  r->head_groups = kqsvd_acc_head_groups(acc);
   kqsvd_rank_policy_format(&policy, r->policy, sizeof r->policy);
   r->eps = policy.kind == KQSVD_RANKS_EPS ? policy.value : NAN;
 
@@ -173,6 +174,7 @@ const int32_t *kqsvd_result_rank_k(const kqsvd_result_t *r, kqsvd_method_t m) {
 const int32_t *kqsvd_result_rank_v(const kqsvd_result_t *r, kqsvd_method_t m) {
   return r && m >= 0 && m < KQSVD_NMETHODS ? r->rank_v + m * r->shape.layers : NULL;
 }
+int64_t kqsvd_result_head_groups(const kqsvd_result_t *r) { return r ? r->head_groups : 0; }
 kqsvd_shape_t kqsvd_result_shape(const kqsvd_result_t *r) {
   const kqsvd_shape_t none = {0, 0, 0, 0, 0};
   return r ? r->shape : none;
@@ -243,6 +245,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.rank_policy = r->policy;
   meta.inputs_hash = hash;
   meta.rope = rope;
+  meta.head_groups = r->head_groups;
   kqsvd_h5guard_enter(&guard);
   locked = 1;
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));

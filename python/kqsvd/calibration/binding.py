@@ -44,7 +44,7 @@ class _Shape(ctypes.Structure):
 
 class _AccOptions(ctypes.Structure):
     _fields_ = [("block_rows", ctypes.c_int64), ("mem_limit_mib", ctypes.c_double),
-                ("qr", ctypes.c_int)]
+                ("qr", ctypes.c_int), ("head_groups", ctypes.c_int64)]
 
 
 class _FinishOptions(ctypes.Structure):
@@ -179,7 +179,8 @@ class _Handle:
 
 
 class Result(_Handle):
-    """Projections, spectra and ranks of the three methods (kqsvd_result_t)."""
+    """Projections, spectra and ranks of the three methods (kqsvd_result_t);
+    `shape` is that of its items (the group view under head_groups)."""
     _free = "kqsvd_result_free"
 
     def __init__(self, handle, shape):
@@ -191,6 +192,27 @@ class Result(_Handle):
         lib, L = library(), self.shape.layers
         rk, rv = lib.kqsvd_result_rank_k(self._h, m), lib.kqsvd_result_rank_v(self._h, m)
         return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
+
+    def matrix(self, method, which, layer, kv_head):
+        """One item's d x d matrix (numpy, a copy): which is "key_down",
+        "query_down", "value_down" or "value_up"."""
+        import numpy as np
+        d = self.shape.head_dim
+        k = ("key_down", "query_down", "value_down", "value_up").index(which)
+        p = library().kqsvd_result_matrix(self._h, METHODS.index(method), k, layer, kv_head)
+        if not p:
+            raise UsageError(f"no matrix {which} of ({layer}, {kv_head})")
+        return np.ctypeslib.as_array(p, shape=(d, d)).copy()
+
+    def sigma(self, method, values, layer, kv_head):
+        """The d singular values ordering one item's key (values False) or
+        value columns."""
+        import numpy as np
+        p = library().kqsvd_result_sigma(self._h, METHODS.index(method), int(bool(values)),
+                                         layer, kv_head)
+        if not p:
+            raise UsageError(f"no spectrum of ({layer}, {kv_head})")
+        return np.ctypeslib.as_array(p, shape=(self.shape.head_dim,)).copy()
 
     def write(self, path, model="", tokens=0, causal=1, force=False, inputs_hash=None,
               rope=None):
@@ -210,12 +232,14 @@ class Calibrator(_Handle):
     _free = "kqsvd_acc_free"
 
     def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
-                 mem_limit_mib=0.0):
+                 mem_limit_mib=0.0, head_groups=1):
         lib = library()
         self.shape = _Shape(layers, kv_heads, group, head_dim, hidden)
+        self.head_groups = head_groups
         opt = _AccOptions()
         lib.kqsvd_acc_options_default(ctypes.byref(opt))
         opt.block_rows, opt.mem_limit_mib = block_rows, float(mem_limit_mib)
+        opt.head_groups = head_groups
         h = ctypes.c_void_p()
         _check(lib.kqsvd_acc_init(ctypes.byref(self.shape), ctypes.byref(opt), ctypes.byref(h)),
                "creating the accumulator")
@@ -223,7 +247,9 @@ class Calibrator(_Handle):
 
     def absorb(self, tensor, layer, kv_head, rows, query=0):
         """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of
-        KV head kv_head, or "queries" of its group's query head `query`."""
+        KV head kv_head, or "queries" of its group's query head `query`.
+        With head_groups G, keys and values are [T, G head_dim] rows of the
+        group whose first KV head is kv_head."""
         ptr, dt, n, stride, _keep = rows_of(rows)
         _check(library().kqsvd_acc_absorb(self._h, TENSORS[tensor], layer, kv_head, query, ptr, dt,
                                           n, stride), f"{tensor} of layer {layer}")
@@ -239,9 +265,10 @@ class Calibrator(_Handle):
         return library().kqsvd_acc_tokens(self._h)
 
     def factor(self, tensor, layer, kv_head):
-        """The current d x d R factor (numpy, upper triangular)."""
+        """The current d x d R factor (numpy, upper triangular); keys and
+        values under head_groups G: the group's (G d) x (G d) one."""
         import numpy as np
-        d = self.shape.head_dim
+        d = self.shape.head_dim * (1 if tensor == "queries" else self.head_groups)
         R = np.zeros((d, d))
         _check(library().kqsvd_acc_factor(self._h, TENSORS[tensor], layer, kv_head,
                                           R.ctypes.data), f"factor of {tensor}")
@@ -268,7 +295,10 @@ class Calibrator(_Handle):
         h = ctypes.c_void_p()
         _check(library().kqsvd_acc_finish(self._h, ctypes.byref(opt), ctypes.byref(h)),
                f"solving (--ranks {ranks}, --beta {beta})")
-        return Result(h.value, self.shape)
+        G = self.head_groups
+        s = self.shape
+        return Result(h.value, _Shape(s.layers, s.kv_heads // G, s.group * G, s.head_dim * G,
+                                      s.hidden))
 
 
 def check_policy(ranks, beta, head_dim):
