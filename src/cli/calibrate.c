@@ -46,7 +46,12 @@ static void calibrate_help(void) {
       "                           budget:F  a fraction F of the full cache, spread over the\n"
       "                                     layers to minimise each method's tail energy\n"
       "  --eps E                same as --ranks eps:E\n"
-      "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n"
+      "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n");
+  printf(
+      "  --head-groups G        solve each group of G consecutive KV heads as one (G must\n"
+      "                         divide the KV heads): keys side by side against the\n"
+      "                         group's queries, one latent of rank R <= G d shared by\n"
+      "                         the group; memory and time grow as (G d)^2 [1: per head]\n"
       "  --checkpoint DIR       save progress in DIR; rerunning the same command resumes\n"
       "  --checkpoint-every S   also checkpoint within a shard every S seconds, 0 = after\n"
       "                         every (layer, KV head) [60]; finished shards always are\n"
@@ -79,7 +84,7 @@ static void calibrate_help(void) {
 static kqsvd_status_t parse(kqsvd_cli_t *cli, calibrate_cmd_t *cmd, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS, O_FORCE };
+         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS, O_FORCE, O_GROUPS };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},
@@ -96,6 +101,7 @@ static kqsvd_status_t parse(kqsvd_cli_t *cli, calibrate_cmd_t *cmd, int argc, ch
       {"device", required_argument, NULL, O_DEVICE},
       {"qr", required_argument, NULL, O_QR},
       {"timings", no_argument, NULL, O_TIMINGS},
+      {"head-groups", required_argument, NULL, O_GROUPS},
       KQSVD_RUN_LONGOPTS,
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0}};
@@ -135,6 +141,9 @@ static kqsvd_status_t parse(kqsvd_cli_t *cli, calibrate_cmd_t *cmd, int argc, ch
       break;
     case O_QRB: KQSVD_CALL(kqsvd_opt_int("--qr-block", optarg, 1, 1 << 20, &c->qr_block)); break;
     case O_READ: KQSVD_CALL(kqsvd_opt_int("--read-rows", optarg, 1, 1 << 24, &c->read_rows)); break;
+    case O_GROUPS:
+      KQSVD_CALL(kqsvd_opt_int("--head-groups", optarg, 1, 1 << 12, &c->head_groups));
+      break;
     case 'h':
       if (cli->rank == 0) calibrate_help();
       cmd->help = 1;

@@ -21,8 +21,13 @@ typedef struct calib {
   kqsvd_calib_config_t cfg;    /* a copy: a manifest sets each model's paths */
   /* inputs */
   kqsvd_model_t *model;
+  /* The items' shape.  With --head-groups G > 1, the model's group view:
+   * dims.kv_heads / G KV heads of head_dim G d and G m query heads each (d,
+   * group and nitems likewise), while the caches are read per head of hd
+   * elements, m query heads per KV head. */
   kqsvd_dims_t dims;
   int64_t d, group, nitems, tokens, sequences;
+  int64_t G, hd, m;
   int64_t *shard_rows; /* T of each shard */
   size_t elem_max;     /* widest element type among the inputs */
   /* plan */
@@ -40,7 +45,8 @@ typedef struct calib {
    * reduction, and folded into row by row by the accumulator itself */
   kqsvd_acc_t *acc;
   double *state;    /* nitems x CAL_NR packed triangles */
-  char *raw;        /* (group + 2) x io_rows x d elements */
+  char *raw;        /* (group + 2 G) x io_rows x hd elements */
+  char *joint;      /* qr_block x d elements: a grouped block's rows side by side */
   kqsvd_checkpoint_pos_t pos;
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
   int device;               /* -1: CPU; else the GPU that folds this rank's rows */

@@ -128,7 +128,7 @@ kqsvd_status_t calib_finish(calib_t *c) {
   kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
   const double eps = c->cfg.ranks.kind == KQSVD_RANKS_EPS ? c->cfg.ranks.value : NAN;
   kqsvd_proj_meta_t meta = {c->dims, eps, c->cfg.beta, c->tokens, c->cfg.nshards, c->cfg.qr_block, policy,
-                            c->inputs_hash, c->rope[0] ? c->rope : NULL, 1};
+                            c->inputs_hash, c->rope[0] ? c->rope : NULL, c->G};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   /* Every byte is claimed now, while a failure can still be agreed on. */

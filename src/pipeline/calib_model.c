@@ -28,6 +28,7 @@ void calib_inputs_hash(calib_t *c) {
   h = kqsvd_fnv1a(h, policy, strlen(policy) + 1);
   h = kqsvd_fnv1a(h, &c->cfg.beta, sizeof c->cfg.beta);
   h = kqsvd_fnv1a(h, &c->cfg.qr_block, sizeof c->cfg.qr_block);
+  if (c->cfg.head_groups != 1) h = kqsvd_fnv1a(h, &c->cfg.head_groups, sizeof(int64_t));
   /* Only the default method keeps the hash of outputs made before --qr. */
   if (c->cfg.qr != KQSVD_CALIB_QR_TSQR) h = kqsvd_fnv1a(h, kqsvd_calib_qr_name(c->cfg.qr), strlen(kqsvd_calib_qr_name(c->cfg.qr)) + 1);
   h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
@@ -82,6 +83,18 @@ done:
 static kqsvd_status_t plan(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
   const int P = c->ctx.size;
+  /* From here on the items are the group view's (calib.h). */
+  c->G = c->cfg.head_groups;
+  c->hd = c->d;
+  c->m = c->group;
+  KQSVD_CHECK(c->dims.kv_heads % c->G == 0, KQSVD_ERR_USAGE,
+              "--head-groups %lld does not divide the %lld KV heads of %s",
+              (long long)c->G, (long long)c->dims.kv_heads, c->cfg.model_path);
+  c->dims.kv_heads /= c->G;
+  c->dims.head_dim *= c->G;
+  c->d = c->dims.head_dim;
+  c->group = c->m * c->G;
+  c->nitems = c->dims.layers * c->dims.kv_heads;
   KQSVD_CALL(kqsvd_rank_policy_check(&c->cfg.ranks, (int)c->dims.layers, (int)c->d));
   KQSVD_CALL(kqsvd_partition_rows(c->cfg.nshards, c->shard_rows, P, 0.1, &c->segs, &c->seg_first));
   kqsvd_partition_items(c->nitems, P, c->ctx.rank, &c->own0, &c->own1);
@@ -95,7 +108,8 @@ static kqsvd_status_t plan(calib_t *c) {
   /* Solver, reduction messages (64 MiB at most) and library overheads. */
   const double reserve = 96.0 * mib;
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
-  const double per_row = (double)(c->group + 2 + (c->device >= 0 ? 8 : 0)) * d * (double)c->elem_max;
+  const double per_row = (double)(c->group + 2 * c->G + (c->device >= 0 ? 8 : 0)) *
+                         (double)c->hd * (double)c->elem_max;
   /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
   double block = 0;
   for (int p = 0; c->cfg.qr == KQSVD_CALIB_QR_SCALAPACK && p < P; p++) {
@@ -148,12 +162,13 @@ done:
 }
 
 /* R factor of W^T for each owned item: the group's o_proj columns, read in
- * row chunks of o_proj and folded by the accumulator like cache rows. */
+ * row chunks of o_proj and folded by the accumulator like cache rows (a
+ * grouped item's blocks one KV head at a time). */
 static kqsvd_status_t factor_wo(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  const int64_t d = c->d, m = c->group, D = c->dims.hidden;
+  const int64_t d = c->hd, m = c->m, D = c->dims.hidden;
   const kqsvd_dtype_t t = kqsvd_model_dtype(c->model);
-  const size_t raw_bytes = (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)d * c->elem_max;
+  const size_t raw_bytes = (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)d * c->elem_max;
   /* Each read yields chunk * m rows of d; a multiple of --qr-block keeps the
    * Householder blocking, hence the result, independent of the read size. */
   int64_t a = m, b = c->cfg.qr_block;
@@ -164,8 +179,8 @@ static kqsvd_status_t factor_wo(calib_t *c) {
   const int64_t base = c->cfg.qr_block / a;
   int64_t chunk = (int64_t)(raw_bytes / ((size_t)(m * d) * kqsvd_dtype_size(t)));
   chunk = chunk < base ? base : chunk - chunk % base;
-  for (int64_t i = c->own0; i < c->own1; i++) {
-    const int64_t layer = i / c->dims.kv_heads, g = i % c->dims.kv_heads;
+  for (int64_t i = c->own0 * c->G; i < c->own1 * c->G; i++) {
+    const int64_t layer = i / (c->dims.kv_heads * c->G), g = i % (c->dims.kv_heads * c->G);
     for (int64_t r0 = 0; r0 < D; r0 += chunk) {
       const int64_t n = D - r0 < chunk ? D - r0 : chunk;
       KQSVD_CALL(kqsvd_model_read_oproj(c->model, layer, r0, n, g * m * d, m * d, c->raw));
@@ -185,10 +200,12 @@ done:
  * --qr-block and method (pdgeqrf fills the state itself). */
 static kqsvd_status_t make_accumulator(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
-  const kqsvd_shape_t shape = {c->dims.layers, c->dims.kv_heads, c->group, c->d, c->dims.hidden};
+  const kqsvd_shape_t shape = {c->dims.layers, c->dims.kv_heads * c->G, c->m, c->hd,
+                               c->dims.hidden};
   kqsvd_acc_options_t opt;
   kqsvd_acc_options_default(&opt);
   opt.block_rows = c->cfg.qr_block;
+  opt.head_groups = c->G;
   opt.qr = c->cfg.qr == KQSVD_CALIB_QR_GRAM ? KQSVD_QR_GRAM : KQSVD_QR_TSQR;
   KQSVD_CALL(kqsvd_acc_init(&shape, &opt, &c->acc));
   c->state = kqsvd_acc_state(c->acc);
@@ -207,9 +224,13 @@ static void announce(const calib_t *c) {
           "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
           "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
           c->cfg.nshards, c->cfg.nshards == 1 ? "" : "s", tok, (long long)c->sequences,
-          c->sequences == 1 ? "" : "s", (long long)c->dims.layers, (long long)c->dims.kv_heads,
-          (long long)c->group, c->group == 1 ? "y" : "ies",
-          (long long)c->d, c->ctx.size, c->ctx.size == 1 ? "" : "s", (long long)c->io_rows);
+          c->sequences == 1 ? "" : "s", (long long)c->dims.layers,
+          (long long)(c->dims.kv_heads * c->G), (long long)c->m, c->m == 1 ? "y" : "ies",
+          (long long)c->hd, c->ctx.size, c->ctx.size == 1 ? "" : "s", (long long)c->io_rows);
+  if (c->G > 1)
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO,
+                  "kqsvd calibrate: head groups of %lld KV heads: %lld (layer, group) problems "
+                  "%lld wide\n", (long long)c->G, (long long)c->nitems, (long long)c->d);
   if (c->device >= 0)
     kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
@@ -257,7 +278,8 @@ static kqsvd_status_t choose_device(calib_t *c) {
   MPI_Comm node = MPI_COMM_NULL;
   int lrank = 0;
   /* --device cpu does not even ask the driver. */
-  const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr == KQSVD_CALIB_QR_TSQR ? calib_gpu_devices() : 0;
+  const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr == KQSVD_CALIB_QR_TSQR &&
+                   c->cfg.head_groups == 1 ? calib_gpu_devices() : 0;
   KQSVD_MPI(MPI_Comm_split_type(c->ctx.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
@@ -310,8 +332,10 @@ kqsvd_status_t calib_model(calib_t *c) {
     }
   }
   if (ctx->rank == 0) announce(c);
-  KQSVD_MALLOC(c->raw, (size_t)(c->group + 2) * (size_t)c->io_rows * (size_t)c->d * c->elem_max,
-               "read buffer");
+  KQSVD_MALLOC(c->raw, (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)c->hd *
+                           c->elem_max, "read buffer");
+  if (c->G > 1)
+    KQSVD_MALLOC(c->joint, (size_t)c->cfg.qr_block * (size_t)c->d * c->elem_max, "group rows");
   KQSVD_CALL(kqsvd_mpi_agree(ctx->comm, make_accumulator(c)));
   KQSVD_CALL(kqsvd_mpi_agree(ctx->comm, factor_wo(c)));
   if (ctx->rank == 0) /* KQSVD_ISA is valid: factor_wo checked it */
@@ -326,9 +350,9 @@ done:
   kqsvd_model_close(&c->model);
   kqsvd_acc_free(&c->acc);
   c->state = NULL;
-  void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->raw, c->rank_k, c->rank_v};
+  void *owned[] = {c->shard_rows, c->segs, c->seg_first, c->raw, c->joint, c->rank_k, c->rank_v};
   for (size_t k = 0; k < sizeof owned / sizeof owned[0]; k++) free(owned[k]);
   c->shard_rows = NULL, c->segs = NULL, c->seg_first = NULL;
-  c->raw = NULL, c->rank_k = c->rank_v = NULL;
+  c->raw = c->joint = NULL, c->rank_k = c->rank_v = NULL;
   return st;
 }

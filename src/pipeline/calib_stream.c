@@ -92,32 +92,52 @@ done:
   return st;
 }
 
-/* Folds nj rows starting at row j0 of each block just read. */
+/* Side by side: rows j0 .. j0+nj of the G heads' blocks of n rows (as
+ * read, [G][n][hd]) into c->joint, [nj][G hd]. */
+static const char *join_heads(calib_t *c, const char *blocks, size_t esz, int64_t n, int64_t j0,
+                              int64_t nj) {
+  const size_t row = (size_t)c->hd * esz;
+  for (int64_t i = 0; i < nj; i++)
+    for (int64_t h = 0; h < c->G; h++)
+      memcpy(c->joint + ((size_t)(i * c->G + h)) * row,
+             blocks + ((size_t)(h * n + j0 + i)) * row, row);
+  return c->joint;
+}
+
+/* Folds nj rows starting at row j0 of each block just read: keys, the
+ * item's query heads, values ([G][n][hd], [G m][n][hd], [G][n][hd]). */
 static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, int64_t r0,
                            int64_t n, int64_t j0, int64_t nj) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
-  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads, layer = item / c->dims.kv_heads;
+  const int64_t d = c->hd, m = c->m, G = c->G;
+  const int64_t g0 = (item % c->dims.kv_heads) * G, layer = item / c->dims.kv_heads;
   const kqsvd_tensor_t tens[3] = {KQSVD_KEYS, KQSVD_QUERIES, KQSVD_VALUES};
-  const int64_t heads[3] = {1, m, 1};
+  const int64_t heads[3] = {G, G * m, G};
   char *base = c->raw;
   for (int t = 0; t < 3; t++) {
     const kqsvd_dtype_t type = kqsvd_shard_dtype(sh, tens[t]);
     const size_t esz = kqsvd_dtype_size(type);
-    for (int64_t h = 0; h < heads[t]; h++) {
+    const int q = tens[t] == KQSVD_QUERIES;
+    /* Keys and values of a group fold as whole rows, queries per head. */
+    for (int64_t h = 0; h < (q ? heads[t] : 1); h++) {
       const char *rows = base + (size_t)((h * n + j0) * d) * esz;
+      if (!q && G > 1) rows = join_heads(c, base, esz, n, j0, nj);
       const double t0 = kqsvd_now();
-      kqsvd_status_t got = kqsvd_acc_absorb(c->acc, tens[t], layer, g, tens[t] == KQSVD_QUERIES ? h : 0,
-                                            rows, type, nj, d);
+      kqsvd_status_t got = kqsvd_acc_absorb(c->acc, tens[t], layer, q ? g0 + h / m : g0,
+                                            q ? h % m : 0, rows, type, nj, q ? d : d * G);
       c->t_fold += kqsvd_now() - t0;
       c->rows_folded += (double)nj;
       const int64_t bad = got == KQSVD_ERR_DATA ? kqsvd_acc_bad_row(c->acc) : -1;
       if (bad >= 0) kqsvd_error_clear(); /* named below, with the file and the shard's row */
+      KQSVD_CHECK(bad < 0 || q || G == 1, KQSVD_ERR_DATA,
+                  "%s: dataset '%s': NaN or Inf at layer %lld, heads %lld..%lld, row %lld",
+                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer,
+                  (long long)g0, (long long)(g0 + G - 1), (long long)(r0 + j0 + bad));
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
                   kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer,
-                  (long long)(tens[t] == KQSVD_QUERIES ? g * m + h : g),
-                  (long long)(r0 + j0 + bad));
+                  (long long)(q ? g0 * m + h : g0), (long long)(r0 + j0 + bad));
       KQSVD_CALL(got);
     }
     base += (size_t)(heads[t] * n * d) * esz;
@@ -131,8 +151,8 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
                                   int64_t item, int *stop) {
   kqsvd_status_t st = KQSVD_OK;
   calib_t *c = s->c;
-  const int64_t d = c->d, m = c->group, g = item % c->dims.kv_heads;
-  const int64_t layer = item / c->dims.kv_heads;
+  const int64_t d = c->hd, G = c->G, g = (item % c->dims.kv_heads) * G;
+  const int64_t layer = item / c->dims.kv_heads, mq = c->group; /* the group's query heads */
   /* The previous item goes back into the state, so that discarding this
    * one below cannot touch it. */
   if (!c->gpu) c->state = kqsvd_acc_state(c->acc);
@@ -140,12 +160,12 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
     const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
     char *p = c->raw;
     const double t0 = kqsvd_now();
-    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_KEYS, layer, g, 1, r0, n, p));
-    p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
-    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_QUERIES, layer, g * m, m, r0, n, p));
-    p += (size_t)(m * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
-    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, 1, r0, n, p));
-    p += (size_t)(n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES));
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_KEYS, layer, g, G, r0, n, p));
+    p += (size_t)(G * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_QUERIES, layer, g * c->m, mq, r0, n, p));
+    p += (size_t)(mq * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES));
+    KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_VALUES, layer, g, G, r0, n, p));
+    p += (size_t)(G * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES));
     if (s->delay_ms > 0) {
       const struct timespec pause = {s->delay_ms / 1000, (long)(s->delay_ms % 1000) * 1000000L};
       nanosleep(&pause, NULL);
@@ -159,7 +179,7 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
       KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
     for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->cfg.qr_block)
       KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->cfg.qr_block ? n - j0 : c->cfg.qr_block));
-    s->work += n * (m + 2);
+    s->work += n * (mq + 2);
     KQSVD_CALL(kqsvd_monitor_update(s->mon, s->work, stop));
     if (!s->signal && kqsvd_signal_pending()) {
       s->signal = kqsvd_signal_pending();

@@ -58,6 +58,7 @@ typedef struct kqsvd_calib_config {
   kqsvd_rank_policy_t ranks;  /* how rank_k and rank_v are chosen */
   double beta;                /* eigen's key/query unbalance */
   int64_t qr_block, read_rows; /* read_rows 0: as --mem-limit allows */
+  int64_t head_groups;         /* G KV heads solved as one, G d wide [1: per head] */
   int64_t mem_mib;
   kqsvd_calib_qr_t qr;
   kqsvd_device_t device;

@@ -38,6 +38,7 @@ accumulator     the public accumulator fed row by row equals calibrate bit for b
 calibrate_ref   calibrate equals outputs made before it ran on the accumulator
 pipeline        calibrate and evaluate as library calls equal the command line, 1 and 3 ranks
 head_ranks      per-(layer, KV head) ranks in proj.h5: evaluate vs the reference, ranks, errors
+head_groups     calibrate --head-groups vs an independent reference, 1 and 3 ranks; errors
 """
 import os
 import sys
@@ -50,6 +51,7 @@ from scenarios_eval import (eval_bad_input, eval_memory, eval_policies, eval_ran
 from scenarios_math import gpu, ranks, reference, shards, theorems  # noqa: E402
 from scenarios_qr import qr_gram, qr_scalapack  # noqa: E402
 from scenarios_head_ranks import head_ranks  # noqa: E402
+from scenarios_groups import head_groups  # noqa: E402
 from scenarios_hardening import (checkpoints, few_rows, hostile_files, options,  # noqa: E402
                                  signals, skip_done)
 from scenarios_examples import examples_usage  # noqa: E402
@@ -67,7 +69,7 @@ SCENARIOS = {f.__name__: f for f in
               eval_memory, figures, manifest, slurm, hf_export, hf_export_runs, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
               signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
-              calibrate_ref, pipeline, head_ranks)}
+              calibrate_ref, pipeline, head_ranks, head_groups)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

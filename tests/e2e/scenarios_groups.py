@@ -1,0 +1,107 @@
+"""Head-group latents from the command line: `kqsvd calibrate --head-groups G`
+against an independent reference built here from the shards (keys of the
+group side by side, queries and W^O block-diagonal), on 1 and 3 ranks."""
+import os
+
+import h5py
+import numpy as np
+
+from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set
+from reference import group_mats, load_oproj, load_set, svals
+from scenarios_math import explicit_err, ref_projections
+
+SET = dict(layers=2, heads=8, kv_heads=4, head_dim=8, seqs=7, seq_len=60, dtype="bf16", seed=11)
+
+
+def block_diag(*blocks):
+    out = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)))
+    i = j = 0
+    for b in blocks:
+        out[i:i + b.shape[0], j:j + b.shape[1]] = b
+        i, j = i + b.shape[0], j + b.shape[1]
+    return out
+
+
+def joint_mats(K, V, Q, O, l, g0, G):
+    """K_G, Q_bd, V_G and W_bd of the KV heads g0 .. g0+G-1 of layer l."""
+    parts = [group_mats(K, V, Q, O, l, g) for g in range(g0, g0 + G)]
+    return (np.hstack([p[0] for p in parts]), block_diag(*[p[1] for p in parts]),
+            np.hstack([p[2] for p in parts]), block_diag(*[p[3] for p in parts]))
+
+
+def subspace_gap(A, B, r):
+    """Largest difference of the projectors on the first r columns of A and B."""
+    P = [np.linalg.svd(M[:, :r], full_matrices=False)[0] for M in (A, B)]
+    return float(np.abs(P[0] @ P[0].T - P[1] @ P[1].T).max())
+
+
+def head_groups():
+    wd, model, shards = small_set("head_groups", shards=3, uneven=True, **SET)
+    K, V, Q = load_set(shards)
+    O = load_oproj(model)
+    L, Hkv, T, d = K.shape
+    for G in (2, 4):
+        n = G * d
+        one, three = (os.path.join(wd, f"g{G}-np{p}.h5") for p in (1, 3))
+        calibrate(model, one, shards, extra=["--head-groups", str(G), "--ranks", "fixed:3",
+                                             "--beta", "1.5"])
+        calibrate(model, three, shards, np_=3,
+                  extra=["--head-groups", str(G), "--ranks", "fixed:3", "--beta", "1.5",
+                         "--qr-block", "16", "--read-rows", "32"])
+        p, p3 = load_proj(one), load_proj(three)
+        with h5py.File(one, "r") as f:
+            a = f.attrs
+            check((a["head_groups"], a["num_kv_heads"], a["head_dim"], a["num_heads"]) ==
+                  (G, Hkv // G, n, SET["heads"]), f"G={G}: group-view attributes {dict(a)}")
+        diff = max_rel_diff(p, p3)[0]
+        check(diff < 1e-9, f"G={G}: 1 vs 3 ranks (other blocks) differ by {diff:.2e}")
+        worst = 0.0
+        for l in range(L):
+            for gi in range(Hkv // G):
+                k, q, v, w = joint_mats(K, V, Q, O, l, gi * G, G)
+                ref = ref_projections(k, q, v, w, 1.5)
+                s_kq, s_vw = svals(k @ q.T)[:n], svals(v @ w)[:n]
+                for name, s in {"K": svals(k), "V": svals(v), "KQt": s_kq, "VWo": s_vw}.items():
+                    got = p[f"spectra/{name}"][l, gi]
+                    worst = max(worst, float(np.abs(got - s).max() / s[0]))
+                for r in (1, n // 4, n // 2, n - 1):
+                    A, B = p["kqsvd/key_down"][l, gi], p["kqsvd/query_down"][l, gi]
+                    tail = float((s_kq[r:] ** 2).sum() / (s_kq ** 2).sum())
+                    worst = max(worst, abs(explicit_err(k, q, A, B, r) - tail))
+                    Av, Bv = p["kqsvd/value_down"][l, gi], p["kqsvd/value_up"][l, gi]
+                    tail = float((s_vw[r:] ** 2).sum() / (s_vw ** 2).sum())
+                    worst = max(worst, abs(explicit_err(v, w.T, Av, Bv, r) - tail))
+                r = n // 2  # a gap in these spectra: the subspaces are defined
+                for m, (A, _, Av, _) in ref.items():
+                    if m == "kqsvd":
+                        continue
+                    worst = max(worst, subspace_gap(p[f"{m}/key_down"][l, gi], A, r),
+                                subspace_gap(p[f"{m}/value_down"][l, gi], Av, r))
+        check(worst < 1e-6, f"G={G}: vs the independent reference {worst:.2e}")
+        print(f"head groups G={G} ({n} wide): vs reference {worst:.2e}, 1 vs 3 ranks {diff:.2e}")
+    # never worse than per head at equal total rank, on the calibration set
+    per = os.path.join(wd, "per-head.h5")
+    calibrate(model, per, shards, extra=["--ranks", "fixed:3"])
+    ph, pj = load_proj(per), load_proj(os.path.join(wd, "g4-np1.h5"))
+    for l in range(L):
+        k, q, _, _ = joint_mats(K, V, Q, O, l, 0, Hkv)
+        for r in (1, 2, 4):
+            A, B = (block_diag(*[ph[f"kqsvd/{x}"][l, g][:, :r] for g in range(Hkv)])
+                    for x in ("key_down", "query_down"))
+            e_head = explicit_err(k, q, A, B, Hkv * r)
+            e_joint = explicit_err(k, q, pj["kqsvd/key_down"][l, 0], pj["kqsvd/query_down"][l, 0],
+                                   Hkv * r)
+            check(e_joint <= e_head * (1 + 1e-9), f"layer {l} rank {r}: joint {e_joint:.4e} "
+                  f"above per head {e_head:.4e}")
+    # bad options: one line naming the option, no output
+    bad = os.path.join(wd, "bad.h5")
+    for extra, words in ((["--head-groups", "3"], "does not divide the 4 KV heads"),
+                         (["--head-groups", "0"], "--head-groups"),
+                         (["--head-groups", "2", "--device", "cuda"], "--head-groups runs on the CPU"),
+                         (["--head-groups", "2", "--qr", "scalapack"], "--qr scalapack"),
+                         (["--head-groups", "2", "--ranks", "fixed:17"], "17")):
+        res = calibrate(model, bad, shards, extra=extra, expect=1)
+        check(words in res.stderr and "Traceback" not in res.stderr,
+              f"{extra}: message {res.stderr!r}")
+        check(not os.path.exists(bad), f"{extra}: no output")
+    finish("head_groups")
