@@ -21,6 +21,7 @@ typedef struct kqsvd_report {
   double beta;      /* of the eigen method */
   int causal;       /* of the validation caches */
   int64_t calib_tokens;
+  int64_t head_groups; /* > 1: a head-groups file (docs/formats.md 5.5); else not listed */
   /* Per-head ranks (docs/formats.md 5.5): rank_k_heads, rank_v_heads
    * [KQSVD_NMETHODS][layers][kv_heads], listed for the methods with
    * heads[m] set; NULL (and heads all 0) when the ranks are per layer.

@@ -51,6 +51,7 @@ static void put_report(FILE *f, const kqsvd_report_t *r) {
   kqsvd_json_put_string(f, r->rank_policy ? r->rank_policy : "");
   fprintf(f, ", \"beta\": %.17g, \"causal\": %d, \"calibration_tokens\": %lld,\n", r->beta,
           r->causal, (long long)r->calib_tokens);
+  if (r->head_groups > 1) fprintf(f, "  \"head_groups\": %lld,\n", (long long)r->head_groups);
   fprintf(f, "  \"methods\": {\n");
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     fprintf(f, "    \"%s\": {\n      \"layers\": [\n", kqsvd_method_name((kqsvd_method_t)m));

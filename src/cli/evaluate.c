@@ -118,6 +118,9 @@ static void print_table(const kqsvd_eval_result_t *res) {
   printf("%s: %s tokens in %lld sequence%s, %d layers, ranks %s of d = %lld%s\n", r->model, tok,
          (long long)r->sequences, r->sequences == 1 ? "" : "s", L, r->rank_policy,
          (long long)res->head_dim, r->causal ? ", causal" : "");
+  if (r->head_groups > 1)
+    printf("head groups of %lld KV heads: one latent of rank_k (rank_v) per group, d = %lld "
+           "wide\n", (long long)r->head_groups, (long long)res->head_dim);
   int per_head = 0;
   for (int m = 0; m < KQSVD_NMETHODS; m++) per_head |= r->rank_k_heads && r->heads[m];
   if (per_head)

@@ -88,6 +88,7 @@ typedef struct ranks_out {
   int32_t *rank_k, *rank_v, *head_k, *head_v;
   int has[KQSVD_NMETHODS];
   char policy[96];
+  int64_t head_groups; /* > 1: the file's dims are the model's group view */
 } ranks_out_t;
 
 static int per_head(const ranks_out_t *o, int m) { return o->head_k && o->has[m]; }
@@ -132,6 +133,7 @@ static void print_json(const ranks_cmd_t *r, const kqsvd_dims_t *dims, const ran
   kqsvd_json_put_string(stdout, r->proj_path);
   printf(", \"policy\": ");
   kqsvd_json_put_string(stdout, o->policy);
+  if (o->head_groups > 1) printf(", \"head_groups\": %lld", (long long)o->head_groups);
   printf(", \"num_layers\": %d, \"num_kv_heads\": %lld, \"head_dim\": %lld,\n \"methods\": {", L,
          (long long)dims->kv_heads, (long long)dims->head_dim);
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
@@ -198,6 +200,9 @@ static void print_table(const ranks_cmd_t *r, const kqsvd_dims_t *dims, const ra
          (long long)dims->kv_heads, (long long)dims->head_dim, o->policy,
          r->policy_set ? "chosen from the stored spectra" : "stored",
          o->head_k ? ", per KV head" : "");
+  if (o->head_groups > 1)
+    printf("head groups: each of these KV heads is a group of %lld of the model's, one latent "
+           "d = %lld wide\n", (long long)o->head_groups, (long long)dims->head_dim);
   if (o->head_k) {
     print_head_table(dims, o);
     return;
@@ -255,6 +260,7 @@ kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv) {
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_proj_open(r.proj_path, &proj)));
   const kqsvd_dims_t dims = *kqsvd_proj_dims(proj);
   local = choose(&r, proj, &out);
+  out.head_groups = kqsvd_proj_head_groups(proj);
   if (local == KQSVD_ERR_USAGE) { /* found alike on every rank */
     st = kqsvd_usage_error(cli, "ranks", local);
     goto done;

@@ -168,7 +168,7 @@ kqsvd_status_t kqsvd_eval_group(kqsvd_eval_ws_t *ws, int g, const double *K, con
   const kqsvd_eval_layer_t *L = ws->L;
   const int64_t d = ws->d, b = ws->nrows, nk = ws->nk, r0 = ws->row0, m = L->heads / L->kv_heads;
   const int64_t hd = (int64_t)L->heads * d;
-  const double scale = 1.0 / sqrt((double)d);
+  const double scale = 1.0 / sqrt((double)(L->scale_dim > 0 ? L->scale_dim : d));
   const double *Kb = K + r0 * d, *Vb = V + r0 * d;
 
   /* ||Q K^T - Q B A^T K^T||_F = ||(Q - Q B A^T) R_K^T||_F for K = Qk R_K with

@@ -42,6 +42,9 @@ double kqsvd_eval_ratio(const kqsvd_eval_sums_t *s, int method, int metric);
  * rank_v_heads[m][g] instead (per-head ranks, docs/formats.md 5.3). */
 typedef struct kqsvd_eval_layer {
   int heads, kv_heads, d, hidden, causal;
+  /* The head_dim whose root scales the scores: d, or the model's under
+   * head groups, where d is the group view's G x head_dim (0: d). */
+  int scale_dim;
   const double *proj[KQSVD_NMETHODS][4];
   int rank_k[KQSVD_NMETHODS], rank_v[KQSVD_NMETHODS];
   const int32_t *rank_k_heads[KQSVD_NMETHODS], *rank_v_heads[KQSVD_NMETHODS];

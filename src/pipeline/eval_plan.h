@@ -19,8 +19,13 @@ typedef struct evaluation {
   /* inputs */
   kqsvd_model_t *model;
   kqsvd_proj_reader_t *proj;
+  /* The items' shape: the model's, or under a head-groups file (G > 1)
+   * its group view, whose K and V rows are a group's G heads side by side
+   * and whose query rows and o_proj blocks are padded to G hd (hd: the
+   * model's head_dim). */
   kqsvd_dims_t dims;
   int64_t d, group, nseq, tokens, max_T;
+  int64_t G, hd;
   int64_t *seq_shard, *seq_off, *seq_len; /* [nseq]: shard, first row, length */
   size_t elem_max;                        /* widest element type of the inputs */
   int32_t *rank_k, *rank_v;               /* [KQSVD_NMETHODS][L] */

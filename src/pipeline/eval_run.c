@@ -39,6 +39,7 @@ typedef struct {
   kqsvd_eval_layer_t layer;
   double *proj, *W;  /* the current layer's projections and o_proj */
   double *K, *V, *Q; /* one KV group: whole sequence, and the block's queries */
+  double *heads;     /* under head groups: the G heads' rows as read, before joining */
   char *raw;
   size_t raw_elems;
   int64_t cur_layer, cur_shard;
@@ -63,13 +64,23 @@ static kqsvd_status_t load_layer(run_t *r, int64_t l) {
       r->layer.proj[m][k] = p;
     }
   const kqsvd_dtype_t t = kqsvd_model_dtype(e->model);
-  const int64_t chunk = (int64_t)(r->raw_elems / (size_t)hd);
+  /* Under head groups, head h's block of o_proj sits at its KV head's place
+   * in the G hd columns of h (zeros elsewhere), so that the padded outputs
+   * meet exactly W^O_h. */
+  const int64_t hw = e->dims.heads * e->hd, G = e->G, qpk = e->group / G;
+  const int64_t chunk = (int64_t)(r->raw_elems / (size_t)hw);
+  if (G > 1) memset(r->W, 0, (size_t)(D * hd) * sizeof(double));
   for (int64_t row = 0; row < D; row += chunk) {
     const int64_t n = D - row < chunk ? D - row : chunk;
-    KQSVD_CALL(kqsvd_model_read_oproj(e->model, l, row, n, 0, hd, r->raw));
-    const int64_t bad = kqsvd_convert_to_f64(t, r->raw, n * hd, r->W + row * hd);
+    KQSVD_CALL(kqsvd_model_read_oproj(e->model, l, row, n, 0, hw, r->raw));
+    double *dst = G > 1 ? r->heads : r->W + row * hd;
+    const int64_t bad = kqsvd_convert_to_f64(t, r->raw, n * hw, dst);
     KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: dataset 'o_proj': NaN or Inf at layer %lld, row %lld",
-                e->cfg.model_path, (long long)l, (long long)(row + bad / hd));
+                e->cfg.model_path, (long long)l, (long long)(row + bad / hw));
+    for (int64_t i = 0; G > 1 && i < n; i++)
+      for (int64_t h = 0; h < e->dims.heads; h++)
+        memcpy(r->W + (row + i) * hd + h * e->d + ((h / qpk) % G) * e->hd, dst + i * hw + h * e->hd,
+               (size_t)e->hd * sizeof(double));
   }
   const int64_t H = e->dims.kv_heads;
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
@@ -89,12 +100,38 @@ done:
 static kqsvd_status_t read_rows(run_t *r, kqsvd_tensor_t t, int64_t layer, int64_t head0,
                                 int64_t nheads, int64_t row0, int64_t nrows, double *dst) {
   kqsvd_status_t st = KQSVD_OK;
-  const int64_t d = r->e->d;
+  const int64_t d = r->e->hd;
   KQSVD_CALL(kqsvd_shard_read(r->sh, t, layer, head0, nheads, row0, nrows, r->raw));
   const int64_t bad = kqsvd_convert_to_f64(kqsvd_shard_dtype(r->sh, t), r->raw, nheads * nrows * d, dst);
   KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
               kqsvd_shard_path(r->sh), kqsvd_tensor_name(t), (long long)layer,
               (long long)(head0 + bad / (nrows * d)), (long long)(row0 + (bad / d) % nrows));
+done:
+  return st;
+}
+
+/* A group of the view: its G heads' K and V rows side by side (T x G hd),
+ * and its G m query heads' rows of the block, each padded to G hd with its
+ * KV head's block in place. */
+static kqsvd_status_t read_group(run_t *r, int64_t l, int64_t g, int64_t off, int64_t T,
+                                 int64_t qrow0, int64_t nrows) {
+  kqsvd_status_t st = KQSVD_OK;
+  const evaluation_t *e = r->e;
+  const int64_t G = e->G, hd = e->hd, w = e->d, mq = e->group, m = mq / G;
+  const size_t row = (size_t)hd * sizeof(double);
+  double *dst[2] = {r->K, r->V};
+  const kqsvd_tensor_t kv[2] = {KQSVD_KEYS, KQSVD_VALUES};
+  for (int k = 0; k < 2; k++) {
+    KQSVD_CALL(read_rows(r, kv[k], l, g * G, G, off, T, r->heads));
+    for (int64_t i = 0; i < T; i++)
+      for (int64_t h = 0; h < G; h++)
+        memcpy(dst[k] + i * w + h * hd, r->heads + (h * T + i) * hd, row);
+  }
+  KQSVD_CALL(read_rows(r, KQSVD_QUERIES, l, g * mq, mq, qrow0, nrows, r->heads));
+  memset(r->Q, 0, (size_t)(mq * nrows * w) * sizeof(double));
+  for (int64_t h = 0; h < mq; h++)
+    for (int64_t i = 0; i < nrows; i++)
+      memcpy(r->Q + (h * nrows + i) * w + (h / m) * hd, r->heads + (h * nrows + i) * hd, row);
 done:
   return st;
 }
@@ -114,9 +151,13 @@ static kqsvd_status_t run_unit(run_t *r, int64_t l, int64_t q, int64_t row0, int
   }
   KQSVD_CALL(kqsvd_eval_begin(r->ws, &r->layer, T, row0, nrows));
   for (int64_t g = 0; g < e->dims.kv_heads; g++) {
-    KQSVD_CALL(read_rows(r, KQSVD_KEYS, l, g, 1, off, T, r->K));
-    KQSVD_CALL(read_rows(r, KQSVD_VALUES, l, g, 1, off, T, r->V));
-    KQSVD_CALL(read_rows(r, KQSVD_QUERIES, l, g * m, m, off + row0, nrows, r->Q));
+    if (e->G == 1) {
+      KQSVD_CALL(read_rows(r, KQSVD_KEYS, l, g, 1, off, T, r->K));
+      KQSVD_CALL(read_rows(r, KQSVD_VALUES, l, g, 1, off, T, r->V));
+      KQSVD_CALL(read_rows(r, KQSVD_QUERIES, l, g * m, m, off + row0, nrows, r->Q));
+    } else {
+      KQSVD_CALL(read_group(r, l, g, off, T, off + row0, nrows));
+    }
     KQSVD_CALL(kqsvd_eval_group(r->ws, (int)g, r->K, r->V, r->Q, sums));
   }
   kqsvd_eval_end(r->ws, sums);
@@ -243,8 +284,9 @@ kqsvd_status_t eval_run(evaluation_t *e) {
     r.V = malloc((size_t)(e->max_T * d) * sizeof(double));
     r.Q = malloc((size_t)(e->group * b * d) * sizeof(double));
     r.raw = malloc(r.raw_elems * e->elem_max);
+    if (e->G > 1) r.heads = malloc(r.raw_elems * sizeof(double));
     r.acc = calloc((size_t)(e->dims.layers * KQSVD_NMETHODS * KQSVD_NMETRICS), sizeof(double));
-    if (!r.proj || !r.W || !r.K || !r.V || !r.Q || !r.raw || !r.acc)
+    if (!r.proj || !r.W || !r.K || !r.V || !r.Q || !r.raw || !r.acc || (e->G > 1 && !r.heads))
       local = kqsvd_error_set(KQSVD_ERR_NOMEM, __FILE__, __LINE__, __func__,
                               "cannot allocate %.0f MiB for the evaluation; lower --block-rows",
                               e->mem_need / 1048576.0);
@@ -253,6 +295,7 @@ kqsvd_status_t eval_run(evaluation_t *e) {
   r.layer.heads = (int)e->dims.heads;
   r.layer.kv_heads = (int)e->dims.kv_heads;
   r.layer.d = (int)d;
+  r.layer.scale_dim = (int)e->hd;
   r.layer.hidden = (int)e->dims.hidden;
   r.layer.causal = (int)e->dims.causal;
   r.layer.o_proj = r.W;
@@ -278,6 +321,7 @@ done:
   free(r.V);
   free(r.Q);
   free(r.raw);
+  free(r.heads);
   free(r.acc);
   return st;
 }

@@ -20,7 +20,18 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
     e->dims = *kqsvd_model_dims(e->model);
     kqsvd_dims_t pd = *kqsvd_proj_dims(e->proj);
     pd.causal = e->dims.causal; /* not part of a projections file */
-    local = kqsvd_dims_match(&pd, e->cfg.proj_path, &e->dims, e->cfg.model_path);
+    /* A head-groups file describes the model's group view. */
+    e->G = kqsvd_proj_head_groups(e->proj);
+    if (e->dims.kv_heads % e->G != 0)
+      local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                              "%s: attribute 'head_groups' = %lld does not divide the %lld KV "
+                              "heads of %s", e->cfg.proj_path, (long long)e->G,
+                              (long long)e->dims.kv_heads, e->cfg.model_path);
+    kqsvd_dims_t view = e->dims;
+    view.kv_heads /= e->G;
+    view.head_dim *= e->G;
+    if (local == KQSVD_OK)
+      local = kqsvd_dims_match(&pd, e->cfg.proj_path, &view, e->cfg.model_path);
     /* Projections of another model with the same shapes give numbers that
      * look fine and mean nothing. */
     if (local == KQSVD_OK && strcmp(pd.model, e->dims.model) != 0) {
@@ -36,11 +47,14 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
     }
   }
   KQSVD_CALL(kqsvd_mpi_agree(e->ctx.comm, local));
-  e->d = e->dims.head_dim;
-  e->group = e->dims.heads / e->dims.kv_heads;
+  e->hd = e->dims.head_dim;
   KQSVD_CALL(kqsvd_scan_shards(&e->ctx, e->obs, "evaluate", e->cfg.shards, e->cfg.nshards, &e->dims,
                                e->cfg.model_path, kqsvd_model_rope(e->model),
                                kqsvd_dtype_size(kqsvd_model_dtype(e->model)), 1, &set));
+  e->dims.kv_heads /= e->G; /* from here on, the group view */
+  e->dims.head_dim *= e->G;
+  e->d = e->dims.head_dim;
+  e->group = e->dims.heads / e->dims.kv_heads;
   e->nseq = set.sequences;
   e->tokens = set.tokens;
   e->elem_max = set.elem_max;
@@ -96,7 +110,9 @@ static kqsvd_status_t plan(evaluation_t *e) {
   for (;;) {
     const double b = (double)e->block_rows;
     const double raw = (double)e->elem_max * fmax(fmax((double)e->max_T * d, (double)e->group * b * d), hd);
-    e->mem_need = fixed + raw + 8.0 * (double)e->group * b * d +
+    /* Under head groups, the rows as read, as float64, before joining. */
+    const double heads = e->G > 1 ? raw / (double)e->elem_max * 8.0 : 0.0;
+    e->mem_need = fixed + raw + heads + 8.0 * (double)e->group * b * d +
                   kqsvd_eval_ws_bytes((int)e->dims.heads, (int)e->d, (int)e->dims.hidden, e->max_T,
                                       e->block_rows);
     if (e->mem_need <= (double)e->cfg.mem_mib * mib || e->cfg.block_set || e->block_rows <= 16) break;
@@ -190,6 +206,7 @@ static kqsvd_status_t fill_result(evaluation_t *e, kqsvd_eval_result_t *res) {
                                  .beta = kqsvd_proj_beta(e->proj),
                                  .causal = (int)e->dims.causal,
                                  .calib_tokens = kqsvd_proj_tokens(e->proj),
+                                 .head_groups = e->G,
                                  .kv_heads = (int)e->dims.kv_heads,
                                  .rank_k_heads = e->head_k,
                                  .rank_v_heads = e->head_v};

@@ -6,6 +6,9 @@ import os
 import h5py
 import numpy as np
 
+import json
+
+from eval_reference import METHODS, METRICS, rel, sequences, softmax_rows
 from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set
 from reference import group_mats, load_oproj, load_set, svals
 from scenarios_math import explicit_err, ref_projections
@@ -33,6 +36,77 @@ def subspace_gap(A, B, r):
     """Largest difference of the projectors on the first r columns of A and B."""
     P = [np.linalg.svd(M[:, :r], full_matrices=False)[0] for M in (A, B)]
     return float(np.abs(P[0] @ P[0].T - P[1] @ P[1].T).max())
+
+
+def grouped_errors(K, V, Q, O, p, l, G, r, causal):
+    """docs/formats.md section 4 for a head-groups file, one sequence, layer
+    l, ranks r: query head h of KV head j scores q_h B_j (K_G A)^T, B_j the d
+    rows of B for head j, and reads its values as (V_G A_v)(B_v,j^T W^O_h);
+    err_q is that of the padded queries (Q_bd)."""
+    Hkv, d, Hq = K.shape[1], K.shape[3], Q.shape[1]
+    m = Hq // Hkv
+    den = dict.fromkeys(METRICS, 0.0)
+    exact = 0.0
+    for h in range(Hq):
+        Wh = O[l][:, h * d:(h + 1) * d].T
+        exact = exact + softmax_rows(Q[l, h] @ K[l, h // m].T / np.sqrt(d), causal) @ V[l, h // m] @ Wh
+        den["err_q"] += (Q[l, h] ** 2).sum()
+        den["err_kq"] += ((Q[l, h] @ K[l, h // m].T) ** 2).sum()
+    den["err_k"], den["err_v"] = (K[l] ** 2).sum(), (V[l] ** 2).sum()
+    den["err_out"] = (exact ** 2).sum()
+    out = {}
+    for meth in METHODS:
+        num = dict.fromkeys(METRICS, 0.0)
+        approx = 0.0
+        for gi in range(Hkv // G):
+            A, B, Av, Bv = (p[f"{meth}/{x}"][l, gi][:, :r] for x in
+                            ("key_down", "query_down", "value_down", "value_up"))
+            KG = np.hstack([K[l, j] for j in range(gi * G, gi * G + G)])
+            VG = np.hstack([V[l, j] for j in range(gi * G, gi * G + G)])
+            num["err_k"] += ((KG - KG @ A @ B.T) ** 2).sum()
+            num["err_v"] += ((VG - VG @ Av @ Bv.T) ** 2).sum()
+            for b in range(G):
+                j, rows = gi * G + b, slice(b * d, (b + 1) * d)
+                for h in range(j * m, (j + 1) * m):
+                    Wh = O[l][:, h * d:(h + 1) * d].T
+                    qp = np.zeros((Q.shape[2], G * d))
+                    qp[:, rows] = Q[l, h]
+                    num["err_q"] += ((qp - qp @ B @ A.T) ** 2).sum()
+                    St = (Q[l, h] @ B[rows]) @ (KG @ A).T
+                    num["err_kq"] += ((Q[l, h] @ K[l, j].T - St) ** 2).sum()
+                    approx = approx + softmax_rows(St / np.sqrt(d), causal) @ (VG @ Av) @ (Bv[rows].T @ Wh)
+        num["err_out"] = ((exact - approx) ** 2).sum()
+        out[meth] = {k: rel(num[k], den[k]) for k in METRICS}
+    return out
+
+
+def check_evaluate(wd, model, proj, shards, G, r):
+    """kqsvd evaluate on a head-groups file against grouped_errors."""
+    report = os.path.join(wd, f"eval-g{G}.json")
+    run(["evaluate", "--progress", "off", "--model", model, "--proj", proj, "--json", report,
+         *shards], np_=2)
+    with open(report) as f:
+        rep = json.load(f)
+    check(rep.get("head_groups") == G, f"report head_groups {rep.get('head_groups')}")
+    O, p = load_oproj(model), load_proj(proj)
+    L = O.shape[0]
+    sums = {m: [dict.fromkeys(METRICS, 0.0) for _ in range(L)] for m in METHODS}
+    nseq = 0
+    for K, V, Q, causal in sequences(shards):
+        nseq += 1
+        for l in range(L):
+            e = grouped_errors(K, V, Q, O, p, l, G, r, causal)
+            for m in METHODS:
+                for k in METRICS:
+                    sums[m][l][k] += e[m][k]
+    worst = 0.0
+    for m in METHODS:
+        for l in range(L):
+            for k in METRICS:
+                want, got = sums[m][l][k] / nseq, rep["methods"][m]["layers"][l][k]
+                worst = max(worst, abs(got - want) / max(abs(want), 1e-300))
+    check(worst < 1e-8, f"evaluate G={G} vs the reference: {worst:.2e}")
+    return worst
 
 
 def head_groups():
@@ -78,7 +152,13 @@ def head_groups():
                     worst = max(worst, subspace_gap(p[f"{m}/key_down"][l, gi], A, r),
                                 subspace_gap(p[f"{m}/value_down"][l, gi], Av, r))
         check(worst < 1e-6, f"G={G}: vs the independent reference {worst:.2e}")
-        print(f"head groups G={G} ({n} wide): vs reference {worst:.2e}, 1 vs 3 ranks {diff:.2e}")
+        ev = check_evaluate(wd, model, one, shards, G, 3)
+        lst = json.loads(run(["ranks", "--proj", one, "--ranks", "budget:0.25", "--json"]).stdout)
+        kept = lst["cache_kept"]["kqsvd"]
+        check(lst.get("head_groups") == G and lst["head_dim"] == n and abs(kept - 0.25) < 0.05,
+              f"ranks of G={G}: {lst}")
+        print(f"head groups G={G} ({n} wide): vs reference {worst:.2e}, 1 vs 3 ranks {diff:.2e}, "
+              f"evaluate vs reference {ev:.2e}")
     # never worse than per head at equal total rank, on the calibration set
     per = os.path.join(wd, "per-head.h5")
     calibrate(model, per, shards, extra=["--ranks", "fixed:3"])
