@@ -162,9 +162,9 @@ def export(model, out, split, seq_len, num_seqs, dtype="f32", shard_seqs=4):
     return os.path.join(out, "model.h5"), shards
 
 
-def calibrate(model_h5, shards, proj, ranks="eps:0.1", np_=1):
+def calibrate(model_h5, shards, proj, ranks="eps:0.1", np_=1, extra=()):
     run([KQSVD, "calibrate", "--progress", "off", "--model", model_h5, "--out", proj,
-         "--ranks", ranks] + shards, np_=np_)
+         "--ranks", ranks, *extra] + shards, np_=np_)
     return proj
 
 

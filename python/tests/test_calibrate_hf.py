@@ -163,6 +163,26 @@ class InSitu(unittest.TestCase):
                 self.assertEqual(int(f.attrs["tokens"]), 12 * 64)
                 self.assertEqual(f.attrs["rank_policy"], policy)
 
+    def test_head_groups(self):
+        """--head-groups equals export_hf.py then kqsvd calibrate --head-groups,
+        on 1 rank and 2; --fold torch and a G not dividing the KV heads are
+        refused with one line."""
+        two = calibrate(*self.train, os.path.join(self.wd, "two-g2.h5"), ranks="fixed:5",
+                        extra=["--head-groups", "2"])
+        for np_ in (None, 2):
+            out = os.path.join(self.wd, f"insitu-g2-{np_}.h5")
+            insitu(self.model, out, "--ranks", "fixed:5", "--head-groups", "2", np_=np_)
+            self.assertLess(worst_rel(datasets(out), datasets(two)), 1e-10)
+            with h5py.File(out) as f:
+                self.assertEqual(int(f.attrs["head_groups"]), 2)
+        bad = os.path.join(self.wd, "bad-g.h5")
+        for extra, words in ((["--head-groups", "3"], "does not divide the 2 KV heads"),
+                             (["--head-groups", "2", "--fold", "torch"], "--fold c")):
+            p = insitu(self.model, bad, *extra, expect=1)
+            self.assertIn(words, p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
+            self.assertFalse(os.path.exists(bad))
+
     def test_three_ranks_equal_one(self):
         one, three = os.path.join(self.wd, "np1.h5"), os.path.join(self.wd, "np3.h5")
         insitu(self.model, one, "--eps", "0.05")

@@ -12,23 +12,29 @@ PyTorch's OpenMP threads, which then wait for each other."""
 _NAMES = {"q": "queries", "k": "keys", "v": "values"}
 
 
-def fold_heads(cal, group, layer, kind, t):
+def fold_heads(cal, group, layer, kind, t, head_groups=1):
     """Folds one layer's rows of one kind ("q", "k" or "v"; t [heads, T,
     d]) into a Calibrator, head by head; a group's query heads share the
-    KV head's factor."""
-    for h in range(t.shape[0]):
+    KV head's factor.  With head_groups G, keys and values go a group of G
+    KV heads at a time, their rows side by side ([T, G d])."""
+    G = head_groups if kind != "q" else 1
+    for h in range(0, t.shape[0], G):
         if kind == "q":
             cal.absorb("queries", layer, h // group, t[h], query=h % group)
-        else:
+        elif G == 1:
             cal.absorb(_NAMES[kind], layer, h, t[h])
+        else:
+            rows = t[h:h + G].transpose(0, 1).reshape(t.shape[1], -1).contiguous()
+            cal.absorb(_NAMES[kind], layer, h, rows)
 
 
-def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"):
+def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post", head_groups=1):
     """Runs the model over each row of seqs ([n, T] token ids) and folds
     every layer's queries and keys (after RoPE, or before it for rope
     "pre": kqsvd.calibration.capture.Capture) and its values into cal as the attention
-    produces them: cal is a Calibrator (the C fold), or a TorchFold (on the
-    model's device).  on_sequence(i) after each sequence."""
+    produces them: cal is a Calibrator (the C fold; head_groups as it was
+    made with), or a TorchFold (on the model's device).  on_sequence(i)
+    after each sequence."""
     import torch
     from .capture import Capture
     group = info.num_heads // info.num_kv_heads
@@ -36,7 +42,7 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"
         fold = cal.absorb
     else:  # the C fold reads host memory: rows of a model on a GPU come over
         def fold(layer, kind, t):
-            fold_heads(cal, group, layer, kind, t.cpu())
+            fold_heads(cal, group, layer, kind, t.cpu(), head_groups)
 
     def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
         fold(layer, kind, t[0].detach())

@@ -103,9 +103,11 @@ def inputs_hash(args, model_path):
 
 
 def _keys(args):
-    """--keys in a hash: only when not the default, so that the hashes of
-    outputs and checkpoints made before the option stay valid."""
-    return [] if args.keys == "post-rope" else [args.keys]
+    """--keys and --head-groups in a hash: only when not the defaults, so
+    that the hashes of outputs and checkpoints made before the options stay
+    valid."""
+    return ([] if args.keys == "post-rope" else [args.keys]) + (
+        [] if args.head_groups == 1 else [f"head-groups:{args.head_groups}"])
 
 
 def up_to_date(path, want):
@@ -215,18 +217,21 @@ def run(args):
         model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
         models.check_positions(info, model.config, args.seq_len, flags=True)
         rope = rope_of(info.model_type, args.keys)
+        if info.num_kv_heads % args.head_groups:
+            raise UsageError(f"--head-groups {args.head_groups} does not divide the "
+                             f"{info.num_kv_heads} KV heads of {args.model}")
         seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
                                                 "train", bos=not args.no_bos, flags=True)
         def new_cal():
             return Calibrator(info.num_layers, info.num_kv_heads,
                               info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,
-                              block_rows=args.qr_block)
+                              block_rows=args.qr_block, head_groups=args.head_groups)
         cal = new_cal()
         # The fold on the model's device when it is a GPU (rows never leave
         # it), else in the C library (--fold picks).
         on_device = TorchFold(info, args.device) if args.fold == "torch" or (
-            args.fold == "auto" and args.device != "cpu") else None
-        check_policy(args.ranks, args.beta, info.head_dim)
+            args.fold == "auto" and args.device != "cpu" and args.head_groups == 1) else None
+        check_policy(args.ranks, args.beta, info.head_dim * args.head_groups)
     except (KqsvdError, OSError) as e:
         err = e
     agree(comm, err)
@@ -284,7 +289,7 @@ def run(args):
     t0 = time.time()
     try:
         fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after,
-                       rope)
+                       rope, args.head_groups)
     except InterruptedError:
         log(comm, f"stopped by signal {stop['signal']}: " +
             (f"checkpoints in {args.checkpoint}; run the same command to resume"
@@ -345,6 +350,9 @@ def parse(argv):
     ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
                     help="where rows are folded: c (the C library, on the CPU), torch (float64 "
                     "QR on the model's device) or auto (torch on a GPU, else c) [auto]")
+    ap.add_argument("--head-groups", type=count(1), default=1, metavar="G",
+                    help="solve each group of G consecutive KV heads as one, as kqsvd calibrate "
+                    "--head-groups: one latent per group (G divides the KV heads) [1]")
     ap.add_argument("--model-name", help="the output's model attribute [--model]")
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     ap.add_argument("--skip-done", action="store_true",
@@ -357,6 +365,8 @@ def parse(argv):
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
+    if args.head_groups > 1 and args.fold == "torch":
+        raise UsageError("--head-groups folds in the C library: give --fold c (or auto)")
     check_input_file("--text", args.text)
     if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
