@@ -88,6 +88,10 @@ def check_inputs(proj, shard, layer):
                     fail(f"{path}: dataset '{missing[0]}' is missing")
                 sizes[path] = [int(f.attrs[n]) for n in ("num_layers", "num_heads",
                                                            "num_kv_heads", "head_dim")]
+                if want == "projections" and int(f.attrs.get("head_groups", 1)) != 1:
+                    fail(f"{path}: attribute 'head_groups' = {int(f.attrs['head_groups'])}: "
+                         "this example reads per-head projections; kqsvd.compress applies "
+                         "head-group latents")
         except OSError as e:
             fail(f"{path}: cannot read as HDF5 ({e})")
         except (KeyError, TypeError, ValueError) as e:

@@ -1,13 +1,26 @@
 """Head-group latents (KQ-SVD across the KV heads of a layer), checked
 against an independent float64 reference written here with numpy: the
 joint keys K_G = [K_1 .. K_G] side by side, the queries Q_bd =
-blockdiag(Q_1 .. Q_G), the values against blockdiag(W_1 .. W_G)."""
+blockdiag(Q_1 .. Q_G), the values against blockdiag(W_1 .. W_G).  Then the
+compressed attention with group latents in a tiny Llama: full rank is the
+model, generate() equals whole-sequence passes with a cache of exactly the
+latents, o_proj folds, and an independent compressed Llama written here
+gives the same perplexity, keys before and after RoPE."""
+import math
+import os
+import sys
 import unittest
 
 import numpy as np
+import torch
 
+from common import TEXT, Calibrated, rope_theta, run
+from common import calibrate as calibrate_cli
+
+import kqsvd
+from kqsvd import models
 from kqsvd.calibration.binding import Calibrator
-from kqsvd.errors import UsageError
+from kqsvd.errors import KqsvdError, UsageError
 
 L, HKV, M, D_HEAD, HIDDEN = 2, 4, 2, 6, 10
 
@@ -192,6 +205,213 @@ class JointProjections(unittest.TestCase):
             cal.absorb("keys", 0, 0, np.zeros((3, D_HEAD)))  # one head's width, not the group's
         with self.assertRaises(UsageError):
             cal.finish("fixed:13")  # above G d = 12
+
+
+def grouped(kind="llama", G=2, rope=None):
+    """A tiny decoder's calibration (common.Calibrated) with head groups of
+    G: (Calibrated, path of the head-groups file)."""
+    c = Calibrated.get(kind)
+    out = os.path.join(c.wd, f"proj-g{G}{'-' + rope if rope else ''}.h5")
+    if not os.path.exists(out):
+        calibrate_cli(*c.train, out, ranks="eps:0.1", extra=["--head-groups", str(G)])
+    return c, out
+
+
+def reference_nll_groups(sd, cfg, proj, ids):
+    """An independent compressed Llama with group latents, written from the
+    weights: each group's keys (after RoPE, or before it for proj.rope
+    "pre") side by side times A, query head h of KV head j scoring against
+    them through the d rows of B for j (or, before RoPE, against RoPE of
+    the rebuilt keys' block j), values (V_G A_v)(B_v,j^T) before W^O.
+    Returns the summed next-token NLL."""
+    G = proj.head_groups
+    x = sd["model.embed_tokens.weight"][ids].double()
+    T, hq, hkv = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads
+    d, m = cfg.hidden_size // hq, hq // hkv
+    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+
+    def norm(h, w):
+        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    def rot(u):
+        return u * cos + torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1) * sin
+
+    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        W = lambda n: sd[p + n].double()  # noqa: E731
+        h = norm(x, sd[p + "input_layernorm.weight"])
+        q, k, v = (h @ W(f"self_attn.{n}_proj.weight").T for n in "qkv")
+        out = torch.zeros(T, hq * d, dtype=torch.float64)
+        for gi in range(hkv // G):
+            A, B, Av, Bv = (torch.from_numpy(mat[l][gi]) for mat in
+                            (proj.key_down, proj.query_down, proj.value_down, proj.value_up))
+            heads = range(gi * G, gi * G + G)
+            kpre = torch.cat([k[:, j * d:(j + 1) * d] for j in heads], 1)
+            kpost = torch.cat([rot(k[:, j * d:(j + 1) * d]) for j in heads], 1)
+            c_v = torch.cat([v[:, j * d:(j + 1) * d] for j in heads], 1) @ Av
+            back = kpre @ A @ B.T  # the rebuilt pre-RoPE keys of the group
+            for b, j in enumerate(heads):
+                rows = slice(b * d, (b + 1) * d)
+                for head in range(j * m, (j + 1) * m):
+                    qh = rot(q[:, head * d:(head + 1) * d])
+                    if proj.rope == "pre":
+                        s = qh @ rot(back[:, rows]).T
+                    else:
+                        s = (qh @ B[rows]) @ (kpost @ A).T
+                    w = torch.softmax(s / math.sqrt(d) + mask, -1)
+                    out[:, head * d:(head + 1) * d] = w @ c_v @ Bv[rows].T
+        x = x + out @ W("self_attn.o_proj.weight").T
+        h = norm(x, sd[p + "post_attention_layernorm.weight"])
+        gate = h @ W("mlp.gate_proj.weight").T
+        x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
+            W("mlp.down_proj.weight").T
+    logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
+    logp = torch.log_softmax(logits[:-1], -1)
+    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def kv4():
+    """A tiny Llama of 8 query and 4 KV heads and its head-groups file (G =
+    2, so two groups per layer), from calibrate_hf: (folder, path)."""
+    from common import tiny_decoder
+    wd = Calibrated.get("llama").wd
+    folder, path = os.path.join(wd, "kv4"), os.path.join(wd, "kv4-g2.h5")
+    if not os.path.exists(path):
+        tiny_decoder("llama", folder, heads=8, kv_heads=4)
+        run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", folder, "--text", TEXT,
+             "--seq-len", "48", "--num-seqs", "8", "--out", path, "--head-groups", "2",
+             "--dtype", "f64"])
+    return folder, path
+
+
+class GroupAttention(unittest.TestCase):
+    def setUp(self):
+        self.c, self.path = grouped()
+        self.model, self.tok, self.info = models.load(self.c.model, dtype=torch.float32)
+        self.ids = torch.from_numpy(models.token_windows(self.tok, TEXT, 40, 2, "validation")[0])
+
+    def test_loads_as_the_group_view(self):
+        p = kqsvd.load_projections(self.path, "kqsvd", "fixed:8")
+        self.assertEqual((p.head_groups, p.num_kv_heads, p.head_dim), (2, 1, 32))
+        self.assertEqual(p.sizes()["num_kv_heads"], 2)
+        self.assertEqual(p.sizes()["head_dim"], 16)
+        self.assertAlmostEqual(p.cache_kept(), 8 / 32)
+        with self.assertRaises(UsageError):
+            kqsvd.load_projections(self.path, "kqsvd", 33)  # above G d
+
+    def test_full_rank_is_the_model(self):
+        with torch.no_grad():
+            want = self.model(input_ids=self.ids).logits
+            for m in kqsvd.METHODS:
+                for fold in (False, True):
+                    with kqsvd.compressed(self.model, kqsvd.load_projections(self.path, m, 32),
+                                          fold=fold):
+                        got = self.model(input_ids=self.ids).logits
+                    self.assertLess(rel(got, want), 1e-5, f"{m} fold={fold}")
+
+    def test_generate_and_cache_bytes(self):
+        proj = kqsvd.load_projections(self.path, "kqsvd", "fixed:7")
+        ids = self.ids[:1, :16]
+        with torch.no_grad(), kqsvd.compressed(self.model, proj):
+            out = self.model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                      return_dict_in_generate=True)
+            seq = out.sequences
+            for t in range(ids.shape[1], seq.shape[1]):
+                logits = self.model(input_ids=seq[:, :t], use_cache=False).logits[0, -1]
+                self.assertEqual(int(logits.argmax()), int(seq[0, t]), f"token {t}")
+            T = seq.shape[1] - 1
+            # one latent of 7 keys and 7 values per layer, group and token, float32
+            self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+                             4 * T * self.info.num_layers * 1 * (7 + 7))
+            folded = None
+            with kqsvd.compressed(self.model, proj, fold=True):
+                folded = self.model(input_ids=seq).logits
+            self.assertLess(rel(folded, self.model(input_ids=seq).logits), 1e-5)
+
+    def test_per_group_ranks(self):
+        """Ranks of their own per (layer, group), in a model of 4 KV heads in
+        groups of 2: the cache holds each group's own columns, and the
+        perplexity is the independent reference's, folded or not."""
+        folder, path = kv4()
+        model, _, info = models.load(folder, dtype=torch.float64)
+        ranks = (np.array([[5, 12], [16, 3]]), np.array([[9, 2], [7, 16]]))
+        ragged = kqsvd.load_projections(path, "kqsvd", ranks)
+        self.assertTrue(ragged.per_head(0) and ragged.per_head(1))
+        sd = model.state_dict()
+        ids = self.ids[:, :24]
+        ref = [reference_nll_groups(sd, model.config, ragged, row.numpy()) for row in ids]
+        for fold in (False, True):
+            with torch.no_grad(), kqsvd.compressed(model, ragged, fold=fold):
+                out = model(input_ids=ids, use_cache=True)
+            logp = torch.log_softmax(out.logits[:, :-1].double(), -1)
+            nll = -logp.gather(2, ids[:, 1:, None]).sum((1, 2))
+            for a, b in zip(nll.tolist(), ref):
+                self.assertLess(abs(a - b) / abs(b), 1e-9, f"fold={fold}")
+            self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+                             8 * ids.numel() * int(sum(r.sum() for r in ranks)))
+
+    def test_independent_perplexity(self):
+        sd = self.model.state_dict()
+        for rope in ("post", "pre"):
+            path = self.path
+            if rope == "pre":
+                path = os.path.join(self.c.wd, "proj-g2-pre.h5")
+                if not os.path.exists(path):
+                    run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", self.c.model,
+                         "--text", TEXT, "--seq-len", "64", "--num-seqs", "12", "--out", path,
+                         "--keys", "pre-rope", "--head-groups", "2", "--dtype", "f64"])
+            for method in kqsvd.METHODS:
+                proj = kqsvd.load_projections(path, method, "fixed:6")
+                self.assertEqual(proj.rope, rope)
+                ref = sum(reference_nll_groups(sd, self.model.config, proj, row.numpy())
+                          for row in self.ids)
+                got = 0.0
+                with torch.no_grad(), kqsvd.compressed(self.model, proj):
+                    for row in self.ids:
+                        logp = torch.log_softmax(
+                            self.model(input_ids=row[None]).logits[0, :-1].double(), -1)
+                        got -= float(logp.gather(1, row[1:, None]).sum())
+                n = self.ids.numel() - self.ids.shape[0]
+                self.assertLess(abs(math.exp(got / n) / math.exp(ref / n) - 1), 1e-4,
+                                f"{rope} {method}")
+
+
+class GroupQuality(unittest.TestCase):
+    def test_quality_command_and_fitted_ranks(self):
+        """The quality command takes a head-groups file: the C tool's
+        policies, and quality-budget / quality-tuned ranks per (layer,
+        group) fitted on the model and written as a head-groups file."""
+        import json
+        import h5py
+        folder, path = kv4()
+        wd = os.path.dirname(path)
+        out = os.path.join(wd, "quality-g2.json")
+        run([sys.executable, "-m", "kqsvd.quality", "--model", folder, "--text", TEXT, "--proj",
+             path, "--ranks", "fixed:4,quality-budget:0.25,quality-tuned:0.25", "--methods",
+             "kqsvd,ksvd", "--seq-len", "32", "--num-seqs", "2", "--calib-seqs", "2",
+             "--check-seqs", "1", "--rounds", "1", "--tune-steps", "2", "--json", out, "--force"])
+        with open(out) as f:
+            rep = json.load(f)
+        self.assertEqual(rep["head_groups"], 2)
+        by = {(r["policy"], r["method"]): r for r in rep["results"]}
+        self.assertAlmostEqual(by[("fixed:4", "kqsvd")]["cache_kept"], 0.25)
+        self.assertAlmostEqual(by[("fixed:4", "kqsvd")]["cache_bytes_ratio"], 0.25)
+        for pol in ("quality-budget:0.25", "quality-tuned:0.25"):
+            r = by[(pol, "kqsvd")]
+            self.assertAlmostEqual(r["cache_kept"], 0.25, delta=1 / 64)
+            self.assertTrue(np.isfinite(r["perplexity"]))
+            with h5py.File(r["proj"]) as f:
+                self.assertEqual(int(f.attrs["head_groups"]), 2)
+                self.assertEqual(f["kqsvd/rank_k_heads"].shape, (2, 2))
+            p = kqsvd.load_projections(r["proj"], "kqsvd")
+            self.assertEqual(p.tuned, pol.startswith("quality-tuned"))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ def examples_usage():
     expect(compress(proj, other[0]), 1, [other[0], "head_dim = 8", "16", "not the same model"],
            "with a shard of another model")
 
+    joint = os.path.join(wd, "joint.h5")
+    calibrate(model, joint, shards, extra=["--head-groups", "2"])
+    expect(compress(joint, shard), 1, [joint, "head_groups", "per-head"],
+           "with a head-groups file")
+
     # And the good case still runs.
     p = compress(proj, shard, 1)
     check(p.returncode == 0 and p.stdout.startswith("layer 1: rank_k"),

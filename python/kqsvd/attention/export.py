@@ -24,7 +24,8 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
 
     proj: a path to proj.h5 or a Projections.  o_proj: optional list of each
     layer's o_proj weight [D, Hq d] (torch Linear layout), to store the
-    folded weights (see attention.fold_o_proj).  The metadata holds the
+    folded weights (see attention.fold_o_proj).  A head-groups file's
+    matrices are its group view's (docs/formats.md 5.3).  The metadata holds the
     method, the policy, the ranks (per layer, and per layer and KV head:
     a head's columns past its own rank are zero), whether B and B_v are
     tuned (kqsvd.quality.tune) and the model's sizes (JSON strings).
@@ -48,7 +49,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     check_outputs([("path", os.fspath(path))], [("proj", source)], force)
     p = proj if isinstance(proj, Projections) else load_projections(proj, method, ranks)
     if o_proj is not None:
-        want = (p.hidden_size, p.num_heads * p.head_dim)
+        want = (p.hidden_size, p.num_heads * p.sizes()["head_dim"])
         got = len(o_proj) if hasattr(o_proj, "__len__") else repr(o_proj)
         if got != p.num_layers:
             raise UsageError(f"export_safetensors: o_proj must hold {p.num_layers} weights, one "
@@ -64,7 +65,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
             out[f"layers.{l}.{n}"] = torch.from_numpy(getattr(p, n)[l]).to(tdtype).contiguous()
         if o_proj is not None:
             out[f"layers.{l}.o_proj_folded"] = fold_o_proj(
-                o_proj[l], p.value_up[l], p.num_heads).to(tdtype).contiguous()
+                o_proj[l], p.value_up[l], p.num_heads, p.head_groups).to(tdtype).contiguous()
     meta = {"kqsvd_format": "projections-safetensors", "method": p.method, "policy": p.policy,
             "source": os.path.basename(p.path), "model": p.model,
             "rank_k": json.dumps(p.rank_k.tolist()), "rank_v": json.dumps(p.rank_v.tolist()),
@@ -72,6 +73,7 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
             "rank_k_heads": json.dumps(p.rank_k_heads.tolist()),
             "rank_v_heads": json.dumps(p.rank_v_heads.tolist()),
             "sizes": json.dumps({k: getattr(p, k) for k in ("num_layers", "num_heads",
-                                 "num_kv_heads", "head_dim", "hidden_size")})}
+                                 "num_kv_heads", "head_dim", "hidden_size")}),
+            "head_groups": str(p.head_groups)}
     write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
     return path

@@ -8,6 +8,14 @@ The cache holds K A and V A_v, [b, Hkv, T, r]; with ranks per head
 (`ragged`) each KV head's own columns side by side, [b, 1, T, sum of ranks],
 so the cache holds exactly the bytes the ranks say.
 
+Head groups (a file with head_groups G, docs/formats.md 5.3): the
+projections are the model's group view's, each of its Hkv / G heads a
+group of G KV heads whose keys and values enter side by side ([b, Hkv / G,
+T, G d], `to_view`), so the cache holds one latent per group, [b, Hkv / G,
+T, R].  Query head h of KV head j reads it through the d rows of B (and of
+B_v) for j: `per_query` gives every query head its own d x r block, which
+for G = 1 is its KV head's whole matrix.
+
 Keys before RoPE (`rope == "pre"`, Palu's form): the cache holds k_pre A,
 and at attention time every cached key is brought back, RoPE((k_pre A) B^T)
 at its own position, and scored against the full post-RoPE queries (no B on
@@ -59,22 +67,33 @@ def key_positions(position_ids, T, N):
     return (torch.arange(N, device=position_ids.device)[None] - offset).clamp(min=0)
 
 
-def fold_o_proj(o_weight, value_up, num_heads):
+def per_query(M, num_heads, head_groups=1):
+    """Each query head's d rows of one layer's B or B_v: M [Hkv / G, G d, r]
+    (the file's, G = head_groups) gives [Hq, d, r], query head h taking the
+    block of its KV head j = h // (Hq / Hkv) in its group (j mod G)."""
+    hv, w, r = M.shape
+    d, per = w // head_groups, num_heads // hv // head_groups  # query heads per KV head
+    return M.reshape(hv, head_groups, d, r).repeat_interleave(per, 1).reshape(num_heads, d, r)
+
+
+def fold_o_proj(o_weight, value_up, num_heads, head_groups=1):
     """The o_proj weight that takes the compressed head outputs directly.
 
     o_weight: [D, Hq d] (torch Linear layout); value_up: [Hkv, d, r_v] (B_v
-    of one layer).  Returns float64 [D, Hq r_v]: head h's block W_h B_v[g(h)],
-    so softmax(.) (V A_v) times it equals softmax(.) (V A_v B_v^T) W_h^T.
-    Not collective; raises KqsvdError when the shapes do not match."""
+    of one layer; [Hkv / G, G d, r_v] for head groups G).  Returns float64
+    [D, Hq r_v]: head h's block W_h B_v,j for its KV head j, so softmax(.)
+    (V A_v) times it equals softmax(.) (V A_v B_v^T) W_h^T.  Not
+    collective; raises KqsvdError when the shapes do not match."""
     w = torch.as_tensor(o_weight, dtype=torch.float64)
     bv = torch.as_tensor(value_up, dtype=torch.float64)
     D, hd = w.shape
-    hkv, d, r = bv.shape
-    if hd != num_heads * d or num_heads % hkv:
+    hv, gd, r = bv.shape
+    d = gd // head_groups
+    if hd != num_heads * d or num_heads % (hv * head_groups) or gd % head_groups:
         raise KqsvdError(f"fold_o_proj: o_proj is [{D}, {hd}], which does not match {num_heads} "
-                         f"heads of d = {d} in {hkv} KV groups")
+                         f"heads of d = {d} in {hv * head_groups} KV groups")
     blocks = w.view(D, num_heads, d).transpose(0, 1)                      # [Hq, D, d]
-    folded = blocks @ bv.repeat_interleave(num_heads // hkv, 0)           # [Hq, D, r]
+    folded = blocks @ per_query(bv, num_heads, head_groups)               # [Hq, D, r]
     return folded.transpose(0, 1).reshape(D, num_heads * r)
 
 
@@ -84,16 +103,14 @@ class LayerProjection:
     carry gradients; everything here reads them at each call."""
 
     def __init__(self, proj, layer, heads, dtype, device, o_weight=None, fold=False):
-        g = heads // proj.num_kv_heads
-        self.g, self.hkv = g, proj.num_kv_heads
+        G = getattr(proj, "head_groups", 1)
+        g = heads // proj.num_kv_heads  # query heads per (view) KV head
+        self.g, self.hkv, self.G, self.heads = g, proj.num_kv_heads, G, heads
         t = lambda a: torch.as_tensor(a, dtype=dtype, device=device)  # noqa: E731
         self.A = t(proj.key_down[layer])                                     # [Hkv, d, rk]
-        self.Bq = t(proj.query_down[layer]).repeat_interleave(g, 0)          # [Hq, d, rk]
         self.Av = t(proj.value_down[layer])                                  # [Hkv, d, rv]
-        self.BvT = t(proj.value_up[layer]).transpose(1, 2).repeat_interleave(g, 0)  # [Hq, rv, d]
         self.rope = proj.rope
-        self.BkT = t(proj.query_down[layer]).transpose(1, 2)               # [Hkv, rk, d]
-        self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads) if fold else None
+        self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads, G) if fold else None
         self.ragged = proj.per_head(layer)
         if self.ragged:
             rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
@@ -101,10 +118,7 @@ class LayerProjection:
             self.ko = [0] + torch.tensor(self.rk).cumsum(0).tolist()
             self.vo = [0] + torch.tensor(self.rv).cumsum(0).tolist()
             self.A = [self.A[j, :, :r] for j, r in enumerate(self.rk)]
-            self.Bq = [t(proj.query_down[layer][j, :, :r]) for j, r in enumerate(self.rk)]
-            self.BkT = [b.T for b in self.Bq]
             self.Av = [self.Av[j, :, :r] for j, r in enumerate(self.rv)]
-            self.BvT = [t(proj.value_up[layer][j, :, :r]).T for j, r in enumerate(self.rv)]
             if self.o_folded is not None:  # each head's own columns of the padded fold
                 wide = int(rv.max())
                 cols = [h * wide + c for h in range(heads) for c in range(self.rv[h // g])]
@@ -113,16 +127,50 @@ class LayerProjection:
             self.rk, self.rv = int(self.A.shape[-1]), int(self.Av.shape[-1])
         if self.o_folded is not None:
             self.o_folded = self.o_folded.to(dtype=dtype, device=device)
+        self.set_up(t(proj.query_down[layer]), t(proj.value_up[layer]))
+
+    def set_up(self, qd, vu):
+        """Sets the up-projections from one layer's B and B_v as the file
+        has them, [Hkv, d, r] (tuning passes tensors that carry gradients):
+        Bq [Hq, d, rk] (each query head's block), BkT [Hkv, rk, d] (keys
+        brought back before RoPE) and BvT [Hq, rv, d]; with ranks per head,
+        each KV head's own columns and query heads."""
+        g = self.g
+        self.Bq = per_query(qd, self.heads, self.G)
+        self.BkT = qd.transpose(1, 2)
+        self.BvT = per_query(vu, self.heads, self.G).transpose(1, 2)
+        if self.ragged:
+            self.Bq = [self.Bq[j * g:(j + 1) * g, :, :r] for j, r in enumerate(self.rk)]
+            self.BkT = [self.BkT[j, :r] for j, r in enumerate(self.rk)]
+            self.BvT = [self.BvT[j * g:(j + 1) * g, :r] for j, r in enumerate(self.rv)]
 
     @property
     def pre(self):
         return self.rope == "pre"
+
+    def to_view(self, x):
+        """[b, Hkv, T, d] -> the group view's [b, Hkv / G, T, G d]: each
+        group's heads side by side (x itself for G = 1)."""
+        if self.G == 1:
+            return x
+        b, H, T, d = x.shape
+        return x.view(b, H // self.G, self.G, T, d).transpose(2, 3).reshape(
+            b, H // self.G, T, self.G * d)
+
+    def from_view(self, x):
+        """The inverse of to_view."""
+        if self.G == 1:
+            return x
+        b, hv, T, w = x.shape
+        d = w // self.G
+        return x.view(b, hv, T, self.G, d).transpose(2, 3).reshape(b, hv * self.G, T, d)
 
     def project(self, keys, values, cos=None, sin=None):
         """The cache's columns of keys and values [b, Hkv, T, d] (keys after
         RoPE, rotated by cos and sin, which pre-RoPE projections undo)."""
         if self.pre:
             keys = unrope(keys, cos, sin)
+        keys, values = self.to_view(keys), self.to_view(values)
         if self.ragged:
             return (torch.cat([keys[:, j:j + 1] @ a for j, a in enumerate(self.A)], -1),
                     torch.cat([values[:, j:j + 1] @ a for j, a in enumerate(self.Av)], -1))
@@ -149,7 +197,8 @@ class LayerProjection:
         heads, folded, extras = [], [], []
         for qg, kg, vg, bkT, bq, bvT in self.groups(q, kc, vc):
             if self.pre:
-                kk, qq = rotary(kg @ bkT), qg
+                kk, qq = rotary(self.from_view(kg @ bkT)), qg
+                vg = vg.repeat_interleave(self.G, 1)  # as many heads as the keys brought back
             else:
                 kk, qq = kg, qg @ bq
             out, extra = attend(qq, kk, vg)                  # [b, G, T, rv]

@@ -223,6 +223,7 @@ def run(a):
               "token_range": [start, start + seqs.size - bos * a.num_seqs],
               "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
+              "head_groups": psizes["head_groups"],
               "full": full, "results": []}
     for (pol, m, p), r in zip(pairs, results):
         if pol in saved:

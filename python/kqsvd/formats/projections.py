@@ -38,7 +38,10 @@ class Projections:
     file's `rope` attribute, "post" (keys after RoPE; also when the file has
     none) or "pre" (keys before RoPE, brought back as RoPE(K A B^T) before
     the scores: kqsvd.attention).  tuned: query_down and value_up are the
-    file's tuned up-projections (kqsvd.quality.tune), not the closed forms."""
+    file's tuned up-projections (kqsvd.quality.tune), not the closed forms.
+    head_groups: G > 1 for a head-groups file (docs/formats.md 5.3), whose
+    num_kv_heads, head_dim, matrices and ranks are the model's group view
+    (Hkv / G groups, G d wide); sizes() gives the model's."""
     path: str
     method: str
     policy: str
@@ -58,9 +61,11 @@ class Projections:
     rank_v_heads: np.ndarray = None
     rope: str = "post"
     tuned: bool = False
+    head_groups: int = 1
 
     def sizes(self):
-        return {k: getattr(self, k) for k in h5io.SIZE_ATTRS}
+        """The model's sizes (h5io.SIZE_ATTRS), whatever the head groups."""
+        return model_sizes({k: getattr(self, k) for k in h5io.SIZE_ATTRS}, self.head_groups)
 
     def per_head(self, layer):
         """Whether the heads of `layer` have ranks of their own (not all alike)."""
@@ -72,6 +77,23 @@ class Projections:
         heads of (rank_k + rank_v) / (2 d L Hkv)."""
         return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
                      (2 * self.head_dim * self.num_layers * self.num_kv_heads))
+
+
+def model_sizes(sizes, head_groups):
+    """A file's sizes as the model's: a head-groups file's group view has
+    Hkv / G KV heads of G d."""
+    return dict(sizes, num_kv_heads=sizes["num_kv_heads"] * head_groups,
+                head_dim=sizes["head_dim"] // head_groups)
+
+
+def head_groups_of(f, path, head_dim):
+    """The file's head_groups attribute (1 when absent), checked."""
+    G = h5io.attr(f, "head_groups", 1)
+    if isinstance(G, (bool, np.bool_)) or not isinstance(G, (int, np.integer)) or G < 1 or \
+            head_dim % G:
+        raise KqsvdError(f"{path}: attribute 'head_groups' = {G!r} must be a whole number >= 1 "
+                         f"dividing head_dim = {head_dim}")
+    return int(G)
 
 
 def kqsvd_binary():
@@ -250,6 +272,7 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
                       else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
                       else "per-layer")
         up = _tuned_names(f, path, method, (L, H, d, d)) if ranks is None and tuned else {}
+        groups = head_groups_of(f, path, d)
         rope = h5io.attr(f, "rope", "post")
         if rope not in ("post", "pre"):
             raise KqsvdError(f"{path}: attribute 'rope' is {rope!r}, expected 'pre' or 'post'")
@@ -267,7 +290,7 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
         return Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
-                           tuned=bool(up), **s, **mats)
+                           tuned=bool(up), head_groups=groups, **s, **mats)
 
 
 def _tuned_names(f, path, method, shape):
@@ -352,11 +375,12 @@ def _write_tuned(g, p, info, rk, rv):
 
 
 def file_sizes(path, methods=METHODS):
-    """The sizes of a projections file (h5io.SIZE_ATTRS) once the file
-    agrees with itself: each method's matrices [L, Hkv, d, d] and ranks
-    [L], where present, as its attributes say.  Raises KqsvdError naming the attribute and
-    the dataset that disagree, so that a file at odds with itself is not
-    reported as projections of another model."""
+    """The sizes of the model a projections file is for (h5io.SIZE_ATTRS,
+    through the group view of a head-groups file, and "head_groups") once
+    the file agrees with itself: each method's matrices [L, Hkv, d, d] and
+    ranks [L], where present, as its attributes say.  Raises KqsvdError
+    naming the attribute and the dataset that disagree, so that a file at
+    odds with itself is not reported as projections of another model."""
     with h5io.open_file(path, "projections") as f:
         s = h5io.sizes(f, path)
         L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
@@ -373,7 +397,8 @@ def file_sizes(path, methods=METHODS):
                 raise KqsvdError(f"{path}: inconsistent file: attribute '{attrs[k]}' = {want[k]} "
                                  f"but dataset '{m}/{n}' has shape {list(shape)}, expected "
                                  f"{list(want)}")
-    return s
+        G = head_groups_of(f, path, d)
+    return dict(model_sizes(s, G), head_groups=G)
 
 
 def check_sizes(proj_sizes, proj_path, model_sizes, model_path="the model"):

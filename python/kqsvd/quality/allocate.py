@@ -33,6 +33,8 @@ the text it was calibrated on.
 With --tune STEPS the up-projections are then trained at those ranks
 (kqsvd.quality.tune; the policy quality-tuned:F), on the same windows, the step
 kept chosen on --check-seqs windows that follow them."""
+import dataclasses
+
 import numpy as np
 
 from ..errors import KqsvdError, UsageError
@@ -110,6 +112,13 @@ def allocate_costs(costs, total):
     return ranks
 
 
+def group_view(info, head_groups):
+    """A model's ModelInfo as a head-groups file sees it: Hkv / G KV heads
+    of G d (docs/formats.md 5.3), so that units are (layer, group)."""
+    return dataclasses.replace(info, num_kv_heads=info.num_kv_heads // head_groups,
+                               head_dim=info.head_dim * head_groups)
+
+
 class Sensitivity:
     """Accumulates s_u(r) for every method, unit and rank over windows."""
 
@@ -117,13 +126,19 @@ class Sensitivity:
         self.mats = {}
         for m, p in projs.items():
             self.mats[m] = {"k": (p.key_down, p.query_down), "v": (p.value_down, p.value_up)}
+        self.G = next(iter(projs.values())).head_groups
         L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
         self.cost = {m: np.zeros((2, L, H, d)) for m in projs}
 
     def add(self, layer, kind, x, g, joint):
-        """x, g: float64 [b, H, T, d] rows and their loss gradients.  joint:
-        square each window's sum over tokens (the Fisher form, with
-        random-sign gradients), else each token's term."""
+        """x, g: float64 [b, H, T, d] rows and their loss gradients (a group's
+        heads are put side by side for head groups).  joint: square each
+        window's sum over tokens (the Fisher form, with random-sign
+        gradients), else each token's term."""
+        if self.G > 1:
+            b, H, T, d = x.shape
+            x, g = (a.reshape(b, H // self.G, self.G, T, d).transpose(0, 1, 3, 2, 4).reshape(
+                b, H // self.G, T, self.G * d) for a in (x, g))
         side = 0 if kind == "k" else 1
         gx = (x * g).sum(-1)                                  # [b, H, T]
         for m, mats in self.mats.items():
@@ -301,7 +316,9 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     rounds (see refine).  Not collective.  Raises UsageError for an
     impossible fraction, KqsvdError for a bad projections file or model."""
     from ..attention import compress
-    from ..formats.projections import load_projections
+    from ..formats.projections import file_sizes, load_projections
+    # Units are (layer, group) for head groups.
+    info = group_view(info, file_sizes(proj_path, methods)["head_groups"])
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
     total = budget_ranks(fraction, 2 * L * H, d)
     full = {m: load_projections(proj_path, m, d) for m in methods}

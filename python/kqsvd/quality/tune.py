@@ -40,14 +40,7 @@ class _Trainable:
         # The layouts of attention.LayerProjection, rebuilt from the leaves
         # so that the gradients reach them.
         for P, qd, vu in zip(self.layers, self.qd, self.vu):
-            if P.ragged:
-                P.Bq = [qd[j, :, :r] for j, r in enumerate(P.rk)]
-                P.BkT = [b.T for b in P.Bq]
-                P.BvT = [vu[j, :, :r].T for j, r in enumerate(P.rv)]
-            else:
-                P.Bq = qd.repeat_interleave(P.g, 0)
-                P.BkT = qd.transpose(1, 2)
-                P.BvT = vu.transpose(1, 2).repeat_interleave(P.g, 0)
+            P.set_up(qd, vu)
 
     def leaves(self):
         return self.qd + self.vu
