@@ -8,7 +8,7 @@
 # trained too (quality-tuned:F).
 #
 #   bench/head_groups.sh [--keys post-rope|pre-rope] [--work DIR] [--tuned LIST]
-#                        [--no-fit] [--reuse]
+#                        [--fit "1 3"] [--reuse]
 #
 # Calibration: 24 x 256 tokens from the start of the bundled text (the
 # demo's), folded from the running model on 2 ranks (python -m
@@ -16,21 +16,22 @@
 # --head-groups 3; quality-budget fits its ranks on 4 of those windows,
 # quality-tuned trains 30 steps on them and keeps the step that is best on
 # the next 4; evaluation: 8 x 256 tokens from the end of the text.
-# --tuned LIST: the fractions tuned [0.5,0.25]; "" for none.  --no-fit:
-# closed forms only (minutes instead of about an hour).  --reuse: keep
+# --tuned LIST: the fractions tuned [0.5,0.25]; "" for none.  --fit: the
+# forms whose ranks are fitted (and tuned) ["1 3"]; "" for closed forms
+# only (minutes instead of about an hour).  --reuse: keep
 # DIR's projections files from an earlier run.  Writes DIR/head_groups.md
 # (the table of docs/benchmarks.md) and the quality reports beside it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-keys=post-rope work="" tuned=0.5,0.25 fit=1 reuse=0
+keys=post-rope work="" tuned=0.5,0.25 fit="1 3" reuse=0
 while [ $# -gt 0 ]; do
   case $1 in
     --keys) keys=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --tuned) tuned=$2; shift 2 ;;
-    --no-fit) fit=0; shift ;;
+    --fit) fit=$2; shift 2 ;;
     --reuse) reuse=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "head_groups.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -52,10 +53,12 @@ common=(--model "$model" --text "$text" --split validation --seq-len 256 --num-s
 for g in 1 3; do
   w=$((64 * g))
   pol=fixed:$((w / 2)),fixed:$((w / 4)),fixed:$((w / 8))
-  [ $fit = 0 ] || pol=$pol,quality-budget:0.5,quality-budget:0.25,quality-budget:0.125
+  fitted=0
+  case " $fit " in *" $g "*) fitted=1 ;; esac
+  [ $fitted = 0 ] || pol=$pol,quality-budget:0.5,quality-budget:0.25,quality-budget:0.125
   .venv/bin/python -m kqsvd.quality "${common[@]}" --proj "$work/g$g.h5" --ranks "$pol" \
     --json "$work/g$g.json" | tee "$work/g$g.txt"
-  if [ $fit = 1 ] && [ -n "$tuned" ]; then
+  if [ $fitted = 1 ] && [ -n "$tuned" ]; then
     pol=$(echo "$tuned" | sed 's/\([0-9.]*\)/quality-tuned:\1/g')
     .venv/bin/python -m kqsvd.quality "${common[@]}" --proj "$work/g$g.h5" --ranks "$pol" \
       --methods kqsvd --json "$work/g$g-tuned.json" | tee "$work/g$g-tuned.txt"

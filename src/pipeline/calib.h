@@ -55,6 +55,7 @@ typedef struct calib {
   /* --timings: this rank's seconds reading shards and folding rows (QR,
    * SYRK or pdgeqrf), bytes read and rows folded; reduce and solve stages */
   double t_read, t_fold, bytes_read, rows_folded, t_reduce, t_solve;
+  double flops_folded; /* 2 w^2 per row of width w, where rows differ in width (head groups) */
 } calib_t;
 
 /* Not collective: the rows of rank p's segments (the plan is the same on

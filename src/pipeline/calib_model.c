@@ -250,14 +250,15 @@ static kqsvd_status_t report(const calib_t *c) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double mx[5] = {c->t_read, c->t_fold, c->t_reduce, c->t_solve, (double)ru.ru_maxrss / 1024.0};
-    double sum[3] = {c->bytes_read, c->rows_folded, c->t_fold};
+    double sum[4] = {c->bytes_read, c->rows_folded, c->t_fold, c->flops_folded};
     KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : mx, mx, 5, MPI_DOUBLE, MPI_MAX, 0, c->ctx.comm));
-    KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 3, MPI_DOUBLE, MPI_SUM, 0, c->ctx.comm));
+    KQSVD_MPI(MPI_Reduce(root ? MPI_IN_PLACE : sum, sum, 4, MPI_DOUBLE, MPI_SUM, 0, c->ctx.comm));
     const double P = (double)c->ctx.size, d = (double)c->d;
     tm.read = mx[0], tm.bytes = sum[0], tm.read_rate = mx[0] > 0 ? sum[0] / P / mx[0] : 0.0;
     tm.fold = mx[1], tm.rows = sum[1];
     /* Per rank: all rows over all ranks' fold time, so a rank's average. */
-    tm.fold_gflops = sum[2] > 0 ? sum[1] * 2.0 * d * d / sum[2] / 1e9 : 0.0;
+    const double flops = c->G > 1 ? sum[3] : sum[1] * 2.0 * d * d;
+    tm.fold_gflops = sum[2] > 0 ? flops / sum[2] / 1e9 : 0.0;
     tm.reduce = mx[2], tm.solve = mx[3], tm.peak_rss_mib = mx[4];
   }
   if (!root) goto done;

@@ -128,6 +128,7 @@ static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, i
                                             q ? h % m : 0, rows, type, nj, q ? d : d * G);
       c->t_fold += kqsvd_now() - t0;
       c->rows_folded += (double)nj;
+      c->flops_folded += 2.0 * (double)nj * (double)(q ? d * d : d * d * G * G);
       const int64_t bad = got == KQSVD_ERR_DATA ? kqsvd_acc_bad_row(c->acc) : -1;
       if (bad >= 0) kqsvd_error_clear(); /* named below, with the file and the shard's row */
       KQSVD_CHECK(bad < 0 || q || G == 1, KQSVD_ERR_DATA,
