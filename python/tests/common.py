@@ -195,3 +195,39 @@ class Calibrated:
             self.seq_len, self.num_valid = seq_len, valid
             cls._cache[key] = self
         return cls._cache[key]
+
+
+def reference_llama_nll(sd, cfg, ids, attention):
+    """An independent Llama written from the weights in float64 (RMSNorm,
+    rotate-half RoPE, SwiGLU MLP), whose attention is the caller's:
+    attention(l, q, k, v, rot, mask) -> [T, Hq d] from the layer's q, k, v
+    projections before RoPE ([T, H d]), rot(u) rotating a [T, d] block at
+    its positions and the causal mask.  Returns the summed next-token NLL."""
+    import math
+    import torch
+    x = sd["model.embed_tokens.weight"][ids].double()
+    T, d = len(ids), cfg.hidden_size // cfg.num_attention_heads
+    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+
+    def norm(h, w):
+        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    def rot(u):
+        return u * cos + torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1) * sin
+
+    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        W = lambda n: sd[p + n].double()  # noqa: E731
+        h = norm(x, sd[p + "input_layernorm.weight"])
+        q, k, v = (h @ W(f"self_attn.{n}_proj.weight").T for n in "qkv")
+        x = x + attention(l, q, k, v, rot, mask) @ W("self_attn.o_proj.weight").T
+        h = norm(x, sd[p + "post_attention_layernorm.weight"])
+        gate = h @ W("mlp.gate_proj.weight").T
+        x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
+            W("mlp.down_proj.weight").T
+    logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
+    logp = torch.log_softmax(logits[:-1], -1)
+    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())

@@ -18,7 +18,7 @@ import unittest
 import numpy as np
 import torch
 
-from common import FAMILIES, Calibrated, evaluate, installed, padded, rope_theta, tiny_lm
+from common import FAMILIES, Calibrated, evaluate, installed, padded, reference_llama_nll, tiny_lm
 
 import kqsvd
 from kqsvd import models
@@ -228,32 +228,15 @@ class TiedToEvaluate(unittest.TestCase):
 
 
 def reference_nll(sd, cfg, proj, ids):
-    """An independent compressed Llama, written from the weights: RMSNorm,
-    RoPE (rotate-half), GQA attention on K A and V A_v with q B scores and
-    B_v^T before W^O, SwiGLU MLP.  Keys before RoPE (proj.rope "pre"): the
-    cache holds k_pre A, the scores are RoPE(q) against RoPE(k_pre A B^T).
-    Returns the summed next-token NLL."""
-    x = sd["model.embed_tokens.weight"][ids].double()
-    T, d = len(ids), cfg.hidden_size // cfg.num_attention_heads
+    """An independent compressed Llama (common.reference_llama_nll): GQA
+    attention on K A and V A_v with q B scores and B_v^T before W^O.  Keys
+    before RoPE (proj.rope "pre"): the cache holds k_pre A, the scores are
+    RoPE(q) against RoPE(k_pre A B^T).  Returns the summed next-token NLL."""
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
+    d = cfg.hidden_size // hq
 
-    def norm(h, w):
-        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-
-    def rot(u):
-        return u * cos + torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1) * sin
-
-    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
-    for l in range(cfg.num_hidden_layers):
-        p = f"model.layers.{l}."
-        W = lambda n: sd[p + n].double()  # noqa: E731
-        h = norm(x, sd[p + "input_layernorm.weight"])
-        q, k, v = h @ W("self_attn.q_proj.weight").T, h @ W("self_attn.k_proj.weight").T, \
-            h @ W("self_attn.v_proj.weight").T
-        out = torch.zeros(T, hq * d, dtype=torch.float64)
+    def attention(l, q, k, v, rot, mask):
+        out = torch.zeros(len(ids), hq * d, dtype=torch.float64)
         for head in range(hq):
             g = head // (hq // hkv)
             A, B = (torch.from_numpy(m[l][g]) for m in (proj.key_down, proj.query_down))
@@ -266,14 +249,9 @@ def reference_nll(sd, cfg, proj, ids):
                 kh = rot(k[:, g * d:(g + 1) * d]) @ A
             w = torch.softmax(qh @ kh.T / math.sqrt(d) + mask, -1)
             out[:, head * d:(head + 1) * d] = w @ (v[:, g * d:(g + 1) * d] @ Av) @ Bv.T
-        x = x + out @ W("self_attn.o_proj.weight").T
-        h = norm(x, sd[p + "post_attention_layernorm.weight"])
-        gate = h @ W("mlp.gate_proj.weight").T
-        x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
-            W("mlp.down_proj.weight").T
-    logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
-    logp = torch.log_softmax(logits[:-1], -1)
-    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+        return out
+
+    return reference_llama_nll(sd, cfg, ids, attention)
 
 
 class Reference(unittest.TestCase):

@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 import torch
 
-from common import TEXT, Calibrated, rope_theta, run
+from common import TEXT, Calibrated, reference_llama_nll, run
 from common import calibrate as calibrate_cli
 
 import kqsvd
@@ -218,33 +218,17 @@ def grouped(kind="llama", G=2, rope=None):
 
 
 def reference_nll_groups(sd, cfg, proj, ids):
-    """An independent compressed Llama with group latents, written from the
-    weights: each group's keys (after RoPE, or before it for proj.rope
-    "pre") side by side times A, query head h of KV head j scoring against
+    """An independent compressed Llama with group latents
+    (common.reference_llama_nll): each group's keys (after RoPE, or before
+    it for proj.rope "pre") side by side times A, query head h of KV head j scoring against
     them through the d rows of B for j (or, before RoPE, against RoPE of
     the rebuilt keys' block j), values (V_G A_v)(B_v,j^T) before W^O.
     Returns the summed next-token NLL."""
-    G = proj.head_groups
-    x = sd["model.embed_tokens.weight"][ids].double()
-    T, hq, hkv = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads
+    G, hq, hkv = proj.head_groups, cfg.num_attention_heads, cfg.num_key_value_heads
     d, m = cfg.hidden_size // hq, hq // hkv
-    inv = 1.0 / (rope_theta(cfg) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, 1), torch.cat([ang.sin()] * 2, 1)
 
-    def norm(h, w):
-        return w.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + cfg.rms_norm_eps)
-
-    def rot(u):
-        return u * cos + torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1) * sin
-
-    mask = torch.full((T, T), -math.inf, dtype=torch.float64).triu(1)
-    for l in range(cfg.num_hidden_layers):
-        p = f"model.layers.{l}."
-        W = lambda n: sd[p + n].double()  # noqa: E731
-        h = norm(x, sd[p + "input_layernorm.weight"])
-        q, k, v = (h @ W(f"self_attn.{n}_proj.weight").T for n in "qkv")
-        out = torch.zeros(T, hq * d, dtype=torch.float64)
+    def attention(l, q, k, v, rot, mask):
+        out = torch.zeros(len(ids), hq * d, dtype=torch.float64)
         for gi in range(hkv // G):
             A, B, Av, Bv = (torch.from_numpy(mat[l][gi]) for mat in
                             (proj.key_down, proj.query_down, proj.value_down, proj.value_up))
@@ -263,14 +247,9 @@ def reference_nll_groups(sd, cfg, proj, ids):
                         s = (qh @ B[rows]) @ (kpost @ A).T
                     w = torch.softmax(s / math.sqrt(d) + mask, -1)
                     out[:, head * d:(head + 1) * d] = w @ c_v @ Bv[rows].T
-        x = x + out @ W("self_attn.o_proj.weight").T
-        h = norm(x, sd[p + "post_attention_layernorm.weight"])
-        gate = h @ W("mlp.gate_proj.weight").T
-        x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
-            W("mlp.down_proj.weight").T
-    logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
-    logp = torch.log_softmax(logits[:-1], -1)
-    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+        return out
+
+    return reference_llama_nll(sd, cfg, ids, attention)
 
 
 def rel(a, b):

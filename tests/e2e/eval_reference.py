@@ -100,10 +100,12 @@ def load_proj_mats(path):
                 for m in METHODS}
 
 
-def evaluate(model, proj_path, shards, ranks):
+def evaluate(model, proj_path, shards, ranks, errors=None):
     """ranks: {method: [(rank_k, rank_v) per layer]}, each an int or a list
-    of one per KV head (per-head ranks, docs/formats.md 5.3).  Returns
+    of one per KV head (per-head ranks, docs/formats.md 5.3).  errors: the
+    per-sequence errors of a layer, as layer_errors [layer_errors].  Returns
     {method: {"layers": [{metric: value}], "mean": {metric: value}}}."""
+    errors = errors or layer_errors
     O = load_oproj(model)
     proj = load_proj_mats(proj_path)
     L = O.shape[0]
@@ -112,7 +114,7 @@ def evaluate(model, proj_path, shards, ranks):
     for K, V, Q, causal in sequences(shards):
         nseq += 1
         for l in range(L):
-            e = layer_errors(K, V, Q, O, proj, l, {m: ranks[m][l] for m in METHODS}, causal)
+            e = errors(K, V, Q, O, proj, l, {m: ranks[m][l] for m in METHODS}, causal)
             for m in METHODS:
                 for k in METRICS:
                     sums[m][l][k] += e[m][k]

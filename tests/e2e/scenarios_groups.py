@@ -8,7 +8,7 @@ import numpy as np
 
 import json
 
-from eval_reference import METHODS, METRICS, rel, sequences, softmax_rows
+from eval_reference import METHODS, METRICS, compare, evaluate, rel, softmax_rows
 from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set
 from reference import group_mats, load_oproj, load_set, svals
 from scenarios_math import explicit_err, ref_projections
@@ -38,13 +38,14 @@ def subspace_gap(A, B, r):
     return float(np.abs(P[0] @ P[0].T - P[1] @ P[1].T).max())
 
 
-def grouped_errors(K, V, Q, O, p, l, G, r, causal):
-    """docs/formats.md section 4 for a head-groups file, one sequence, layer
-    l, ranks r: query head h of KV head j scores q_h B_j (K_G A)^T, B_j the d
+def grouped_errors(K, V, Q, O, proj, l, ranks, causal):
+    """docs/formats.md section 4 for a head-groups file (proj: its matrices
+    as eval_reference.load_proj_mats reads them), one sequence, layer l,
+    ranks {method: (r, r)}: query head h of KV head j scores q_h B_j (K_G A)^T, B_j the d
     rows of B for head j, and reads its values as (V_G A_v)(B_v,j^T W^O_h);
     err_q is that of the padded queries (Q_bd)."""
     Hkv, d, Hq = K.shape[1], K.shape[3], Q.shape[1]
-    m = Hq // Hkv
+    m, G = Hq // Hkv, proj["kqsvd"]["key_down"].shape[-1] // K.shape[3]
     den = dict.fromkeys(METRICS, 0.0)
     exact = 0.0
     for h in range(Hq):
@@ -59,7 +60,8 @@ def grouped_errors(K, V, Q, O, p, l, G, r, causal):
         num = dict.fromkeys(METRICS, 0.0)
         approx = 0.0
         for gi in range(Hkv // G):
-            A, B, Av, Bv = (p[f"{meth}/{x}"][l, gi][:, :r] for x in
+            r = ranks[meth][0]
+            A, B, Av, Bv = (proj[meth][x][l, gi][:, :r] for x in
                             ("key_down", "query_down", "value_down", "value_up"))
             KG = np.hstack([K[l, j] for j in range(gi * G, gi * G + G)])
             VG = np.hstack([V[l, j] for j in range(gi * G, gi * G + G)])
@@ -88,24 +90,10 @@ def check_evaluate(wd, model, proj, shards, G, r):
     with open(report) as f:
         rep = json.load(f)
     check(rep.get("head_groups") == G, f"report head_groups {rep.get('head_groups')}")
-    O, p = load_oproj(model), load_proj(proj)
-    L = O.shape[0]
-    sums = {m: [dict.fromkeys(METRICS, 0.0) for _ in range(L)] for m in METHODS}
-    nseq = 0
-    for K, V, Q, causal in sequences(shards):
-        nseq += 1
-        for l in range(L):
-            e = grouped_errors(K, V, Q, O, p, l, G, r, causal)
-            for m in METHODS:
-                for k in METRICS:
-                    sums[m][l][k] += e[m][k]
-    worst = 0.0
-    for m in METHODS:
-        for l in range(L):
-            for k in METRICS:
-                want, got = sums[m][l][k] / nseq, rep["methods"][m]["layers"][l][k]
-                worst = max(worst, abs(got - want) / max(abs(want), 1e-300))
-    check(worst < 1e-8, f"evaluate G={G} vs the reference: {worst:.2e}")
+    L = load_oproj(model).shape[0]
+    ref = evaluate(model, proj, shards, {m: [(r, r)] * L for m in METHODS}, grouped_errors)
+    worst, where = compare(rep, ref)
+    check(worst < 1e-8, f"evaluate G={G} vs the reference: {worst:.2e} at {where}")
     return worst
 
 
