@@ -6,6 +6,7 @@
 #include "calib.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,8 +106,10 @@ static kqsvd_status_t plan(calib_t *c) {
    * its own) and its work buffers. */
   const double rw = ((double)c->nitems * (double)kqsvd_tri_size((int)c->d) + 6.0 * d * d +
                      (double)(c->group + 3) * (double)c->cfg.qr_block * d) * 8.0;
-  /* Solver, reduction messages (64 MiB at most) and library overheads. */
-  const double reserve = 96.0 * mib;
+  /* Solver, reduction messages (64 MiB at most) and library overheads; the
+   * solver's own 32 d^2 doubles (workspace, one item's solution and R
+   * factors) pass that only for the wide items of head groups (d > 627). */
+  const double reserve = fmax(96.0 * mib, 32.0 * d * d * 8.0);
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
   const double per_row = (double)(c->group + 2 * c->G + (c->device >= 0 ? 8 : 0)) *
                          (double)c->hd * (double)c->elem_max;
