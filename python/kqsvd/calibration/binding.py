@@ -10,6 +10,10 @@ install time.
     cal.reduce(comm)                                      # mpi4py communicator, several ranks
     cal.finish(ranks="eps:0.1").write("proj.h5", model="name")
 
+With head_groups=G (dividing kv_heads), keys and values are given a
+group at a time, [T, G d] rows of the G heads side by side, kv_head the
+group's first; the result is the model's group view (docs/formats.md 5.3).
+
 Rows are read where they lie: a torch tensor (CPU) or numpy array whose
 last dimension is contiguous, in float16, bfloat16, float32 or float64, is
 passed by pointer with its row stride, without a copy.  A failing C call

@@ -70,6 +70,6 @@ def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
                                                  .to(device)))).sum()
             if grad:
                 part.backward()
-            kl += float(part)
+            kl += float(part.detach())
             n += ref.shape[0] * ref.shape[1]
     return kl / max(n, 1)
