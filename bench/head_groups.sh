@@ -7,31 +7,33 @@
 # the model (quality-budget:F) and, for kqsvd, with the up-projections
 # trained too (quality-tuned:F).
 #
-#   bench/head_groups.sh [--keys post-rope|pre-rope] [--work DIR] [--tuned LIST]
-#                        [--fit "1 3"] [--reuse]
+#   bench/head_groups.sh [--keys post-rope|pre-rope] [--work DIR] [--fit "1 3"]
+#                        [--fractions 0.5,0.25] [--fit-methods kqsvd] [--reuse]
 #
 # Calibration: 24 x 256 tokens from the start of the bundled text (the
 # demo's), folded from the running model on 2 ranks (python -m
 # kqsvd.calibrate_hf, float32, no caches), once per head and once with
-# --head-groups 3; quality-budget fits its ranks on 4 of those windows,
-# quality-tuned trains 30 steps on them and keeps the step that is best on
-# the next 4; evaluation: 8 x 256 tokens from the end of the text.
-# --tuned LIST: the fractions tuned [0.5,0.25]; "" for none.  --fit: the
-# forms whose ranks are fitted (and tuned) ["1 3"]; "" for closed forms
-# only (minutes instead of about an hour).  --reuse: keep
-# DIR's projections files from an earlier run.  Writes DIR/head_groups.md
-# (the table of docs/benchmarks.md) and the quality reports beside it.
+# --head-groups 3; evaluation: 8 x 256 tokens from the end of the text.
+# Closed forms (fixed:R) for the three methods at 50%, 25% and 12.5%.
+# Fitted ranks for the forms in --fit (G values; "" for none) and the
+# methods in --fit-methods, at --fractions: quality-budget fits its ranks
+# on 4 of the calibration windows, quality-tuned trains the up-projections
+# 30 steps on them and keeps the step that is best on the next 4 (about
+# 6 minutes per fraction and method on 2 cores).  --reuse: keep DIR's
+# projections files from an earlier run.  Writes DIR/head_groups.md (the
+# table of docs/head-groups.md) and the quality reports beside it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-keys=post-rope work="" tuned=0.5,0.25 fit="1 3" reuse=0
+keys=post-rope work="" fractions=0.5,0.25 fit="1 3" fit_methods=kqsvd reuse=0
 while [ $# -gt 0 ]; do
   case $1 in
     --keys) keys=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
-    --tuned) tuned=$2; shift 2 ;;
+    --fractions) fractions=$2; shift 2 ;;
+    --fit-methods) fit_methods=$2; shift 2 ;;
     --fit) fit=$2; shift 2 ;;
     --reuse) reuse=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "head_groups.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -50,26 +52,22 @@ done
 echo "head_groups.sh: calibrated in $((SECONDS - t0)) s"
 common=(--model "$model" --text "$text" --split validation --seq-len 256 --num-seqs 8
         --calib-seqs 4 --check-seqs 4 --tune-steps 30 --force)
-for g in 1 3; do
+for g in 3 1; do
   w=$((64 * g))
-  pol=fixed:$((w / 2)),fixed:$((w / 4)),fixed:$((w / 8))
-  fitted=0
-  case " $fit " in *" $g "*) fitted=1 ;; esac
-  [ $fitted = 0 ] || pol=$pol,quality-budget:0.5,quality-budget:0.25,quality-budget:0.125
+  .venv/bin/python -m kqsvd.quality "${common[@]}" --proj "$work/g$g.h5" \
+    --ranks fixed:$((w / 2)),fixed:$((w / 4)),fixed:$((w / 8)) --json "$work/g$g.json" \
+    | tee "$work/g$g.txt"
+  case " $fit " in *" $g "*) ;; *) continue ;; esac
+  pol=$(echo "$fractions" | sed 's/\([0-9.][0-9.]*\)/quality-budget:\1,quality-tuned:\1/g')
   .venv/bin/python -m kqsvd.quality "${common[@]}" --proj "$work/g$g.h5" --ranks "$pol" \
-    --json "$work/g$g.json" | tee "$work/g$g.txt"
-  if [ $fitted = 1 ] && [ -n "$tuned" ]; then
-    pol=$(echo "$tuned" | sed 's/\([0-9.]*\)/quality-tuned:\1/g')
-    .venv/bin/python -m kqsvd.quality "${common[@]}" --proj "$work/g$g.h5" --ranks "$pol" \
-      --methods kqsvd --json "$work/g$g-tuned.json" | tee "$work/g$g-tuned.txt"
-  fi
+    --methods "$fit_methods" --json "$work/g$g-fitted.json" | tee "$work/g$g-fitted.txt"
 done
 .venv/bin/python - "$work" "$keys" > "$work/head_groups.md" <<'EOF'
 import json, os, sys
 work, keys = sys.argv[1], sys.argv[2]
 rows, full = {}, None
 for g in (1, 3):
-    for name in (f"g{g}.json", f"g{g}-tuned.json"):
+    for name in (f"g{g}.json", f"g{g}-fitted.json"):
         path = os.path.join(work, name)
         if not os.path.exists(path):
             continue

@@ -35,12 +35,25 @@ def rel_err(G_left, G_right, A, B):
     return np.trace(E.T @ G_left @ E @ G_right), np.trace(G_left @ G_right)
 
 
+def blockdiag(mats):
+    out = np.zeros((sum(x.shape[0] for x in mats), sum(x.shape[1] for x in mats)))
+    i = j = 0
+    for x in mats:
+        out[i:i + x.shape[0], j:j + x.shape[1]] = x
+        i, j = i + x.shape[0], j + x.shape[1]
+    return out
+
+
 def main(model, proj, shard):
     with h5py.File(shard, "r") as s, h5py.File(model, "r") as m, h5py.File(proj, "r") as p:
         K, V, Q, O = f64(s["keys"]), f64(s["values"]), f64(s["queries"]), f64(m["o_proj"])
         L, Hkv, T, d = K.shape
         g = Q.shape[1] // Hkv
-        print(f"{shard}: {T} tokens; errors at the ranks of {proj}")
+        # A head-groups file (docs/formats.md 5.3) solves G KV heads as one:
+        # their keys side by side against their queries block-diagonal.
+        G = int(p.attrs.get("head_groups", 1))
+        print(f"{shard}: {T} tokens; errors at the ranks of {proj}" +
+              (f" (head groups of {G})" if G > 1 else ""))
         print(f"{'layer':>5} {'r_k':>4} {'r_v':>4} |" + "".join(f"{'KQt ' + n:>12}" for n in METHODS)
               + " |" + "".join(f"{'VWo ' + n:>12}" for n in METHODS))
         total = np.zeros((2, 3))
@@ -49,14 +62,20 @@ def main(model, proj, shard):
             errs = np.zeros((2, 3))
             for j, meth in enumerate(METHODS):
                 num, den = np.zeros(2), np.zeros(2)
-                for h in range(Hkv):
-                    heads = range(h * g, (h + 1) * g)
-                    q = np.concatenate([Q[l, i] for i in heads])
-                    w = np.concatenate([O[l][:, i * d:(i + 1) * d].T for i in heads], axis=1)
-                    k, v = K[l, h], V[l, h]
-                    pk = [p[f"{meth}/{x}"][l, h] for x in ("key_down", "query_down", "value_down", "value_up")]
-                    for i, (GL, GR, A, B, r) in enumerate(((k.T @ k, q.T @ q, pk[0], pk[1], rk),
-                                                           (v.T @ v, w @ w.T, pk[2], pk[3], rv))):
+                for hv in range(Hkv // G):
+                    grams = {"k": [], "q": [], "v": [], "w": []}
+                    for h in range(hv * G, (hv + 1) * G):
+                        heads = range(h * g, (h + 1) * g)
+                        q = np.concatenate([Q[l, i] for i in heads])
+                        w = np.concatenate([O[l][:, i * d:(i + 1) * d].T for i in heads], axis=1)
+                        grams["q"].append(q.T @ q)
+                        grams["w"].append(w @ w.T)
+                    k = np.concatenate([K[l, h] for h in range(hv * G, (hv + 1) * G)], axis=1)
+                    v = np.concatenate([V[l, h] for h in range(hv * G, (hv + 1) * G)], axis=1)
+                    pk = [p[f"{meth}/{x}"][l, hv] for x in ("key_down", "query_down", "value_down", "value_up")]
+                    for i, (GL, GR, A, B, r) in enumerate(
+                            ((k.T @ k, blockdiag(grams["q"]), pk[0], pk[1], rk),
+                             (v.T @ v, blockdiag(grams["w"]), pk[2], pk[3], rv))):
                         a, b = rel_err(GL, GR, A[:, :r], B[:, :r])
                         num[i] += a
                         den[i] += b

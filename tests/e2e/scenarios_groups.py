@@ -147,6 +147,29 @@ def head_groups():
               f"ranks of G={G}: {lst}")
         print(f"head groups G={G} ({n} wide): vs reference {worst:.2e}, 1 vs 3 ranks {diff:.2e}, "
               f"evaluate vs reference {ev:.2e}")
+    # examples/inspect_proj.py reads the group view: its err_kq of each
+    # layer is the group sums' over one shard
+    import subprocess
+    import sys
+    ex = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+    g4 = os.path.join(wd, "g2-np1.h5")
+    p = subprocess.run([sys.executable, os.path.join(ex, "inspect_proj.py"), model, g4, shards[0]],
+                       capture_output=True, text=True)
+    check(p.returncode == 0 and "head groups of 2" in p.stdout, f"inspect_proj.py: {p.stderr}")
+    rows = [line.split() for line in p.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    K0, V0, Q0 = load_set(shards[:1])
+    pg = load_proj(g4)
+    for l, row in enumerate(rows):
+        num = den = 0.0
+        for gi in range(Hkv // 2):
+            k, q, _, _ = joint_mats(K0, V0, Q0, O, l, gi * 2, 2)
+            r = int(row[1])
+            M = k @ q.T
+            num += float(((k @ pg["kqsvd/key_down"][l, gi][:, :r] @
+                           pg["kqsvd/query_down"][l, gi][:, :r].T @ q.T - M) ** 2).sum())
+            den += float((M ** 2).sum())
+        check(abs(float(row[4]) - num / den) <= 1e-4 * num / den,
+              f"inspect_proj.py layer {l}: {row[4]} vs {num / den:.4e}")
     # never worse than per head at equal total rank, on the calibration set
     per = os.path.join(wd, "per-head.h5")
     calibrate(model, per, shards, extra=["--ranks", "fixed:3"])
