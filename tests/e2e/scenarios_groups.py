@@ -147,6 +147,18 @@ def head_groups():
               f"ranks of G={G}: {lst}")
         print(f"head groups G={G} ({n} wide): vs reference {worst:.2e}, 1 vs 3 ranks {diff:.2e}, "
               f"evaluate vs reference {ev:.2e}")
+    # a killed grouped run resumes from its checkpoints, bit for bit
+    ck, cut, whole = (os.path.join(wd, n) for n in ("ck", "cut.h5", "whole.h5"))
+    opts = ["--head-groups", "2", "--ranks", "fixed:3", "--qr-block", "16", "--read-rows", "32"]
+    calibrate(model, whole, shards, np_=2, extra=opts)
+    calibrate(model, cut, shards, np_=2, expect=None,
+              extra=opts + ["--checkpoint", ck, "--checkpoint-every", "0"],
+              env={"KQSVD_TEST_KILL_AFTER_CHECKPOINTS": "3"})
+    check(not os.path.exists(cut), "a killed run left its output")
+    res = calibrate(model, cut, shards, np_=2, extra=opts + ["--checkpoint", ck,
+                                                              "--progress", "lines"])
+    check("resuming 2 of 2 ranks" in res.stderr + res.stdout, f"no resume: {res.stderr}")
+    check(max_rel_diff(load_proj(cut), load_proj(whole))[0] == 0.0, "resumed run differs")
     # examples/inspect_proj.py reads the group view: its err_kq of each
     # layer is the group sums' over one shard
     import subprocess
