@@ -51,7 +51,7 @@ if [ "$tests" = 1 ]; then
   t1=$SECONDS
   # e2e_signals expects kqsvd's own crash line, which sanitizer builds
   # leave to the sanitizer.
-  select=${KQSVD_SANITIZE_TESTS:-'^(unit_.*|mpi_.*|e2e_(types|degenerate|bad_input|checkpoint|checkpoints|eval_reference|eval_bad_input|manifest|manifest_reader|hostile_files|few_rows|options))$'}
+  select=${KQSVD_SANITIZE_TESTS:-'^(unit_.*|mpi_.*|e2e_(types|degenerate|bad_input|checkpoint|checkpoints|eval_reference|eval_bad_input|manifest|manifest_reader|hostile_files|few_rows|options|head_groups))$'}
   ctest --test-dir "$root/build-asan" --output-on-failure -j"$(nproc)" -R "$select" || status=1
   # Every report fails, but those inside libhdf5 in the child process that
   # kqsvd forks to read a damaged file's headers (io/isolate.c): there a
