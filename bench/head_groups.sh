@@ -89,7 +89,9 @@ def cell(r, key, fmt):
     return fmt.format(r[key]) if r else "-"
 
 
-for (kept, kind, m), r in sorted(rows.items(), key=lambda x: (-x[0][0], order[x[0][1]], x[0][2])):
+methods = {"kqsvd": 0, "ksvd": 1, "eigen": 2}
+for (kept, kind, m), r in sorted(rows.items(),
+                                 key=lambda x: (-x[0][0], order[x[0][1]], methods[x[0][2]])):
     a, b = r.get(1), r.get(3)
     ratio = f"{b['perplexity'] / full:.2f}" if b else "-"
     print(f"| {100 * kept:.1f}% | {kind} | {m} | {cell(a, 'perplexity', '{:.2f}')} | "
