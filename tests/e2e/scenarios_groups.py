@@ -17,12 +17,8 @@ SET = dict(layers=2, heads=8, kv_heads=4, head_dim=8, seqs=7, seq_len=60, dtype=
 
 
 def block_diag(*blocks):
-    out = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)))
-    i = j = 0
-    for b in blocks:
-        out[i:i + b.shape[0], j:j + b.shape[1]] = b
-        i, j = i + b.shape[0], j + b.shape[1]
-    return out
+    return np.block([[b if i == j else np.zeros((b.shape[0], c.shape[1]))
+                      for j, c in enumerate(blocks)] for i, b in enumerate(blocks)])
 
 
 def joint_mats(K, V, Q, O, l, g0, G):
