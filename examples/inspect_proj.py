@@ -59,27 +59,27 @@ def main(model, proj, shard):
         total = np.zeros((2, 3))
         for l in range(L):
             rk, rv = int(p["kqsvd/rank_k"][l]), int(p["kqsvd/rank_v"][l])
-            errs = np.zeros((2, 3))
-            for j, meth in enumerate(METHODS):
-                num, den = np.zeros(2), np.zeros(2)
-                for hv in range(Hkv // G):
-                    grams = {"k": [], "q": [], "v": [], "w": []}
-                    for h in range(hv * G, (hv + 1) * G):
-                        heads = range(h * g, (h + 1) * g)
-                        q = np.concatenate([Q[l, i] for i in heads])
-                        w = np.concatenate([O[l][:, i * d:(i + 1) * d].T for i in heads], axis=1)
-                        grams["q"].append(q.T @ q)
-                        grams["w"].append(w @ w.T)
-                    k = np.concatenate([K[l, h] for h in range(hv * G, (hv + 1) * G)], axis=1)
-                    v = np.concatenate([V[l, h] for h in range(hv * G, (hv + 1) * G)], axis=1)
+            num, den = np.zeros((2, 3)), np.zeros((2, 3))
+            for hv in range(Hkv // G):
+                # The group's Grams, the same for every method.
+                group = range(hv * G, (hv + 1) * G)
+                gq, gw = [], []
+                for h in group:
+                    heads = range(h * g, (h + 1) * g)
+                    q = np.concatenate([Q[l, i] for i in heads])
+                    w = np.concatenate([O[l][:, i * d:(i + 1) * d].T for i in heads], axis=1)
+                    gq.append(q.T @ q)
+                    gw.append(w @ w.T)
+                k = np.concatenate([K[l, h] for h in group], axis=1)
+                v = np.concatenate([V[l, h] for h in group], axis=1)
+                sides = ((k.T @ k, blockdiag(gq), rk), (v.T @ v, blockdiag(gw), rv))
+                for j, meth in enumerate(METHODS):
                     pk = [p[f"{meth}/{x}"][l, hv] for x in ("key_down", "query_down", "value_down", "value_up")]
-                    for i, (GL, GR, A, B, r) in enumerate(
-                            ((k.T @ k, blockdiag(grams["q"]), pk[0], pk[1], rk),
-                             (v.T @ v, blockdiag(grams["w"]), pk[2], pk[3], rv))):
-                        a, b = rel_err(GL, GR, A[:, :r], B[:, :r])
-                        num[i] += a
-                        den[i] += b
-                errs[:, j] = num / den
+                    for i, (GL, GR, r) in enumerate(sides):
+                        a, b = rel_err(GL, GR, pk[2 * i][:, :r], pk[2 * i + 1][:, :r])
+                        num[i, j] += a
+                        den[i, j] += b
+            errs = num / den
             total += errs
             print(f"{l:>5} {rk:>4} {rv:>4} |" + "".join(f"{e:>12.4e}" for e in errs[0]) + " |"
                   + "".join(f"{e:>12.4e}" for e in errs[1]))
