@@ -6,9 +6,17 @@ token's full keys (after RoPE, with the cos and sin that rotated them) and
 values; the layer keeps their projections and returns everything it holds,
 which the model hands on to the attention function (function.py).  The
 rest (sequence length, mask sizes, cropping, beam reordering, batch
-repetition) is DynamicLayer's, which works for any last dimension."""
+repetition) is DynamicLayer's, which works for any last dimension.
+
+QuantLayer holds its columns quantized (quant.py): the latent's with
+quantized projections, or the model's own keys and values (QuantCache, a
+plain quantized cache to compare with), dequantized whenever they are
+returned."""
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from ..errors import KqsvdError
+from .quant import Store
 
 
 class LatentLayer(DynamicLayer):
@@ -41,21 +49,88 @@ class LatentLayer(DynamicLayer):
 
 
 
+class QuantLayer(DynamicLayer):
+    """A cache layer holding quantized columns: `site` a compressed.Site
+    whose projections carry bits (the latent's columns, per slice of
+    columns of its own bits and ranks), or None with `scheme` and `bits`
+    (keys, values) for the model's own keys and values."""
+
+    def __init__(self, site=None, scheme=None, bits=None):
+        super().__init__()
+        self.site, self.stores = site, None
+        if site is None:
+            self.slices = [(None, bits[0], bits[1])]
+            self.scheme = scheme
+        else:
+            self.slices, self.scheme = site.P.quant_slices(), site.P.quant
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        s = self.scheme
+        self.stores = [(Store(bk, s.group, s.key_axis, s.residual),
+                        Store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in self.slices]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        if self.stores is None:
+            self.lazy_initialization(key_states, value_states)
+        if self.site is not None:
+            kw = cache_kwargs or {}
+            key_states, value_states = self.site.P.project(key_states, value_states,
+                                                           kw.get("cos"), kw.get("sin"))
+        ks, vs = [], []
+        for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
+            ks.append(sk.append(key_states if cut is None else cut(key_states, 0)))
+            vs.append(sv.append(value_states if cut is None else cut(value_states, 1)))
+        dim = 1 if self.site is None or not self.site.P.ragged else -1
+        keys, values = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim), torch.cat(vs, dim))
+        if self.site is not None:
+            self.site.handoff = (keys, values)
+        return keys, values
+
+    def get_seq_length(self, *args):
+        return len(self.stores[0][0]) if self.stores else 0
+
+    def nbytes(self, float_bytes=None):
+        return sum(s.nbytes(float_bytes) for pair in self.stores or [] for s in pair)
+
+    def _refuse(self, *args, **kwargs):
+        raise KqsvdError("a quantized cache cannot be cropped, reordered or repeated")
+
+    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _refuse
+
+
 class LatentCache(Cache):
-    """A cache of LatentLayers, one per attention module of a model inside
-    kqsvd.compressed() (see compressed.latent_cache)."""
+    """A cache of LatentLayers (QuantLayers for quantized projections), one
+    per attention module of a model inside kqsvd.compressed() (see
+    compressed.latent_cache)."""
 
     def __init__(self, sites):
-        super().__init__(layers=[LatentLayer(s) for s in sites])
+        super().__init__(layers=[QuantLayer(s) if s.P.quant is not None else LatentLayer(s)
+                                 for s in sites])
 
 
-def cache_bytes(cache):
+class QuantCache(Cache):
+    """The model's own keys and values quantized (the plain quantized cache
+    kqsvd's latents are compared with): bits (keys, values) under scheme,
+    for a model of num_layers layers."""
+
+    def __init__(self, num_layers, scheme, bits):
+        super().__init__(layers=[QuantLayer(None, scheme, bits) for _ in range(num_layers)])
+
+
+def cache_bytes(cache, float_bytes=None):
     """Bytes held by a transformers cache (any Cache whose layers hold
-    keys and values tensors, or legacy tuples of them).  Not collective."""
+    keys and values tensors, or legacy tuples of them, or QuantLayers):
+    float_bytes per value held unquantized (None: as held; 2 counts them
+    as bf16), codes and scales as stored.  Not collective."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         tensors = [t for kv in cache for t in kv[:2]]
     else:
+        if any(hasattr(layer, "nbytes") for layer in layers):
+            return sum(layer.nbytes(float_bytes) for layer in layers)
         tensors = [t for layer in layers for t in (getattr(layer, "keys", None),
                                                    getattr(layer, "values", None))]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.numel() * (float_bytes if float_bytes and t.is_floating_point() else
+                            t.element_size()) for t in tensors if t is not None)

@@ -97,6 +97,16 @@ def fold_o_proj(o_weight, value_up, num_heads, head_groups=1):
     return folded.transpose(0, 1).reshape(D, num_heads * r)
 
 
+def rotate(M, ranks):
+    """M [H, d, r] float64 with each head j's first ranks[j] columns
+    multiplied by the Hadamard matrix of that size (quant.hadamard)."""
+    from .quant import hadamard
+    M = M.clone()
+    for j, r in enumerate(int(x) for x in ranks):
+        M[j, :, :r] = M[j, :, :r] @ hadamard(r, M.dtype, M.device)
+    return M
+
+
 class LayerProjection:
     """One layer's matrices as tensors of the model's dtype and device.
     Tuning and allocation replace A, Av, Bq, BkT and BvT by tensors that
@@ -107,10 +117,20 @@ class LayerProjection:
         g = heads // proj.num_kv_heads  # query heads per (view) KV head
         self.g, self.hkv, self.G, self.heads = g, proj.num_kv_heads, G, heads
         t = lambda a: torch.as_tensor(a, dtype=dtype, device=device)  # noqa: E731
-        self.A = t(proj.key_down[layer])                                     # [Hkv, d, rk]
-        self.Av = t(proj.value_down[layer])                                  # [Hkv, d, rv]
+        self.quant = getattr(proj, "quant", None)
+        mats = [torch.as_tensor(m[layer], dtype=torch.float64) for m in
+                (proj.key_down, proj.query_down, proj.value_down, proj.value_up)]
+        if self.quant is not None:
+            self.bits_k = [int(b) for b in proj.bits_k[layer]]
+            self.bits_v = [int(b) for b in proj.bits_v[layer]]
+            if self.quant.rotate:  # A H and B H: the same scores, flatter columns to quantize
+                rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
+                mats = [rotate(m, r) for m, r in zip(mats, (rk, rk, rv, rv))]
+        kd, qd, vd, vu = mats
+        self.A = t(kd)                                                       # [Hkv, d, rk]
+        self.Av = t(vd)                                                      # [Hkv, d, rv]
         self.rope = proj.rope
-        self.o_folded = fold_o_proj(o_weight, proj.value_up[layer], heads, G) if fold else None
+        self.o_folded = fold_o_proj(o_weight, vu, heads, G) if fold else None
         self.ragged = proj.per_head(layer)
         if self.ragged:
             rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
@@ -127,7 +147,21 @@ class LayerProjection:
             self.rk, self.rv = int(self.A.shape[-1]), int(self.Av.shape[-1])
         if self.o_folded is not None:
             self.o_folded = self.o_folded.to(dtype=dtype, device=device)
-        self.set_up(t(proj.query_down[layer]), t(proj.value_up[layer]))
+        self.set_up(t(qd), t(vu))
+
+    def quant_slices(self):
+        """[(cut, key bits, value bits)] of each slice of cached columns that
+        its own store holds: the whole layer when all its heads have one
+        rank and one number of bits, else each (view) KV head; cut(x, side)
+        takes the slice's columns of keys (side 0) or values (side 1)."""
+        if not self.ragged and len(set(self.bits_k)) == 1 and len(set(self.bits_v)) == 1:
+            return [(None, self.bits_k[0], self.bits_v[0])]
+        if self.ragged:
+            return [((lambda x, side, j=j: x[..., (self.ko, self.vo)[side][j]:
+                                              (self.ko, self.vo)[side][j + 1]]), bk, bv)
+                    for j, (bk, bv) in enumerate(zip(self.bits_k, self.bits_v))]
+        return [((lambda x, side, j=j: x[:, j:j + 1]), bk, bv)
+                for j, (bk, bv) in enumerate(zip(self.bits_k, self.bits_v))]
 
     def set_up(self, qd, vu):
         """Sets the up-projections from one layer's B and B_v as the file

@@ -41,7 +41,9 @@ class Projections:
     file's tuned up-projections (kqsvd.quality.tune), not the closed forms.
     head_groups: G > 1 for a head-groups file (docs/formats.md 5.3), whose
     num_kv_heads, head_dim, matrices and ranks are the model's group view
-    (Hkv / G groups, G d wide); sizes() gives the model's."""
+    (Hkv / G groups, G d wide); sizes() gives the model's.  bits_k, bits_v:
+    int [L, Hkv] bits of each unit's cached columns (0: unquantized) under
+    the scheme `quant` (formats.quant.QuantScheme), or None."""
     path: str
     method: str
     policy: str
@@ -62,6 +64,9 @@ class Projections:
     rope: str = "post"
     tuned: bool = False
     head_groups: int = 1
+    bits_k: np.ndarray = None
+    bits_v: np.ndarray = None
+    quant: object = None
 
     def sizes(self):
         """The model's sizes (h5io.SIZE_ATTRS), whatever the head groups."""

@@ -1,0 +1,169 @@
+"""Group-wise asymmetric min-max quantization of cached columns, exactly as
+docs/quantized-cache.md states it, so that an independent implementation
+reproduces every code and every byte.
+
+A row of n values is cut into groups of `group` consecutive values (the
+last one shorter when group does not divide n).  Each group keeps its
+minimum as `zero` and (max - min) / (2^b - 1) as `scale`, both rounded to
+float16; a value x becomes the code clamp(round((x - zero) / scale), 0,
+2^b - 1) (round half to even, in float32 from the float16 zero and scale;
+code 0 where scale is 0) and comes back as code * scale + zero.  Codes are
+packed eight at a time into b bytes, little-endian, each row padded with
+zero codes to a multiple of 8.
+
+Keys per channel (KIVI) quantize blocks of `group` tokens, each channel's
+`group` values one group; keys or values per token quantize each token's
+row.  `Store` holds one side of one cache layer that way."""
+import math
+
+import torch
+
+from ..errors import KqsvdError
+from ..formats.quant import AXES, BITS
+
+
+def packed_width(n, bits):
+    """Bytes of one packed row of n codes."""
+    return (n + 7) // 8 * bits
+
+
+def pack(codes, bits):
+    """uint8 codes [..., n] (each < 2^bits) -> uint8 [..., packed_width(n, bits)]."""
+    n = codes.shape[-1]
+    pad = (-n) % 8
+    c = torch.nn.functional.pad(codes, (0, pad)).to(torch.int64)
+    c = c.view(*c.shape[:-1], -1, 8)
+    word = (c << (bits * torch.arange(8, device=c.device))).sum(-1, keepdim=True)
+    out = (word >> (8 * torch.arange(bits, device=c.device))) & 255
+    return out.to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
+def unpack(packed, bits, n):
+    """The inverse of pack(): uint8 [..., packed_width(n, bits)] -> int64 codes [..., n]."""
+    p = packed.to(torch.int64).view(*packed.shape[:-1], -1, bits)
+    word = (p << (8 * torch.arange(bits, device=p.device))).sum(-1, keepdim=True)
+    c = (word >> (bits * torch.arange(8, device=p.device))) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def _groups(x, group):
+    """x [..., n] as [..., ng, group] with the short last group padded by
+    repeating its last value (which changes neither its min nor its max)."""
+    n = x.shape[-1]
+    pad = (-n) % group
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
+    return x.view(*x.shape[:-1], -1, group)
+
+
+def quantize(x, bits, group):
+    """Rows x [..., n] in groups of `group` along the last axis -> (packed
+    codes uint8 [..., packed_width(n, bits)], scale and zero float16 [...,
+    ceil(n / group)]).  Raises KqsvdError for values float16 cannot hold."""
+    n, top = x.shape[-1], (1 << bits) - 1
+    g = _groups(x.float(), group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    zero, scale = lo.half(), ((hi - lo) / top).half()
+    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+        raise KqsvdError("a cached value is not finite or beyond float16's range "
+                         "(65504): it cannot be quantized")
+    s, z = scale.float()[..., None], zero.float()[..., None]
+    q = torch.where(s > 0, torch.round((g - z) / torch.where(s > 0, s, 1.0)), 0.0)
+    codes = q.clamp(0, top).to(torch.uint8).view(*x.shape[:-1], -1)[..., :n]
+    return pack(codes, bits), scale, zero
+
+
+def dequantize(packed, scale, zero, bits, group, n, dtype):
+    """Rows of n values back from quantize()'s output, as dtype."""
+    c = unpack(packed, bits, n).float()
+    pad = (-n) % group
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    x = c.view(*c.shape[:-1], -1, group) * scale.float()[..., None] + zero.float()[..., None]
+    return x.view(*c.shape[:-1], -1)[..., :n].to(dtype)
+
+
+def hadamard(n, dtype=torch.float64, device=None):
+    """An orthogonal n x n matrix: the normalised Sylvester Hadamard matrix
+    when n is a power of 2, else block-diagonal Hadamard blocks of the
+    powers of 2 in n's binary form, largest first."""
+    blocks, left = [], n
+    while left:
+        m = 1 << (left.bit_length() - 1)
+        h = torch.ones(1, 1, dtype=dtype, device=device)
+        while h.shape[0] < m:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        blocks.append(h / math.sqrt(m))
+        left -= m
+    return torch.block_diag(*blocks)
+
+
+class Store:
+    """One side (keys or values) of one cache layer: rows [b, H, T, n]
+    appended token by token, quantized as the scheme says (bits 0: never
+    quantized), the newest
+    `residual` tokens (and, per channel, the tokens of a block not yet
+    complete) held as they came.  values() is everything held, quantized
+    tokens dequantized."""
+
+    def __init__(self, bits, group, axis, residual=0):
+        if bits and bits not in BITS or axis not in AXES or group < 1 or residual < 0:
+            raise KqsvdError(f"quantized cache: bits {bits}, group {group}, axis {axis}, "
+                             f"residual {residual} is not a scheme (bits {BITS}, axes {AXES})")
+        self.bits, self.group, self.axis, self.residual = bits, group, axis, residual
+        self.codes = self.scale = self.zero = None   # quantized tokens
+        self.rest = None                             # tokens held as they came
+        self.done = 0                                # tokens quantized
+
+    def __len__(self):
+        return self.done + (0 if self.rest is None else self.rest.shape[-2])
+
+    def append(self, x):
+        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]."""
+        self.rest = x if self.rest is None else torch.cat([self.rest, x], -2)
+        over = self.rest.shape[-2] - self.residual
+        unit = self.group if self.axis == "channel" else 1
+        take = max(over, 0) // unit * unit if self.bits else 0  # bits 0: held as they came
+        if take:
+            self._add(self.rest[..., :take, :])
+            self.rest = self.rest[..., take:, :]
+        return self.values(x.dtype)
+
+    def _add(self, x):
+        if self.axis == "channel":  # blocks of `group` tokens, each channel's one group
+            b, H, T, n = x.shape
+            blocks = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
+            got = quantize(blocks, self.bits, self.group)
+        else:
+            got = quantize(x, self.bits, self.group)
+        cat = -3 if self.axis == "channel" else -2
+        if self.codes is None:
+            self.codes, self.scale, self.zero = got
+        else:
+            self.codes, self.scale, self.zero = (torch.cat([a, c], cat) for a, c in
+                                                 zip((self.codes, self.scale, self.zero), got))
+        self.done += x.shape[-2]
+
+    def values(self, dtype):
+        # Dequantized at every call, never kept: a float copy of the
+        # quantized tokens would hold the bytes quantization saves.
+        if self.codes is None:
+            return self.rest
+        n = self.rest.shape[-1]
+        if self.axis == "channel":
+            blocks = dequantize(self.codes, self.scale, self.zero, self.bits, self.group,
+                                self.group, dtype)              # [b, H, nb, n, group]
+            b, H, nb = blocks.shape[:3]
+            old = blocks.transpose(-1, -2).reshape(b, H, nb * self.group, n)
+        else:
+            old = dequantize(self.codes, self.scale, self.zero, self.bits, self.group, n, dtype)
+        return torch.cat([old, self.rest], -2)
+
+    def nbytes(self, float_bytes=None):
+        """Bytes held: codes and float16 scales as stored; the tokens held
+        as they came at float_bytes per value (their own size when None)."""
+        held = 0 if self.codes is None else sum(
+            t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        if self.rest is not None:
+            held += self.rest.numel() * (float_bytes or self.rest.element_size())
+        return held
