@@ -1,0 +1,246 @@
+"""Quality per byte: kqsvd's latents (quantized or not) and what a user
+already has, on the same windows, scored the same way.
+
+    python -m kqsvd.frontier --model M --text FILE [--proj PROJ.h5 --ranks POLICY[,...]]
+        [--methods kqsvd,ksvd] [--group 32] [--key-axis channel] [--value-axis token]
+        [--residual 0] [--rotate] [--plain 8,4,3,2] [--quantized-cache quanto:4,hqq:4,...]
+        [--presses snapkv,expected,knorm] [--press-kept 0.5,0.25,0.125]
+        [--context 768] [--continuation 256] [--num-seqs 3] [--split validation] [--chunk 1]
+        [--dtype float32] [--device cpu] --json OUT [--plot PNG] [--force]
+
+Each window's first --context tokens are prefilled into the configuration's
+cache, the next --continuation tokens are fed --chunk at a time with that
+cache and scored (perplexity, KL to the full model, top-1 agreement).  The
+configurations: every rank policy of `kqsvd ranks` (eps:E, fixed:R,
+budget:F, stored) for each method, with '@b' a b-bit latent (fixed:32@4,
+or fixed:32@4/8 for 4-bit keys and 8-bit values); plain int-b caches of the
+model's keys and values (--plain); transformers' QuantizedCache
+(--quantized-cache backend:bits); kvpress presses keeping each fraction of
+the context (--presses, --press-kept).  Quantized latents and plain caches
+use one scheme (docs/quantized-cache.md): groups of --group values, keys
+per channel or per token (--key-axis), values likewise (--value-axis), the
+newest --residual tokens unquantized, the latent rotated by a Hadamard
+matrix with --rotate.  Usage errors exit 2, bad input 1; outputs are
+written under a temporary name and renamed."""
+import argparse
+import json
+import os
+import sys
+import time
+
+from ..errors import KqsvdError, UsageError
+from ..formats.files import check_input_file, check_outputs, write_all
+from ..formats.projections import METHODS
+from ..formats.quant import AXES, BITS, QuantScheme, split_bits
+
+PROG = "python -m kqsvd.frontier"
+
+
+def _list(text):
+    return [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
+
+
+def parse(argv):
+    from .cli import ArgumentParser, count, fraction
+    from ..models import resolve
+    from ..quality.peers import BACKENDS, PRESSES
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="The JSON report is described in docs/quantized-cache.md.")
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the windows from")
+    ap.add_argument("--proj", help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("--ranks", default="", help="rank policies, comma-separated, each with "
+                    "optional '@bits' (fixed:32@4)")
+    ap.add_argument("--methods", default="kqsvd,ksvd", help="[kqsvd,ksvd]")
+    ap.add_argument("--group", type=count(1), default=32, help="values per scale [32]")
+    ap.add_argument("--key-axis", choices=AXES, default="channel", help="[channel]")
+    ap.add_argument("--value-axis", choices=AXES, default="token", help="[token]")
+    ap.add_argument("--residual", type=count(0), default=0,
+                    help="newest tokens held unquantized [0]")
+    ap.add_argument("--rotate", action="store_true",
+                    help="rotate quantized latents by a Hadamard matrix (Palu)")
+    ap.add_argument("--plain", default="8,4,3,2", help="bits of plain quantized caches [8,4,3,2]")
+    ap.add_argument("--quantized-cache", default="quanto:4,quanto:2,hqq:4,hqq:2",
+                    help="transformers QuantizedCache backend:bits [quanto:4,quanto:2,hqq:4,hqq:2]")
+    ap.add_argument("--presses", default="snapkv,expected,knorm",
+                    help=f"kvpress presses ({', '.join(PRESSES)}) [snapkv,expected,knorm]")
+    ap.add_argument("--press-kept", default="0.5,0.25,0.125",
+                    help="fractions of the context the presses keep [0.5,0.25,0.125]")
+    ap.add_argument("--context", type=count(1), default=768, help="tokens prefilled [768]")
+    ap.add_argument("--continuation", type=count(1), default=256, help="tokens scored [256]")
+    ap.add_argument("--num-seqs", type=count(1), default=3, help="windows [3]")
+    ap.add_argument("--split", choices=("train", "validation"), default="validation")
+    ap.add_argument("--chunk", type=count(1), default=1, help="tokens per continuation step [1]")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [cpu]")
+    ap.add_argument("--no-bos", action="store_true", help="windows without the BOS token")
+    ap.add_argument("--json", required=True, help="the report")
+    ap.add_argument("--plot", help="PNG: perplexity and KL against the bytes kept")
+    ap.add_argument("--force", action="store_true", help="replace outputs that exist")
+    a = ap.parse_args(argv)
+    a.scheme = QuantScheme(a.group, a.key_axis, a.value_axis, a.residual, a.rotate).check()
+    a.policies, a.methods = _list(a.ranks), _list(a.methods)
+    bad = [m for m in a.methods if m not in METHODS]
+    if bad:
+        raise UsageError(f"--methods: unknown method '{bad[0]}' (expected {', '.join(METHODS)})")
+    if a.policies and not a.proj:
+        raise UsageError(f"--ranks {a.ranks}: give the projections file (--proj)")
+    for pol in a.policies:
+        if pol.startswith("quality-"):
+            raise UsageError(f"--ranks {pol}: fit it with python -m kqsvd.quality, then give its "
+                             "file as --proj with the policy 'stored'")
+        split_bits(pol)
+    a.configs = _peer_configs(a, BACKENDS, PRESSES)
+    if not a.configs and not a.policies:
+        raise UsageError("nothing to compare: give --ranks, --plain, --quantized-cache or "
+                         "--presses")
+    for c in a.configs:
+        c.check()
+    if a.plot and not a.plot.lower().endswith(".png"):
+        raise UsageError(f"--plot {a.plot}: expected a .png file name")
+    check_input_file("--text", a.text)
+    if a.proj:
+        check_input_file("--proj", a.proj)
+    check_outputs([("--json", a.json), ("--plot", a.plot)],
+                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
+    return a
+
+
+def _peer_configs(a, backends, presses):
+    from ..quality.configs import PlainQuant
+    from ..quality.peers import PressPeer, QuantizedCachePeer
+    configs = []
+    for b in _list(a.plain):
+        if not b.isdigit() or int(b) not in BITS:
+            raise UsageError(f"--plain {a.plain}: '{b}' is not one of {BITS}")
+        configs.append(PlainQuant(int(b), QuantScheme(a.group, a.key_axis, a.value_axis,
+                                                      a.residual)))
+    for item in _list(a.quantized_cache):
+        backend, _, bits = item.partition(":")
+        if backend not in backends or bits not in ("2", "4"):
+            raise UsageError(f"--quantized-cache {item}: expected backend:bits, backend among "
+                             f"{', '.join(backends)}, bits 2 or 4")
+        configs.append(QuantizedCachePeer(backend, int(bits), a.group))
+    kept = []
+    for k in _list(a.press_kept):
+        try:
+            f = float(k)
+        except ValueError:
+            f = -1.0
+        if not 0 < f < 1:
+            raise UsageError(f"--press-kept {a.press_kept}: '{k}' is not a fraction in (0, 1)")
+        kept.append(f)
+    for name in _list(a.presses):
+        if name not in presses:
+            raise UsageError(f"--presses: unknown press '{name}' (expected {', '.join(presses)})")
+        configs += [PressPeer(name, f, a.context) for f in kept]
+    return configs
+
+
+def _latent_configs(a, L):
+    from ..formats.quant import with_bits
+    from ..quality.configs import Latent
+    from ..quality.measure import resolve_policies
+    out = []
+    for pol in a.policies:
+        base, bits = split_bits(pol)
+        for _, m, p in resolve_policies(a.proj, [base], a.methods, L):
+            out.append(Latent(pol, m, with_bits(p, bits, a.scheme)))
+    return out
+
+
+def table(report):
+    f = report["full"]
+    print(f"{report['model']}: {report['num_seqs']} windows, {report['context']} tokens of "
+          f"context, {report['continuation']} scored; full model: perplexity "
+          f"{f['perplexity']:.3f}")
+    w = max(len(r["label"]) for r in report["results"]) + 2
+    print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'KL/token':>11}"
+          f"{'top-1':>8}  front (perplexity, KL)")
+    for r in sorted(report["results"], key=lambda r: -r["kept"]):
+        print(f"{r['label']:<{w}}{100 * r['kept']:>7.1f}%{r['perplexity']:>12.3f}"
+              f"{r['perplexity'] / f['perplexity']:>7.3f}x{r['kl']:>11.4f}"
+              f"{100 * r['top1']:>7.1f}%  {'*' if r['front'] else ' '} {'*' if r['front_kl'] else ''}")
+
+
+def plot(report):
+    """The figure's writer (for files.write_all)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fams = sorted({r["family"] for r in report["results"]})
+    for i, fam in enumerate(fams):
+        pts = sorted((100 * r["kept"], r["perplexity"], max(r["kl"], 1e-6),
+                      (r["front"], r["front_kl"]))
+                     for r in report["results"] if r["family"] == fam)
+        for ax, k in zip(axes, (1, 2)):
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], "o-", color=f"C{i % 10}",
+                    label=fam, ms=4)
+            front = [p for p in pts if p[3][k - 1]]
+            ax.plot([p[0] for p in front], [p[k] for p in front], "*", color="k", ms=9)
+    axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    for ax, y in zip(axes, ("perplexity", "KL(full || configuration) per token")):
+        ax.set_xlabel("KV cache bytes kept (% of bf16)")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{report['model']}: {report['num_seqs']} windows, {report['context']} + "
+                 f"{report['continuation']} tokens (* the Pareto front)", fontsize=10)
+    fig.tight_layout()
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+    return write
+
+
+def run(a):
+    import torch
+    from .. import models
+    from ..formats.projections import check_sizes, file_sizes
+    from ..progress import Progress
+    from ..quality.frontier import pareto, score
+    t0 = time.time()
+    models.check_device(a.device, flags=True)
+    model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
+    if not info.causal:
+        raise KqsvdError(f"{a.model}: the frontier needs a causal decoder, not '{info.model_type}'")
+    if a.proj:
+        check_sizes(file_sizes(a.proj, a.methods), a.proj, info.sizes(), a.model)
+    T = a.context + a.continuation
+    models.check_positions(info, model.config, T, flags=True)
+    configs = _latent_configs(a, info.num_layers) + a.configs
+    seqs, ntok, start, bos = models.token_windows(tok, a.text, T, a.num_seqs, a.split,
+                                                  bos=not a.no_bos, flags=True)
+    bar = Progress("frontier", a.num_seqs * (1 + len(configs)), "windows")
+    full, results = score(model, seqs, a.context, configs, a.chunk, bar.advance)
+    front = set(pareto([(r["kept"], r["perplexity"]) for r in results]))
+    front_kl = set(pareto([(r["kept"], r["kl"]) for r in results]))
+    report = {"kqsvd_format": "frontier", "kqsvd_format_version": 1, "model": a.model,
+              "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
+              "context": a.context, "continuation": a.continuation, "num_seqs": a.num_seqs,
+              "chunk": a.chunk, "bos": bos, "token_range": [start, start + seqs.size - bos *
+                                                            a.num_seqs],
+              "dtype": a.dtype, "scheme": vars(a.scheme), "full": full, "results": []}
+    for i, (c, r) in enumerate(zip(configs, results)):
+        report["results"].append(dict(label=c.label, family=c.family, front=i in front,
+                                      front_kl=i in front_kl, **r))
+    report["elapsed_s"] = time.time() - t0
+
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    write_all([(a.json, write_json)] + ([(a.plot, plot(report))] if a.plot else []))
+    table(report)
+    print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
+          file=sys.stderr)
+    return report
+
+
+def main(argv=None):
+    from .cli import run_command
+    return run_command(PROG, lambda: run(parse(argv)))

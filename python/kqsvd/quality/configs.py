@@ -1,0 +1,74 @@
+"""The configurations the frontier scores (frontier.py): a cache a window is
+prefilled into and continued with, and what a configuration does around
+the window (kqsvd's projections installed) and around the prefill (a
+press).  The peers' configurations are in peers.py."""
+import contextlib
+
+
+class Config:
+    """One configuration: `label` names it in the report, `family` is its
+    line on the plot.  The base is the full model's cache."""
+    family = "full"
+
+    def __init__(self, label="full", family=None):
+        self.label = label
+        if family is not None:
+            self.family = family
+
+    def check(self):
+        """Raises UsageError, before any model is loaded, when the
+        configuration cannot run here."""
+
+    @contextlib.contextmanager
+    def window(self, model):
+        """Around one window's prefill and continuation."""
+        yield
+
+    @contextlib.contextmanager
+    def prefill(self, model):
+        """Around the context's prefill."""
+        yield
+
+    def cache(self, model):
+        """A new, empty cache for one window."""
+        from transformers import DynamicCache
+        return DynamicCache()
+
+    def nbytes(self, cache):
+        """The cache's bytes, values held unquantized counted at 2 (bf16)."""
+        from ..attention import cache_bytes
+        return cache_bytes(cache, 2)
+
+
+class PlainQuant(Config):
+    """The model's own keys and values quantized as kqsvd quantizes latents
+    (the scheme without rotation): the plain intN cache."""
+    family = "int-N cache"
+
+    def __init__(self, bits, scheme):
+        super().__init__(f"int{bits}")
+        self.bits, self.scheme = bits, scheme
+
+    def cache(self, model):
+        from ..attention.cache import QuantCache
+        return QuantCache(model.config.num_hidden_layers, self.scheme, (self.bits, self.bits))
+
+
+class Latent(Config):
+    """kqsvd's projections (any method, quantized or not) installed for the
+    window: the model starts its latent cache itself."""
+
+    def __init__(self, policy, method, proj):
+        bits = "" if proj.quant is None else f" int{int(proj.bits_k.max())}"
+        super().__init__(f"{method} {policy}", f"{method}{bits}" if bits else method)
+        self.policy, self.method, self.proj = policy, method, proj
+
+    @contextlib.contextmanager
+    def window(self, model):
+        from ..attention import compressed
+        with compressed(model, self.proj):
+            yield
+
+    def cache(self, model):
+        from ..attention import latent_cache
+        return latent_cache(model)

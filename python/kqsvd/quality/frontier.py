@@ -1,0 +1,97 @@
+"""Quality per byte, every configuration scored the same way: each window's
+first `context` tokens are prefilled into the configuration's cache (which
+compresses them its own way), then the rest is fed token by token (or
+`chunk` at a time) with that cache, each step at its explicit position
+(an eviction press keeps fewer tokens than it has seen); the continuation's
+tokens are scored against the full model, which runs the same protocol
+once per window.  Bytes are the cache's after the prefill (the context as
+held) and at the window's end, values held unquantized counted at 2 bytes
+(bf16), codes and scales as stored."""
+import math
+
+from .configs import Config
+from .measure import Tally
+
+
+def continue_window(model, ids, context, config, chunk=1):
+    """One window (int64 [1, T]) through one configuration: returns
+    (float64 log-probabilities [T - context, V] of the continuation's
+    tokens, bytes after the prefill, bytes at the end)."""
+    import torch
+    T = ids.shape[1]
+    with config.window(model):
+        cache = config.cache(model)
+        with config.prefill(model):
+            out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        first = config.nbytes(cache)
+        logits = [out.logits[0, -1:]]
+        for t in range(context, T - 1, chunk):
+            e = min(t + chunk, T - 1)
+            pos = torch.arange(t, e, device=ids.device)[None]
+            out = model(input_ids=ids[:, t:e], past_key_values=cache, use_cache=True,
+                        position_ids=pos)
+            cache = out.past_key_values
+            logits.append(out.logits[0])
+        last = config.nbytes(cache)
+    return torch.log_softmax(torch.cat(logits).double(), -1), first, last
+
+
+def score(model, seqs, context, configs, chunk=1, progress=None):
+    """Scores every configuration on the windows seqs (int64 [n, T]) against
+    the full model.  Returns (full, [result per configuration]), each a
+    dict of perplexity, nll, kl, top1 (not for full), bytes_context,
+    bytes_end and, for the configurations, kept (bytes_context over the
+    full model's) and kept_end.  Not collective."""
+    import torch
+    full, tallies = _Sums(), [_Sums() for _ in configs]
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        for row in seqs:
+            ids = torch.from_numpy(row[None]).to(dev)
+            targets = ids[0, context:]
+            ref, a, b = continue_window(model, ids, context, Config(), chunk)
+            full.add(ref, targets, None, a, b)
+            if progress:
+                progress()
+            for c, t in zip(configs, tallies):
+                logp, a, b = continue_window(model, ids, context, c, chunk)
+                t.add(logp, targets, ref, a, b)
+                if progress:
+                    progress()
+    base = full.result()
+    out = []
+    for t in tallies:
+        r = t.result()
+        r["kept"] = r["bytes_context"] / base["bytes_context"]
+        r["kept_end"] = r["bytes_end"] / base["bytes_end"]
+        out.append(r)
+    return base, out
+
+
+class _Sums(Tally):
+    """A Tally with the bytes after the prefill and at the end (the
+    largest over the windows, which all have one length)."""
+    first = last = 0
+
+    def add(self, logp, targets, ref=None, first=0, last=0):
+        super().add(logp, targets, ref)
+        self.first, self.last = max(self.first, first), max(self.last, last)
+
+    def result(self):
+        r = super().result()
+        r.pop("cache_bytes", None)
+        r.update(bytes_context=self.first, bytes_end=self.last)
+        return r
+
+
+def pareto(points):
+    """Indices of the points (kept, perplexity) on the front: no other
+    keeps as few bytes or fewer with a lower perplexity."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return sorted(front)

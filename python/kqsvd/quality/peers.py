@@ -1,0 +1,103 @@
+"""What a user already has, run the way its authors ship it, for the
+frontier (frontier.py): transformers' QuantizedCache (quanto and HQQ
+backends) and kvpress's eviction presses.  Each peer is a Config; the
+packages are imported only when a peer of theirs runs, and a missing one
+is named with what installs it."""
+import contextlib
+import importlib
+
+from ..errors import UsageError
+from .configs import Config
+
+# kvpress's presses by the names the command takes
+PRESSES = {"snapkv": "SnapKVPress", "expected": "ExpectedAttentionPress", "knorm": "KnormPress",
+           "streaming": "StreamingLLMPress", "tova": "TOVAPress", "observed": "ObservedAttentionPress"}
+BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}
+SET_UP = "scripts/hf-env.sh installs it (examples/requirements-peers.txt)"
+
+
+def need(module, what):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise UsageError(f"{what} needs the Python package '{module.split('.')[0]}', which "
+                         f"cannot be imported ({e}); {SET_UP}") from None
+
+
+class QuantizedCachePeer(Config):
+    """transformers.QuantizedCache(backend, nbits, q_group_size, residual
+    0).  Its bytes: b / 8 per value and a scale and a zero of 2 bytes per
+    group, as a bf16 model would hold them; values it holds unquantized
+    at 2 bytes."""
+    family = "transformers QuantizedCache"
+
+    def __init__(self, backend, bits, group):
+        super().__init__(f"{backend}-int{bits}", f"QuantizedCache ({backend})")
+        self.backend, self.bits, self.group = backend, bits, group
+
+    def check(self):
+        need(BACKENDS[self.backend], f"the peer {self.label}")
+
+    def cache(self, model):
+        from transformers import QuantizedCache
+        return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits,
+                              q_group_size=self.group, residual_length=0)
+
+    def nbytes(self, cache):
+        total = 0
+        for layer in cache.layers:
+            for q, rest in ((getattr(layer, "_quantized_keys", None), layer.keys),
+                            (getattr(layer, "_quantized_values", None), layer.values)):
+                n = _numel(q)
+                total += n * self.bits // 8 + -(-n // self.group) * 4
+                total += 0 if rest is None else rest.numel() * 2
+        return total
+
+
+def _numel(q):
+    """Values in a quantized tensor of quanto (a QTensor: numel) or HQQ (a
+    (codes, meta) pair whose meta has the original shape)."""
+    if q is None:
+        return 0
+    if hasattr(q, "numel") and not isinstance(q, (tuple, list)):
+        return int(q.numel())
+    meta = q[1]
+    n = 1
+    for s in meta["shape"]:
+        n *= int(s)
+    return n
+
+
+class PressPeer(Config):
+    """A kvpress press compressing the context's cache at prefill (the
+    continuation's tokens are added as they come, as kvpress does): kept
+    is the fraction of the context's tokens it keeps."""
+    family = "kvpress"
+
+    def __init__(self, name, kept, context):
+        super().__init__(f"{name}:{kept:g}", f"kvpress {name}")
+        self.name, self.kept, self.context = name, kept, context
+
+    def check(self):
+        if self.name not in PRESSES:
+            raise UsageError(f"press {self.name}: unknown (expected {', '.join(PRESSES)})")
+        kvpress = need("kvpress", f"the peer {self.label}")
+        # SnapKV scores the context by its last window_size queries (64 by default)
+        window = getattr(getattr(kvpress, PRESSES[self.name])(), "window_size", 0)
+        if self.context <= window:
+            raise UsageError(f"--context {self.context}: the press {self.name} needs more than "
+                             f"its window of {window} tokens")
+
+    @contextlib.contextmanager
+    def prefill(self, model):
+        kvpress = need("kvpress", f"the peer {self.label}")
+        press = getattr(kvpress, PRESSES[self.name])(compression_ratio=1.0 - self.kept)
+        attns = [layer.self_attn for layer in model.model.layers]
+        had = [hasattr(a, "rotary_emb") for a in attns]
+        try:
+            with press(model):
+                yield
+        finally:  # kvpress leaves the rotary embedding on each attention module
+            for a, h in zip(attns, had):
+                if not h and hasattr(a, "rotary_emb"):
+                    delattr(a, "rotary_emb")
