@@ -1,0 +1,237 @@
+"""Quantized latents (docs/quantized-cache.md), checked against an
+independent implementation of the documented scheme written here in numpy
+and plain Python integers: the codes, scales and packed bytes of every
+group; the tokens a cache holds quantized or as computed; the bytes; and
+a tiny Llama whose latent cache is quantized (and whose own cache is
+quantized, the plain int-N cache), scored against the independent Llama
+of common.py with this file's quantization inside its attention."""
+import unittest
+
+import numpy as np
+import torch
+
+from common import orthonormal_projections, reference_llama_nll, tiny_lm
+
+from kqsvd.attention import cache_bytes, compress
+from kqsvd.attention.cache import QuantCache
+from kqsvd.attention.projection import rotate
+from kqsvd.attention.quant import Store, dequantize, hadamard, quantize
+from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.formats.quant import QuantScheme, split_bits, with_bits
+
+
+def ref_quantize(x, bits, group):
+    """The documented scheme on rows x (numpy, any float) -> (packed bytes
+    as a list of lists, scales, zeros as float16 arrays, dequantized
+    float32 rows)."""
+    x = np.asarray(x, dtype=np.float32)
+    rows = x.reshape(-1, x.shape[-1])
+    top = (1 << bits) - 1
+    out_bytes, scales, zeros, back = [], [], [], []
+    for row in rows:
+        codes, sc, ze, deq = [], [], [], []
+        for s in range(0, len(row), group):
+            g = row[s:s + group]
+            lo, hi = g.min(), g.max()
+            zero = np.float16(lo)
+            scale = np.float16(np.float32(hi - lo) / np.float32(top))
+            z32, s32 = np.float32(zero), np.float32(scale)
+            for v in g:
+                c = 0 if s32 == 0 else int(min(max(np.rint((v - z32) / s32), 0), top))
+                codes.append(c)
+                deq.append(np.float32(np.float32(c) * s32 + z32))
+            sc.append(scale)
+            ze.append(zero)
+        codes += [0] * (-len(codes) % 8)
+        packed = []
+        for i in range(0, len(codes), 8):
+            word = sum(c << (bits * k) for k, c in enumerate(codes[i:i + 8]))
+            packed += [(word >> (8 * j)) & 255 for j in range(bits)]
+        out_bytes.append(packed)
+        scales.append(sc)
+        zeros.append(ze)
+        back.append(deq)
+    shape = x.shape[:-1]
+    return (np.array(out_bytes, dtype=np.uint8).reshape(*shape, -1),
+            np.array(scales, dtype=np.float16).reshape(*shape, -1),
+            np.array(zeros, dtype=np.float16).reshape(*shape, -1),
+            np.array(back, dtype=np.float32).reshape(x.shape))
+
+
+def ref_side(x, bits, group, axis, residual=0):
+    """A whole side [..., T, n] as a cache holds it after all T tokens:
+    (values as read back, bytes held with raw values at 2 bytes)."""
+    x = np.asarray(x, dtype=np.float64)
+    T, n = x.shape[-2:]
+    if bits == 0 or T <= residual or axis == "channel" and T - residual < group:
+        return x, x.size * 2
+    if axis == "token":
+        q = max(T - residual, 0)
+        packed, sc, ze, deq = ref_quantize(x[..., :q, :], bits, group)
+    else:
+        q = max(T - residual, 0) // group * group
+        blocks = x[..., :q, :].reshape(*x.shape[:-2], q // group, group, n)
+        packed, sc, ze, deq = ref_quantize(np.swapaxes(blocks, -1, -2), bits, group)
+        deq = np.swapaxes(deq, -1, -2).reshape(*x.shape[:-2], q, n)
+    held = packed.size + 2 * sc.size + 2 * ze.size + x[..., q:, :].size * 2
+    return np.concatenate([deq.astype(np.float64), x[..., q:, :]], -2), held
+
+
+class Scheme(unittest.TestCase):
+    def test_codes_scales_and_bytes_match_the_reference(self):
+        rng = np.random.default_rng(0)
+        for bits in (2, 3, 4, 8):
+            for n, group in ((50, 32), (64, 32), (7, 3), (19, 5)):
+                x = rng.standard_normal((3, 4, n)) * rng.uniform(0.1, 30, (3, 4, 1))
+                packed, scale, zero = quantize(torch.from_numpy(x), bits, group)
+                rp, rs, rz, rd = ref_quantize(x, bits, group)
+                np.testing.assert_array_equal(packed.numpy(), rp, err_msg=f"{bits} {n}")
+                np.testing.assert_array_equal(scale.numpy(), rs)
+                np.testing.assert_array_equal(zero.numpy(), rz)
+                back = dequantize(packed, scale, zero, bits, group, n, torch.float32)
+                np.testing.assert_array_equal(back.numpy(), rd)
+                self.assertEqual(packed.shape[-1], (n + 7) // 8 * bits)
+
+    def test_constant_groups_and_values_float16_cannot_hold(self):
+        x = torch.full((2, 9), 0.1, dtype=torch.float64)
+        packed, scale, zero = quantize(x, 3, 4)
+        self.assertTrue((scale == 0).all() and (packed == 0).all())
+        back = dequantize(packed, scale, zero, 3, 4, 9, torch.float64)
+        self.assertTrue((back == float(np.float16(0.1))).all())
+        for bad in (float("nan"), float("inf"), 1e6):
+            y = torch.zeros(2, 8)
+            y[1, 3] = bad
+            with self.assertRaises(KqsvdError):
+                quantize(y, 4, 8)
+
+    def test_a_store_holds_what_the_scheme_says_token_by_token(self):
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((1, 2, 75, 12))
+        for axis in ("channel", "token"):
+            for residual in (0, 5, 40):
+                s = Store(4, 8, axis, residual)
+                t = 0
+                for step in (20, 1, 1, 13, 7, 1, 32):
+                    got = s.append(torch.from_numpy(x[:, :, t:t + step]))
+                    t += step
+                    want, held = ref_side(x[:, :, :t], 4, 8, axis, residual)
+                    np.testing.assert_array_equal(got.numpy(), want, err_msg=f"{axis} {t}")
+                    self.assertEqual(s.nbytes(2), held)
+                    self.assertEqual(len(s), t)
+
+    def test_hadamard_is_orthogonal_and_the_rotation_keeps_scores(self):
+        for n in list(range(1, 20)) + [48, 64, 100]:
+            H = hadamard(n)
+            np.testing.assert_allclose((H @ H.T).numpy(), np.eye(n), atol=1e-14)
+        A = torch.randn(3, 16, 12, dtype=torch.float64)
+        B = torch.randn(3, 16, 12, dtype=torch.float64)
+        ranks = [12, 5, 8]
+        for j, r in enumerate(ranks):
+            A[j, :, r:] = B[j, :, r:] = 0
+        Ar, Br = rotate(A, ranks), rotate(B, ranks)
+        torch.testing.assert_close(Ar @ Br.transpose(1, 2), A @ B.transpose(1, 2),
+                                   rtol=0, atol=1e-13)
+        self.assertGreater(float((Ar - A).abs().max()), 0.1)
+
+    def test_bits_in_policies(self):
+        self.assertEqual(split_bits("fixed:32@4"), ("fixed:32", (4, 4)))
+        self.assertEqual(split_bits("budget:0.5@4/8"), ("budget:0.5", (4, 8)))
+        self.assertEqual(split_bits("eps:0.1"), ("eps:0.1", None))
+        for bad in ("fixed:32@5", "fixed:32@", "@4", "fixed:32@4/8/2", "fixed:32@x"):
+            with self.assertRaises(UsageError, msg=bad):
+                split_bits(bad)
+
+
+class InTheModel(unittest.TestCase):
+    """A tiny Llama in float64 (d = 16), whole windows through a cache that
+    quantizes as they are written."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64).double()
+        cls.sd = {k: v.detach() for k, v in cls.model.state_dict().items()}
+        torch.manual_seed(5)
+        cls.ids = torch.randint(0, 97, (1, 45))
+
+    def nll(self, **kw):
+        with torch.no_grad():
+            out = self.model(input_ids=self.ids, use_cache=True, **kw)
+        logp = torch.log_softmax(out.logits[0, :-1].double(), -1)
+        return -float(logp.gather(1, self.ids[0, 1:, None]).sum()), out.past_key_values
+
+    def reference(self, side):
+        """The independent Llama whose attention quantizes each KV head's
+        cached keys and values with side(l, j, keys or values, 'k'/'v')."""
+        cfg = self.model.config
+        H, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, 16
+        g = H // hkv
+
+        def attention(l, q, k, v, rot, mask):
+            heads = []
+            for j in range(hkv):
+                kj, qk = side(l, j, rot(k[:, j * d:(j + 1) * d]), v[:, j * d:(j + 1) * d])
+                for h in range(j * g, (j + 1) * g):
+                    s = qk(rot(q[:, h * d:(h + 1) * d])) @ kj[0].T / np.sqrt(d)
+                    heads.append(torch.softmax(s + mask, -1) @ kj[1])
+            return torch.cat(heads, 1)
+        return reference_llama_nll(self.sd, cfg, self.ids[0].numpy(), attention)
+
+    def test_a_quantized_latent_cache_is_the_documented_scheme(self):
+        proj = orthonormal_projections(self.model, 6, seed=2)
+        L = proj.num_layers
+        for rot in (False, True):
+            for bits_k, bits_v in (([[4, 2]] * L, [[3, 3]] * L), ([[8, 8]] * L, [[0, 4]] * L)):
+                scheme = QuantScheme(group=8, key_axis="channel", value_axis="token",
+                                     residual=3, rotate=rot)
+                p = with_bits(proj, (4, 4), scheme)
+                p.bits_k[:], p.bits_v[:] = bits_k, bits_v
+                compress(self.model, p)
+                try:
+                    got, cache = self.nll()
+                finally:
+                    compress(self.model, None)
+                held = [0]
+
+                def side(l, j, k, v):
+                    r = int(proj.rank_k_heads[l, j])
+                    A, B = (torch.from_numpy(m[l][j][:, :r]) for m in (proj.key_down,
+                                                                        proj.query_down))
+                    Av, Bv = (torch.from_numpy(m[l][j][:, :r]) for m in (proj.value_down,
+                                                                          proj.value_up))
+                    if rot:
+                        A, B, Av, Bv = (m @ hadamard(r) for m in (A, B, Av, Bv))
+                    kc, nk = ref_side((k @ A).numpy(), bits_k[l][j], 8, "channel", 3)
+                    vc, nv = ref_side((v @ Av).numpy(), bits_v[l][j], 8, "token", 3)
+                    held[0] += nk + nv
+                    return (torch.from_numpy(kc), torch.from_numpy(vc) @ Bv.T), lambda q: q @ B
+                want = self.reference(side)
+                self.assertAlmostEqual(got, want, delta=1e-9 * abs(want), msg=f"{rot} {bits_k}")
+                self.assertEqual(cache_bytes(cache, 2), held[0])
+
+    def test_the_plain_quantized_cache_is_the_documented_scheme(self):
+        L = self.model.config.num_hidden_layers
+        for bits in (4, 2):
+            cache = QuantCache(L, QuantScheme(group=8, residual=2), (bits, bits))
+            got, cache = self.nll(past_key_values=cache)
+            held = [0]
+
+            def side(l, j, k, v):
+                kc, nk = ref_side(k.numpy(), bits, 8, "channel", 2)
+                vc, nv = ref_side(v.numpy(), bits, 8, "token", 2)
+                held[0] += nk + nv
+                return (torch.from_numpy(kc), torch.from_numpy(vc)), lambda q: q
+            want = self.reference(side)
+            self.assertAlmostEqual(got, want, delta=1e-9 * abs(want))
+            self.assertEqual(cache_bytes(cache, 2), held[0])
+            full = 2 * 2 * L * 2 * 45 * 16  # keys and values, bf16
+            self.assertLess(held[0], full * (bits + 8) / 16)
+
+    def test_a_quantized_cache_refuses_what_it_cannot_do(self):
+        cache = QuantCache(2, QuantScheme(group=8), (4, 4))
+        self.nll(past_key_values=cache)
+        with self.assertRaises(KqsvdError):
+            cache.crop(10)
+
+
+if __name__ == "__main__":
+    unittest.main()
