@@ -1,0 +1,146 @@
+"""python -m kqsvd.frontier on a tiny Llama calibrated by the C tool: the
+protocol (prefill, then the continuation token by token with explicit
+positions) scores the full model as one whole-window pass does; every
+configuration's bytes are what its cache holds, checked by formula; the
+peers (a kvpress press, transformers' QuantizedCache) run and leave the
+model as they found it; the fronts are what they claim; and bad options
+are one line and exit 2, with no output written."""
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import numpy as np
+import torch
+
+from common import TEXT, Calibrated, workdir
+
+from kqsvd import models
+from kqsvd.quality.frontier import continue_window, pareto
+from kqsvd.quality.configs import Config
+from kqsvd.quality.peers import PressPeer
+
+PY = [sys.executable, "-m", "kqsvd.frontier"]
+CTX, CONT, N = 80, 12, 2
+
+
+def frontier(*args, expect=0):
+    p = subprocess.run(PY + list(args), capture_output=True, text=True)
+    if p.returncode != expect:
+        raise AssertionError(f"exit {p.returncode}, expected {expect}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+class Frontier(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cal = Calibrated.get()
+        cls.wd = workdir("frontier")
+        cls.out = os.path.join(cls.wd, "f.json")
+        frontier("--model", cls.cal.model, "--text", TEXT, "--proj", cls.cal.proj,
+                 "--ranks", "fixed:8@4,fixed:4@2/8", "--methods", "kqsvd,ksvd",
+                 "--plain", "4", "--quantized-cache", "quanto:4", "--presses", "snapkv",
+                 "--press-kept", "0.5", "--group", "16", "--context", str(CTX),
+                 "--continuation", str(CONT), "--num-seqs", str(N), "--dtype", "float64",
+                 "--json", cls.out, "--plot", os.path.join(cls.wd, "f.png"))
+        with open(cls.out) as f:
+            cls.report = json.load(f)
+        cls.by = {r["label"]: r for r in cls.report["results"]}
+        cls.model, cls.tok, cls.info = models.load(cls.cal.model, dtype=torch.float64)
+        cls.seqs = models.token_windows(cls.tok, TEXT, CTX + CONT, N, "validation")[0]
+
+    def test_the_protocol_scores_the_full_model_as_one_pass(self):
+        nll = 0.0
+        with torch.no_grad():
+            for row in self.seqs:
+                ids = torch.from_numpy(row[None])
+                logp = torch.log_softmax(self.model(input_ids=ids).logits[0].double(), -1)
+                nll -= float(logp[CTX - 1:-1].gather(1, ids[0, CTX:, None]).sum())
+                step, _, _ = continue_window(self.model, ids, CTX, Config())
+                np.testing.assert_allclose(step.numpy(), logp[CTX - 1:-1].numpy(), atol=1e-9)
+        self.assertAlmostEqual(self.report["full"]["nll"], nll / (N * CONT), delta=1e-9)
+        self.assertEqual(set(self.by), {"kqsvd fixed:8@4", "ksvd fixed:8@4", "kqsvd fixed:4@2/8",
+                                        "ksvd fixed:4@2/8", "int4", "quanto-int4", "snapkv:0.5"})
+
+    def test_bytes_are_what_each_cache_holds(self):
+        L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
+        full = 2 * 2 * L * H * d  # bytes per token, keys and values in bf16
+        self.assertEqual(self.report["full"]["bytes_context"], full * CTX)
+        self.assertEqual(self.report["full"]["bytes_end"], full * (CTX + CONT - 1))
+
+        def side(T, n, bits, axis):  # section 1 of docs/quantized-cache.md, group 16
+            q = T // 16 * 16 if axis == "channel" else T
+            rows = n * (q // 16) if axis == "channel" else q
+            width = 16 if axis == "channel" else n
+            return L * H * (rows * ((width + 7) // 8 * bits + 4 * -(-width // 16)) +
+                            (T - q) * n * 2)
+        for label, r, bk, bv in (("int4", d, 4, 4), ("kqsvd fixed:8@4", 8, 4, 4),
+                                 ("kqsvd fixed:4@2/8", 4, 2, 8)):
+            got = self.by[label]
+            self.assertEqual(got["bytes_context"], side(CTX, r, bk, "channel") +
+                             side(CTX, r, bv, "token"), label)
+            self.assertAlmostEqual(got["kept"], got["bytes_context"] / (full * CTX))
+        self.assertEqual(self.by["snapkv:0.5"]["bytes_context"], full * CTX // 2)
+        q4 = self.by["quanto-int4"]["bytes_context"]
+        self.assertEqual(q4, 2 * L * H * CTX * d * (4 / 8 + 4 / 16))
+
+    def test_quality_is_ordered_as_the_bytes_say(self):
+        r = self.by
+        for label, res in r.items():
+            self.assertGreaterEqual(res["kl"], 0, label)
+            self.assertTrue(0 <= res["top1"] <= 1)
+        # fewer bits on the same rank cannot be closer to the full model here
+        self.assertLess(r["kqsvd fixed:8@4"]["kl"], r["kqsvd fixed:4@2/8"]["kl"])
+        self.assertTrue(os.path.getsize(os.path.join(self.wd, "f.png")) > 0)
+
+    def test_fronts(self):
+        pts = [(0.5, 3.0), (0.25, 4.0), (0.25, 3.5), (0.6, 2.0), (0.7, 2.5), (0.1, 9.0)]
+        self.assertEqual(pareto(pts), [0, 2, 3, 5])
+        res = self.report["results"]
+        for key, front in (("perplexity", "front"), ("kl", "front_kl")):
+            on = [x for x in res if x[front]]
+            self.assertTrue(on)
+            for x in res:
+                beaten = any(y["kept"] <= x["kept"] and y[key] < x[key] for y in res
+                             if y is not x)
+                self.assertEqual(x[front], not beaten, x["label"])
+
+    def test_a_press_leaves_the_model_as_it_found_it(self):
+        attns = [lay.self_attn for lay in self.model.model.layers]
+        before = [set(a._modules) | set(a.__dict__) for a in attns]
+        impl = self.model.config._attn_implementation
+        ids = torch.from_numpy(self.seqs[:1])
+        with torch.no_grad():
+            continue_window(self.model, ids, CTX, PressPeer("knorm", 0.5, CTX))
+        self.assertEqual([set(a._modules) | set(a.__dict__) for a in attns], before)
+        self.assertEqual(self.model.config._attn_implementation, impl)
+
+    def test_bad_options(self):
+        base = ["--model", self.cal.model, "--text", TEXT, "--json",
+                os.path.join(self.wd, "bad.json"), "--quantized-cache", "none", "--presses",
+                "none"]
+        for extra, says in ((["--plain", "5"], "--plain"),
+                            (["--proj", self.cal.proj, "--ranks", "fixed:8@5"], "fixed:8@5"),
+                            (["--ranks", "fixed:8@4"], "--proj"),
+                            (["--plain", "none"], "nothing to compare"),
+                            (["--presses", "snapkv", "--context", "40"], "--context 40"),
+                            (["--presses", "nosuch"], "nosuch"),
+                            (["--quantized-cache", "quanto:3"], "quanto:3"),
+                            (["--press-kept", "1.5", "--presses", "knorm"], "1.5"),
+                            (["--group", "0"], "--group"),
+                            (["--proj", self.cal.proj, "--ranks", "quality-budget:0.5"],
+                             "quality-budget"),
+                            (["--json", TEXT], "--json")):
+            p = frontier(*(base + extra), expect=2)
+            self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+            self.assertIn(says, p.stderr)
+            self.assertNotIn("Traceback", p.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.wd, "bad.json")))
+        p = frontier(*base, "--proj", os.path.join(self.wd, "missing.h5"), "--ranks", "fixed:8",
+                     expect=1)
+        self.assertIn("missing.h5", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
