@@ -49,7 +49,9 @@ def parse(argv):
                         epilog="The JSON report is described in docs/quantized-cache.md.")
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the windows from")
-    ap.add_argument("--proj", help="projections file (kqsvd calibrate --out)")
+    ap.add_argument("--proj", action="append", default=[],
+                    help="projections file (kqsvd calibrate --out); repeat it to compare files, "
+                    "each with every --ranks policy")
     ap.add_argument("--ranks", default="", help="rank policies, comma-separated, each with "
                     "optional '@bits' (fixed:32@4)")
     ap.add_argument("--methods", default="kqsvd,ksvd", help="[kqsvd,ksvd]")
@@ -100,10 +102,12 @@ def parse(argv):
     if a.plot and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
     check_input_file("--text", a.text)
-    if a.proj:
-        check_input_file("--proj", a.proj)
+    for path in a.proj:
+        check_input_file("--proj", path)
+    if len(set(a.proj)) < len(a.proj):
+        raise UsageError("--proj: a file is given twice")
     check_outputs([("--json", a.json), ("--plot", a.plot)],
-                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
+                  [("--proj", p) for p in a.proj] + [("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
 
 
@@ -143,10 +147,13 @@ def _latent_configs(a, L):
     from ..quality.configs import Latent
     from ..quality.measure import resolve_policies
     out = []
-    for pol in a.policies:
-        base, bits = split_bits(pol)
-        for _, m, p in resolve_policies(a.proj, [base], a.methods, L):
-            out.append(Latent(pol, m, with_bits(p, bits, a.scheme)))
+    for path in a.proj:
+        # several files: each configuration names its file's stem
+        tag = f" [{os.path.splitext(os.path.basename(path))[0]}]" if len(a.proj) > 1 else ""
+        for pol in a.policies:
+            base, bits = split_bits(pol)
+            for _, m, p in resolve_policies(path, [base], a.methods, L):
+                out.append(Latent(pol, m, with_bits(p, bits, a.scheme), tag))
     return out
 
 
@@ -209,8 +216,8 @@ def run(a):
     model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the frontier needs a causal decoder, not '{info.model_type}'")
-    if a.proj:
-        check_sizes(file_sizes(a.proj, a.methods), a.proj, info.sizes(), a.model)
+    for path in a.proj:
+        check_sizes(file_sizes(path, a.methods), path, info.sizes(), a.model)
     T = a.context + a.continuation
     models.check_positions(info, model.config, T, flags=True)
     configs = _latent_configs(a, info.num_layers) + a.configs

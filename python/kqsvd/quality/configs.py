@@ -58,9 +58,9 @@ class Latent(Config):
     """kqsvd's projections (any method, quantized or not) installed for the
     window: the model starts its latent cache itself."""
 
-    def __init__(self, policy, method, proj):
+    def __init__(self, policy, method, proj, tag=""):
         bits = "" if proj.quant is None else f" int{int(proj.bits_k.max())}"
-        super().__init__(f"{method} {policy}", f"{method}{bits}" if bits else method)
+        super().__init__(f"{method} {policy}{tag}", f"{method}{bits}{tag}")
         self.policy, self.method, self.proj = policy, method, proj
 
     @contextlib.contextmanager
