@@ -50,8 +50,8 @@ def parse(argv):
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the windows from")
     ap.add_argument("--proj", action="append", default=[],
-                    help="projections file (kqsvd calibrate --out); repeat it to compare files, "
-                    "each with every --ranks policy")
+                    help="projections file (kqsvd calibrate --out), FILE=POLICY,... for policies "
+                    "of its own; repeat it to compare files")
     ap.add_argument("--ranks", default="", help="rank policies, comma-separated, each with "
                     "optional '@bits' (fixed:32@4)")
     ap.add_argument("--methods", default="kqsvd,ksvd", help="[kqsvd,ksvd]")
@@ -83,18 +83,21 @@ def parse(argv):
     a = ap.parse_args(argv)
     a.scheme = QuantScheme(a.group, a.key_axis, a.value_axis, a.residual, a.rotate).check()
     a.policies, a.methods = _list(a.ranks), _list(a.methods)
+    # FILE=POLICY,... : that file's own policies instead of --ranks'
+    a.proj = [(f, _list(pols) if eq else a.policies) for f, eq, pols in
+              (p.partition("=") for p in a.proj)]
     bad = [m for m in a.methods if m not in METHODS]
     if bad:
         raise UsageError(f"--methods: unknown method '{bad[0]}' (expected {', '.join(METHODS)})")
     if a.policies and not a.proj:
         raise UsageError(f"--ranks {a.ranks}: give the projections file (--proj)")
-    for pol in a.policies:
+    for pol in [q for _, pols in a.proj for q in pols] + a.policies:
         if pol.startswith("quality-"):
             raise UsageError(f"--ranks {pol}: fit it with python -m kqsvd.quality, then give its "
                              "file as --proj with the policy 'stored'")
         split_bits(pol)
     a.configs = _peer_configs(a, BACKENDS, PRESSES)
-    if not a.configs and not a.policies:
+    if not a.configs and not any(pols for _, pols in a.proj):
         raise UsageError("nothing to compare: give --ranks, --plain, --quantized-cache or "
                          "--presses")
     for c in a.configs:
@@ -102,12 +105,13 @@ def parse(argv):
     if a.plot and not a.plot.lower().endswith(".png"):
         raise UsageError(f"--plot {a.plot}: expected a .png file name")
     check_input_file("--text", a.text)
-    for path in a.proj:
+    files = [f for f, _ in a.proj]
+    for path in files:
         check_input_file("--proj", path)
-    if len(set(a.proj)) < len(a.proj):
+    if len(set(files)) < len(files):
         raise UsageError("--proj: a file is given twice")
     check_outputs([("--json", a.json), ("--plot", a.plot)],
-                  [("--proj", p) for p in a.proj] + [("--text", a.text), ("--model", resolve(a.model))], a.force)
+                  [("--proj", p) for p in files] + [("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
 
 
@@ -147,10 +151,10 @@ def _latent_configs(a, L):
     from ..quality.configs import Latent
     from ..quality.measure import resolve_policies
     out = []
-    for path in a.proj:
+    for path, policies in a.proj:
         # several files: each configuration names its file's stem
         tag = f" [{os.path.splitext(os.path.basename(path))[0]}]" if len(a.proj) > 1 else ""
-        for pol in a.policies:
+        for pol in policies:
             base, bits = split_bits(pol)
             for _, m, p in resolve_policies(path, [base], a.methods, L):
                 out.append(Latent(pol, m, with_bits(p, bits, a.scheme), tag))
@@ -216,7 +220,7 @@ def run(a):
     model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the frontier needs a causal decoder, not '{info.model_type}'")
-    for path in a.proj:
+    for path, _ in a.proj:
         check_sizes(file_sizes(path, a.methods), path, info.sizes(), a.model)
     T = a.context + a.continuation
     models.check_positions(info, model.config, T, flags=True)
@@ -228,7 +232,7 @@ def run(a):
     front = set(pareto([(r["kept"], r["perplexity"]) for r in results]))
     front_kl = set(pareto([(r["kept"], r["kl"]) for r in results]))
     report = {"kqsvd_format": "frontier", "kqsvd_format_version": 1, "model": a.model,
-              "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
+              "proj": [f for f, _ in a.proj], "text": os.path.basename(a.text), "split": a.split,
               "context": a.context, "continuation": a.continuation, "num_seqs": a.num_seqs,
               "chunk": a.chunk, "bos": bos, "token_range": [start, start + seqs.size - bos *
                                                             a.num_seqs],

@@ -12,8 +12,11 @@ The policies are `kqsvd calibrate`'s (eps:E, fixed:R, budget:F), resolved by
 and the model's own: quality-budget:F (ranks fitted on --calib-seqs windows
 of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
 the up-projections trained on the same windows, the step kept chosen on
---check-seqs more, kqsvd.quality.tune); each is written beside the report as
-OUT.quality-budget-F.h5 or OUT.quality-tuned-F.h5.  The full model runs
+--check-seqs more, kqsvd.quality.tune) and quality-bits:F (the rank and the
+bits of each unit's quantized latent at F of the bf16 cache's bytes,
+kqsvd.quality.bits); each is written beside the report as
+OUT.quality-budget-F.h5, OUT.quality-tuned-F.h5 or OUT.quality-bits-F.h5.
+The full model runs
 once per sequence; every (policy, method) pair then runs on the same
 tokens.  Usage errors exit 2, bad input 1, each with one line
 naming the file and field; outputs are written under a temporary name and
@@ -28,7 +31,7 @@ import time
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs, write_all
 from ..formats.projections import METHODS, load_projections, save_ranks
-from ..quality.kl import PREFIX, TUNED, parse_policy
+from ..quality.kl import BITS, PREFIX, TUNED, parse_policy
 from ..quality.measure import measure, resolve_policies
 
 PROG = "python -m kqsvd.quality"
@@ -44,7 +47,8 @@ def parse(argv):
     ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
     ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
-                    "fixed:R, budget:F, quality-budget:F, quality-tuned:F, or 'stored'")
+                    "fixed:R, budget:F, quality-budget:F, quality-tuned:F, quality-bits:F "
+                    "(ranks and bits of a quantized latent), or 'stored'")
     ap.add_argument("--calib-seqs", type=count(0), default=4,
                     help="quality-budget: windows of the train split its ranks are fitted on [4]")
     ap.add_argument("--rounds", type=count(0), default=6,
@@ -192,6 +196,18 @@ def run(a):
             cal = models.token_windows(tok, a.text, a.seq_len,
                                        a.calib_seqs + tuned * a.check_seqs, "train",
                                        bos=not a.no_bos, flags=True)[0]
+        out = a.fitted[pol]
+        if pol.startswith(BITS):  # ranks and bits of a quantized latent, chosen together
+            from ..formats.quant import QuantScheme
+            from ..quality.bits import allocate_bits
+            scheme = QuantScheme()
+            got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
+                                log=log)
+            saved[pol] = save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
+                                                  got.items()}, f"{BITS}{frac:g}", force=a.force,
+                                    bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
+                                    scheme=scheme)
+            return {m: load_projections(saved[pol], m) for m in a.methods}
         if frac not in fitted:
             got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
                            rounds=a.rounds, log=log)
@@ -199,7 +215,6 @@ def run(a):
         # The fitted ranks (and tuned up-projections) in a projections file
         # beside the report, so that every tool (kqsvd evaluate, compress)
         # uses exactly what was measured.
-        out = a.fitted[pol]
         if pol.startswith(PREFIX):
             saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=a.force)
         else:

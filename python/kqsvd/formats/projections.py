@@ -15,6 +15,7 @@ from typing import List
 import numpy as np
 
 from . import h5io
+from .quant import read_bits, write_bits
 from ..errors import KqsvdError, UsageError
 
 METHODS = ("kqsvd", "ksvd", "eigen")
@@ -79,9 +80,19 @@ class Projections:
 
     def cache_kept(self):
         """The fraction of the full KV cache kept: the sum over layers and KV
-        heads of (rank_k + rank_v) / (2 d L Hkv)."""
-        return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
-                     (2 * self.head_dim * self.num_layers * self.num_kv_heads))
+        heads of (rank_k + rank_v) / (2 d L Hkv); with bits, the bytes of
+        the codes and scales over a bf16 cache's (a block's residual tokens
+        aside: docs/quantized-cache.md)."""
+        if self.quant is None:
+            return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
+                         (2 * self.head_dim * self.num_layers * self.num_kv_heads))
+        from .quant import option_bits
+        q = self.quant
+        held = sum(option_bits(int(r), int(b), ax, q.group)
+                   for rs, bs, ax in ((self.rank_k_heads, self.bits_k, q.key_axis),
+                                      (self.rank_v_heads, self.bits_v, q.value_axis))
+                   for r, b in zip(rs.ravel(), bs.ravel()))
+        return float(held / (2 * 16 * self.head_dim * self.num_layers * self.num_kv_heads))
 
 
 def model_sizes(sizes, head_groups):
@@ -292,10 +303,13 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
                 if not np.isfinite(m).all():
                     raise KqsvdError(f"{path}: dataset '{ds.name[1:]}': NaN or Inf at layer {l}")
                 mats[n].append(m)
+        # Stored bits (quality-bits:F) belong to the stored ranks.
+        bk, bv, scheme = read_bits(f, path, method, L, H) if ranks is None else (None,) * 3
         return Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
-                           tuned=bool(up), head_groups=groups, **s, **mats)
+                           tuned=bool(up), head_groups=groups, bits_k=bk, bits_v=bv,
+                           quant=scheme, **s, **mats)
 
 
 def _tuned_names(f, path, method, shape):
@@ -315,7 +329,7 @@ def _tuned_names(f, path, method, shape):
     return names
 
 
-def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
+def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, scheme=None):
     """Writes a copy of the projections file `src` to `dst` whose stored
     ranks are `ranks`: {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, as
     per-head datasets with the per-layer ones their maxima, and whose
@@ -323,7 +337,9 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
     `ranks` keep theirs.  tuned: {method: (Projections, info)} from
     kqsvd.quality.tune.tune at these ranks; their query_down and value_up columns
     replace the file's, and the group records how they were trained
-    (section 5.3, "Tuned up-projections").  dst must not be src (by device
+    (section 5.3, "Tuned up-projections").  bits: {method: (bits_k [L, Hkv],
+    bits_v [L, Hkv])} stored with the quantization scheme (formats.quant).
+    dst must not be src (by device
     and inode), a folder or a device; an existing dst is replaced only
     with force.  Written under a temporary name and renamed."""
     import h5py
@@ -358,6 +374,8 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False):
                         f[m].create_dataset(name, data=data.astype(np.int32))
             for m, (p, info) in (tuned or {}).items():
                 _write_tuned(f[m], p, info, *checked[m])
+            for m, (bk, bv) in (bits or {}).items():
+                write_bits(f, m, bk, bv, scheme)
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst

@@ -36,6 +36,17 @@ class QuantScheme:
         return self
 
 
+def option_bits(r, b, axis, group):
+    """Bits per token that r cached columns at b bits take under the scheme
+    (codes and scales, docs/quantized-cache.md section 1; 16 per value for
+    b = 0, unquantized)."""
+    if b == 0:
+        return 16.0 * r
+    if axis == "channel":  # a scale and a zero per column per block of `group` tokens
+        return r * b + 32.0 * r / group
+    return (r + 7) // 8 * 8 * b + 32.0 * -(-r // group)
+
+
 def split_bits(policy):
     """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
     no '@' -> (policy, None).  Raises UsageError for bits not in BITS."""
@@ -61,3 +72,54 @@ def with_bits(proj, bits, scheme):
     shape = proj.rank_k_heads.shape
     return dataclasses.replace(proj, bits_k=np.full(shape, bits[0], np.int64),
                                bits_v=np.full(shape, bits[1], np.int64), quant=scheme)
+
+
+SCHEME_ATTRS = {"quant_group": "group", "quant_key_axis": "key_axis",
+                "quant_value_axis": "value_axis", "quant_residual": "residual",
+                "quant_rotate": "rotate"}
+
+
+def read_bits(f, path, method, L, H):
+    """A method group's stored bits (bits_k_heads, bits_v_heads: int [L,
+    Hkv], 0 for unquantized) and the file's scheme (root attributes
+    quant_*), or (None, None, None) for a file without them.  Raises
+    KqsvdError naming the dataset or attribute that is wrong."""
+    from ..errors import KqsvdError
+    names = [f"{method}/bits_{s}_heads" for s in "kv"]
+    have = [n for n in names if n in f]
+    if not have:
+        return None, None, None
+    if len(have) == 1:
+        raise KqsvdError(f"{path}: group '{method}' has only one of bits_k_heads and bits_v_heads")
+    bits = []
+    for n in names:
+        b = f[n][...]
+        if b.shape != (L, H) or not np.issubdtype(b.dtype, np.integer) or \
+                not np.isin(b, (0,) + BITS).all():
+            raise KqsvdError(f"{path}: dataset '{n}' must be [{L}, {H}] whole numbers among "
+                             f"0, {', '.join(map(str, BITS))}")
+        bits.append(b.astype(np.int64))
+    kw = {}
+    for attr, key in SCHEME_ATTRS.items():
+        if attr not in f.attrs:
+            raise KqsvdError(f"{path}: attribute '{attr}' is missing (the file has bits)")
+        v = f.attrs[attr]
+        kw[key] = v.decode() if isinstance(v, bytes) else v.item() if hasattr(v, "item") else v
+    kw["rotate"] = bool(kw["rotate"])
+    try:
+        scheme = QuantScheme(**kw).check(f"{path}: attributes quant_*")
+    except UsageError as e:
+        raise KqsvdError(str(e)) from None
+    return bits[0], bits[1], scheme
+
+
+def write_bits(f, method, bits_k, bits_v, scheme):
+    """Writes a method group's bits and the file's scheme (read_bits' form)."""
+    for side, b in (("k", bits_k), ("v", bits_v)):
+        name = f"bits_{side}_heads"
+        if name in f[method]:
+            del f[method][name]
+        f[method].create_dataset(name, data=np.asarray(b, dtype=np.int32))
+    for attr, key in SCHEME_ATTRS.items():
+        v = getattr(scheme, key)
+        f.attrs[attr] = np.int32(v) if isinstance(v, (bool, int)) else v

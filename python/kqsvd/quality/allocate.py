@@ -152,16 +152,17 @@ class Sensitivity:
                 self.cost[m][side, layer] += (c ** 2).sum((0, 2))
 
 
-def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0):
+def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0, sensitivity=None):
     """Forward and backward passes of the full model over the windows;
     returns {method: costs [2, L, Hkv, d]}.  draws = 0: the gradient of
     the windows' NLL, squared token by token; draws = n: n passes per batch
     with next tokens sampled from the model and random signs per position,
     whose squared sums estimate the Fisher quadratic form (the KL's second
-    order) without bias."""
+    order) without bias.  sensitivity: what accumulates the costs
+    (Sensitivity by default)."""
     import torch
     from ..calibration.capture import Capture
-    sens = Sensitivity(projs, info)
+    sens = sensitivity or Sensitivity(projs, info)
     live = []
 
     def sink(layer, kind, t):

@@ -8,12 +8,14 @@ from ..errors import UsageError
 
 PREFIX = "quality-budget:"
 TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.quality.tune)
+BITS = "quality-bits:"  # ranks and bits of a quantized latent (kqsvd.quality.bits)
 
 
 def parse_policy(policy):
-    """The fraction F of 'quality-budget:F' or 'quality-tuned:F', or None
+    """The fraction F of 'quality-budget:F', 'quality-tuned:F' or
+    'quality-bits:F', or None
     for another policy.  Raises UsageError for F outside (0, 1]."""
-    prefix = next((p for p in (PREFIX, TUNED) if policy.startswith(p)), None)
+    prefix = next((p for p in (PREFIX, TUNED, BITS) if policy.startswith(p)), None)
     if prefix is None:
         return None
     try:
@@ -39,10 +41,12 @@ def weights_frozen(model):
             p.requires_grad_(True)
 
 
-def logprobs(model, ids):
-    """float64 next-token log-probabilities of every position but the last."""
+def logprobs(model, ids, cache=False):
+    """float64 next-token log-probabilities of every position but the last;
+    cache: through the cache the model starts (a quantized latent cache
+    quantizes only what it holds)."""
     import torch
-    return torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1].double(), -1)
+    return torch.log_softmax(model(input_ids=ids, use_cache=cache).logits[:, :-1].double(), -1)
 
 
 def full_logprobs(model, seqs, batch=4):
@@ -55,9 +59,10 @@ def full_logprobs(model, seqs, batch=4):
                 for i in range(0, len(seqs), batch)]
 
 
-def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
+def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None, cache=False):
     """Mean KL(full || model) per predicted token over the windows.  grad:
-    back-propagate each batch's KL; before: called before each batch."""
+    back-propagate each batch's KL; before: called before each batch;
+    cache: run through the model's cache (see logprobs)."""
     import torch
     kl, n = 0.0, 0
     device = next(model.parameters()).device
@@ -67,7 +72,7 @@ def kl_to_full(model, seqs, full_logp, batch=4, grad=False, before=None):
                 before()
             ref = full_logp[i // batch]
             part = (ref.exp() * (ref - logprobs(model, torch.from_numpy(seqs[i:i + batch])
-                                                 .to(device)))).sum()
+                                                 .to(device), cache))).sum()
             if grad:
                 part.backward()
             kl += float(part.detach())

@@ -1,0 +1,172 @@
+"""quality-bits:F: the rank and the bits of every (layer, KV head) unit,
+keys and values each, chosen together so that the quantized latent cache
+holds a fraction F of the bf16 cache's bytes where the model's loss needs
+them most.
+
+Each option (r, b) of a unit (ranks 1..d; codes of 2, 3, 4 or 8 bits, or
+unquantized) gets a predicted cost, allocate.py's Fisher form with the
+latent quantized as the cache would hold it:
+
+    s_u(r, b) = sum over windows (sum over tokens t of g_t . (x_t - Q_b(x_t A)_r B_r^T))^2
+
+(Q_b quantizes the unit's d latent columns at b bits under the scheme,
+docs/quantized-cache.md; the first r are kept), and a cost in bits per
+token (codes and scales, 16 per value unquantized).  The options of every
+unit are reduced to the lower convex hull of (bits, cost), and the hull
+segments taken by decreasing gain per bit while the budget lasts, a
+segment that does not fit closing its unit (so every unit stands on a hull
+vertex).  Where the segments taken spend the budget exactly, no choice of
+options of the same size or less costs less (the Lagrangian argument: on
+convex curves, each segment taken buys more per bit than any left).  The model then decides: the
+allocation and each uniform choice that fits the budget (one rank, one
+number of bits everywhere) are measured by their KL to the full model on
+the calibration windows, through the quantized cache, and the best is
+kept."""
+import numpy as np
+
+from ..errors import UsageError
+from ..formats.quant import option_bits
+from .allocate import Sensitivity, group_view, measure_costs
+from .kl import BITS as PREFIX, full_logprobs, kl_to_full
+
+CHOICES = (2, 3, 4, 8, 0)  # 0: unquantized
+
+
+class QuantSensitivity(Sensitivity):
+    """Sensitivity with a cost per bits choice: cost[m] [2, L, H, nb, d]."""
+
+    def __init__(self, projs, info, scheme):
+        super().__init__(projs, info)
+        self.scheme = scheme
+        L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+        self.cost = {m: np.zeros((2, L, H, len(CHOICES), d)) for m in projs}
+
+    def add(self, layer, kind, x, g, joint):
+        import torch
+        from ..attention.quant import Store
+        if self.G > 1:
+            b, H, T, d = x.shape
+            x, g = (a.reshape(b, H // self.G, self.G, T, d).transpose(0, 1, 3, 2, 4).reshape(
+                b, H // self.G, T, self.G * d) for a in (x, g))
+        side = 0 if kind == "k" else 1
+        axis = self.scheme.key_axis if kind == "k" else self.scheme.value_axis
+        gx = (x * g).sum(-1)
+        for m, mats in self.mats.items():
+            A, B = mats[kind][0][layer], mats[kind][1][layer]
+            xa = np.einsum("bhtd,hde->bhte", x, A)
+            gb = np.einsum("bhtd,hde->bhte", g, B)
+            for i, bits in enumerate(CHOICES):
+                q = xa if bits == 0 else Store(bits, self.scheme.group, axis).append(
+                    torch.from_numpy(xa)).numpy()
+                c = gx[..., None] - np.cumsum(q * gb, -1)
+                if joint:
+                    self.cost[m][side, layer, :, i] += (c.sum(2) ** 2).sum(0)
+                else:
+                    self.cost[m][side, layer, :, i] += (c ** 2).sum((0, 2))
+
+
+def hull(sizes, costs):
+    """The lower convex hull of one unit's options: indices into the
+    options, by increasing size, each step buying a lower cost."""
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i], costs[i]))
+    pts = []
+    for i in order:
+        if pts and sizes[pts[-1]] == sizes[i]:
+            continue  # the cheaper cost of one size is already in
+        while len(pts) >= 2:
+            a, b = pts[-2], pts[-1]
+            if (costs[b] - costs[a]) * (sizes[i] - sizes[a]) >= \
+                    (costs[i] - costs[a]) * (sizes[b] - sizes[a]):
+                pts.pop()
+            else:
+                break
+        pts.append(i)
+    out = [pts[0]]
+    for i in pts[1:]:
+        if costs[i] < costs[out[-1]]:
+            out.append(i)
+    return out
+
+
+def knapsack(sizes, costs, budget):
+    """One option per unit: sizes, costs [U, n]; the sum of sizes at most
+    budget, the sum of the convexified costs least (see the module's doc).
+    Returns int [U] option indices.  UsageError when even the smallest
+    options do not fit."""
+    U = len(sizes)
+    hulls = [hull(sizes[u], costs[u]) for u in range(U)]
+    pick = [h[0] for h in hulls]
+    used = sum(sizes[u][pick[u]] for u in range(U))
+    if used > budget + 1e-9:
+        raise UsageError(f"{PREFIX} the budget buys {budget:.0f} bits per token; the smallest "
+                         f"option of every unit takes {used:.0f}")
+    segs = []
+    for u, h in enumerate(hulls):
+        for k in range(1, len(h)):
+            ds = sizes[u][h[k]] - sizes[u][h[k - 1]]
+            segs.append(((costs[u][h[k - 1]] - costs[u][h[k]]) / ds, u, k))
+    closed = set()
+    for _, u, k in sorted(segs, key=lambda s: (-s[0], s[1], s[2])):
+        if u in closed:
+            continue
+        ds = sizes[u][hulls[u][k]] - sizes[u][pick[u]]
+        if used + ds > budget + 1e-9:
+            closed.add(u)
+            continue
+        pick[u], used = hulls[u][k], used + ds
+    return np.array(pick, dtype=np.int64)
+
+
+def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws=2, log=None):
+    """Ranks and bits for each method: {method: dict(rank_k, rank_v, bits_k,
+    bits_v (each [L, H]), start, kl, kls)}.  Not collective.  Raises
+    UsageError for an impossible fraction."""
+    from ..attention import compress
+    from ..formats.projections import file_sizes, load_projections
+    from ..formats.quant import with_bits
+    info = group_view(info, file_sizes(proj_path, methods)["head_groups"])
+    L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
+    if not 0 < fraction <= 1:
+        raise UsageError(f"{PREFIX}{fraction:g}: the fraction must be in (0, 1]")
+    budget = fraction * 2 * L * H * d * 16
+    full = {m: load_projections(proj_path, m, d) for m in methods}
+    compress(model, None)
+    sens = measure_costs(model, info, seqs, full, draws=draws,
+                         sensitivity=QuantSensitivity(full, info, scheme))
+    full_logp = full_logprobs(model, seqs)
+    opts = [(r, b) for b in CHOICES for r in range(1, d + 1)]
+    sizes = np.array([[option_bits(r, b, ax, scheme.group) for r, b in opts]
+                      for ax in (scheme.key_axis, scheme.value_axis)])
+    out = {}
+    for m in methods:
+        c = sens[m]                                              # [2, L, H, nb, d]
+        flat = c.reshape(2, L * H, len(CHOICES) * d)
+        size_u = np.concatenate([np.repeat(sizes[s][None], L * H, 0) for s in (0, 1)])
+        pick = knapsack(size_u, np.concatenate([flat[0], flat[1]]), budget)
+        ranks = np.array([opts[i][0] for i in pick]).reshape(2, L, H)
+        bits = np.array([opts[i][1] for i in pick]).reshape(2, L, H)
+        cands = {"fisher": (ranks, bits)}
+        for b in CHOICES:  # the uniform choices that fit
+            per = [L * H * (option_bits(r, b, scheme.key_axis, scheme.group) +
+                            option_bits(r, b, scheme.value_axis, scheme.group))
+                   for r in range(1, d + 1)]
+            r = max((r for r in range(1, d + 1) if per[r - 1] <= budget + 1e-9), default=0)
+            if r:
+                cands[f"fixed:{r}" + (f"@{b}" if b else "")] = (np.full((2, L, H), r),
+                                                                np.full((2, L, H), b))
+        kls = {}
+        for name, (rk, bk) in cands.items():
+            p = load_projections(proj_path, m, (rk[0], rk[1]))
+            p = with_bits(p, (4, 4), scheme)
+            p.bits_k[:], p.bits_v[:] = bk[0], bk[1]
+            compress(model, p)
+            kls[name] = kl_to_full(model, seqs, full_logp, cache=True)
+        compress(model, None)
+        start = min(kls, key=lambda k: (kls[k], k != "fisher"))
+        rk, bk = cands[start]
+        out[m] = dict(rank_k=rk[0], rank_v=rk[1], bits_k=bk[0], bits_v=bk[1], start=start,
+                      kl=kls[start], kls=kls)
+        if log:
+            log(f"{PREFIX}{fraction:g} {m}: kept {start} (calibration KL {kls[start]:.4f}); "
+                + ", ".join(f"{k} {v:.4f}" for k, v in kls.items()))
+    return out
