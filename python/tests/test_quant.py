@@ -5,19 +5,25 @@ group; the tokens a cache holds quantized or as computed; the bytes; and
 a tiny Llama whose latent cache is quantized (and whose own cache is
 quantized, the plain int-N cache), scored against the independent Llama
 of common.py with this file's quantization inside its attention."""
+import json
+import os
+import sys
 import unittest
 
+import h5py
 import numpy as np
 import torch
 
-from common import orthonormal_projections, reference_llama_nll, tiny_lm
+from common import TEXT, Calibrated, orthonormal_projections, reference_llama_nll, run, tiny_lm
 
 from kqsvd.attention import cache_bytes, compress
 from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.projection import rotate
 from kqsvd.attention.quant import Store, dequantize, hadamard, quantize
 from kqsvd.errors import KqsvdError, UsageError
-from kqsvd.formats.quant import QuantScheme, split_bits, with_bits
+from kqsvd.formats.projections import load_projections, save_ranks
+from kqsvd.formats.quant import QuantScheme, option_bits, split_bits, with_bits
+from kqsvd.quality.bits import hull, knapsack
 
 
 def ref_quantize(x, bits, group):
@@ -231,6 +237,75 @@ class InTheModel(unittest.TestCase):
         self.nll(past_key_values=cache)
         with self.assertRaises(KqsvdError):
             cache.crop(10)
+
+
+
+class BitsAndRanks(unittest.TestCase):
+    def test_the_knapsack_is_optimal_where_it_spends_the_budget(self):
+        import itertools
+        rng = np.random.default_rng(4)
+        for trial in range(30):
+            U, n = 3, 5
+            sizes = np.sort(rng.integers(1, 40, (U, n)), 1).astype(float)
+            costs = np.sort(rng.uniform(0, 10, (U, n)), 1)[:, ::-1].copy()
+            hulls = [hull(sizes[u], costs[u]) for u in range(U)]
+            for u, h in enumerate(hulls):  # a convex, decreasing path from the smallest option
+                self.assertEqual(h[0], int(np.argmin(sizes[u] + 1e-9 * costs[u])))
+                self.assertTrue((np.diff(costs[u][h]) < 0).all())
+            # Budgets at the breakpoints of the steepest-first path: there the
+            # allocation is optimal over every choice of options (Lagrange).
+            segs = sorted(((costs[u][h[k - 1]] - costs[u][h[k]]) /
+                           (sizes[u][h[k]] - sizes[u][h[k - 1]]), sizes[u][h[k]] -
+                           sizes[u][h[k - 1]]) for u, h in enumerate(hulls)
+                          for k in range(1, len(h)))[::-1]
+            budget = sum(sizes[u][h[0]] for u, h in enumerate(hulls))
+            for _, ds in [(0, 0)] + segs:
+                budget += ds
+                pick = knapsack(sizes, costs, budget)
+                used = sum(sizes[u][pick[u]] for u in range(U))
+                self.assertLessEqual(used, budget + 1e-9)
+                got = sum(costs[u][pick[u]] for u in range(U))
+                best = min(sum(costs[u][c[u]] for u in range(U))
+                           for c in itertools.product(range(n), repeat=U)
+                           if sum(sizes[u][c[u]] for u in range(U)) <= budget + 1e-9)
+                self.assertLessEqual(got, best + 1e-9, (trial, budget))
+        with self.assertRaises(UsageError):
+            knapsack(np.full((2, 3), 10.0), np.ones((2, 3)), 5)
+
+    def test_option_bits_are_the_bytes_a_store_holds(self):
+        for r, b, axis in ((12, 3, "token"), (40, 4, "token"), (7, 2, "channel"),
+                           (33, 8, "channel"), (9, 0, "token")):
+            s = Store(b, 8, axis)
+            s.append(torch.randn(1, 1, 64, r))
+            self.assertEqual(s.nbytes(2) * 8, 64 * option_bits(r, b, axis, 8), (r, b, axis))
+
+    def test_fitted_bits_in_the_projections_file(self):
+        cal = Calibrated.get()
+        wd = os.path.dirname(cal.proj)
+        out = os.path.join(wd, "quant-bits.json")
+        run([sys.executable, "-m", "kqsvd.quality", "--model", cal.model, "--text", TEXT,
+             "--proj", cal.proj, "--ranks", "quality-bits:0.25,fixed:4", "--methods",
+             "kqsvd", "--seq-len", "48", "--num-seqs", "2", "--calib-seqs", "2", "--json", out,
+             "--force"])
+        fitted = out[:-5] + ".quality-bits-0.25.h5"
+        p = load_projections(fitted, "kqsvd")
+        self.assertEqual(p.quant, QuantScheme())
+        self.assertTrue(np.isin(p.bits_k, (0, 2, 3, 4, 8)).all())
+        self.assertLessEqual(p.cache_kept(), 0.25 + 1e-12)
+        with open(out) as f:
+            rows = {r["policy"]: r for r in json.load(f)["results"]}
+        self.assertAlmostEqual(rows["quality-bits:0.25"]["cache_kept"], p.cache_kept())
+        # the cache held codes and scales (a channel block's tail tokens as computed)
+        self.assertLess(rows["quality-bits:0.25"]["cache_bytes"], rows["fixed:4"]["cache_bytes"]
+                        * 4 * 0.25 * 2)
+        # other ranks drop the bits; a bad bits dataset names itself
+        self.assertIsNone(load_projections(fitted, "kqsvd", 4).quant)
+        bad = os.path.join(wd, "bad-bits.h5")
+        save_ranks(fitted, bad, {}, "x", force=True)
+        with h5py.File(bad, "r+") as f:
+            f["kqsvd/bits_v_heads"][0, 0] = 5
+        with self.assertRaisesRegex(KqsvdError, "bad-bits.h5: dataset 'kqsvd/bits_v_heads'"):
+            load_projections(bad, "kqsvd")
 
 
 if __name__ == "__main__":

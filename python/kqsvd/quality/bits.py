@@ -15,9 +15,10 @@ token (codes and scales, 16 per value unquantized).  The options of every
 unit are reduced to the lower convex hull of (bits, cost), and the hull
 segments taken by decreasing gain per bit while the budget lasts, a
 segment that does not fit closing its unit (so every unit stands on a hull
-vertex).  Where the segments taken spend the budget exactly, no choice of
-options of the same size or less costs less (the Lagrangian argument: on
-convex curves, each segment taken buys more per bit than any left).  The model then decides: the
+vertex).  Where the budget ends at a breakpoint of the steepest-first
+path (no unit closed), no choice of options within the budget costs less:
+every option lies on or above its unit's hull, and each segment taken buys
+more per bit than any left (the Lagrangian argument).  The model then decides: the
 allocation and each uniform choice that fits the budget (one rank, one
 number of bits everywhere) are measured by their KL to the full model on
 the calibration windows, through the quantized cache, and the best is
