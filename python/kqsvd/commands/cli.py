@@ -111,3 +111,50 @@ def run_command(prog, body, every_rank=False):
         if main:
             signal.signal(signal.SIGTERM, before)
     return 0
+
+
+def write_report(report, json_path, plot_path, plot, table):
+    """The end of a reporting command: the JSON report and its plot
+    (plot(report) gives the figure's writer) written together, so that a
+    failure leaves neither, then the table printed and where they went."""
+    import json
+    from ..formats.files import write_all
+
+    def write_json(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    write_all([(json_path, write_json)] + ([(plot_path, plot(report))] if plot_path else []))
+    table(report)
+    print(f"wrote {json_path}{' and ' + plot_path if plot_path else ''} in "
+          f"{report['elapsed_s']:.1f} s", file=sys.stderr)
+
+
+def figure_writer(fig, axes, ylabels, xlabel, title):
+    """Labels a matplotlib figure's axes and title; returns its writer,
+    write(path) saving the PNG (for write_report)."""
+    import matplotlib.pyplot as plt
+    for ax, y in zip(axes, ylabels):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+
+    def write(tmp):
+        fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+    return write
+
+
+def check_plot(path):
+    """A --plot option checked before any work: a .png name, and
+    matplotlib importable.  UsageError otherwise."""
+    if not path:
+        return
+    if not path.lower().endswith(".png"):
+        raise UsageError(f"--plot {path}: expected a .png file name")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--plot {path}: matplotlib cannot be imported (Debian: apt-get "
+                         "install python3-matplotlib)") from None

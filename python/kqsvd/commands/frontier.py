@@ -23,13 +23,11 @@ newest --residual tokens unquantized, the latent rotated by a Hadamard
 matrix with --rotate.  Usage errors exit 2, bad input 1; outputs are
 written under a temporary name and renamed."""
 import argparse
-import json
 import os
-import sys
 import time
 
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_input_file, check_outputs, write_all
+from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS
 from ..formats.quant import AXES, BITS, QuantScheme, split_bits
 
@@ -41,7 +39,7 @@ def _list(text):
 
 
 def parse(argv):
-    from .cli import ArgumentParser, count, fraction
+    from .cli import ArgumentParser, check_plot, count
     from ..models import resolve
     from ..quality.peers import BACKENDS, PRESSES
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
@@ -102,8 +100,7 @@ def parse(argv):
                          "--presses")
     for c in a.configs:
         c.check()
-    if a.plot and not a.plot.lower().endswith(".png"):
-        raise UsageError(f"--plot {a.plot}: expected a .png file name")
+    check_plot(a.plot)
     check_input_file("--text", a.text)
     files = [f for f, _ in a.proj]
     for path in files:
@@ -194,20 +191,12 @@ def plot(report):
     axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
-    for ax, y in zip(axes, ("perplexity", "KL(full || configuration) per token")):
-        ax.set_xlabel("KV cache bytes kept (% of bf16)")
-        ax.set_ylabel(y)
-        ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{report['model']}: {report['num_seqs']} windows, {report['context']} + "
-                 f"{report['continuation']} tokens (* the Pareto front)", fontsize=10)
-    fig.tight_layout()
-
-    def write(tmp):
-        fig.savefig(tmp, format="png", dpi=110)
-        plt.close(fig)
-    return write
-
+    from .cli import figure_writer
+    return figure_writer(fig, axes, ("perplexity", "KL(full || configuration) per token"),
+                         "KV cache bytes kept (% of bf16)",
+                         f"{report['model']}: {report['num_seqs']} windows, {report['context']} "
+                         f"+ {report['continuation']} tokens (* the Pareto front)")
 
 def run(a):
     import torch
@@ -241,14 +230,8 @@ def run(a):
         report["results"].append(dict(label=c.label, family=c.family, front=i in front,
                                       front_kl=i in front_kl, **r))
     report["elapsed_s"] = time.time() - t0
-
-    def write_json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-    write_all([(a.json, write_json)] + ([(a.plot, plot(report))] if a.plot else []))
-    table(report)
-    print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
-          file=sys.stderr)
+    from .cli import write_report
+    write_report(report, a.json, a.plot, plot, table)
     return report
 
 

@@ -23,13 +23,12 @@ naming the file and field; outputs are written under a temporary name and
 renamed, so an error or an interruption leaves none.
 """
 import argparse
-import json
 import os
 import sys
 import time
 
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_input_file, check_outputs, write_all
+from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS, load_projections, save_ranks
 from ..quality.kl import BITS, PREFIX, TUNED, parse_policy
 from ..quality.measure import measure, resolve_policies
@@ -38,7 +37,7 @@ PROG = "python -m kqsvd.quality"
 
 
 def parse(argv):
-    from .cli import ArgumentParser, count, positive
+    from .cli import ArgumentParser, check_plot, count, positive
     from ..models import resolve
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -89,14 +88,7 @@ def parse(argv):
     if bad or not a.methods:
         raise UsageError(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
                          f"{', '.join(METHODS)})")
-    if a.plot and not a.plot.lower().endswith(".png"):
-        raise UsageError(f"--plot {a.plot}: expected a .png file name")
-    if a.plot:
-        try:
-            import matplotlib  # noqa: F401 - checked before the model loads
-        except ImportError:
-            raise UsageError(f"--plot {a.plot}: matplotlib cannot be imported (Debian: apt-get "
-                             "install python3-matplotlib)") from None
+    check_plot(a.plot)
     a.fitted = {}
     for pol in a.policies:
         frac = parse_policy(pol)
@@ -140,20 +132,12 @@ def plot(report):
                 ax.plot(x, y, style, color=colors[m], label=f"{m} ({kind})")
     axes[1].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
     axes[0].set_yscale("log")
-    for ax, y in zip(axes, ("mean KL(full || compressed) per token", "perplexity")):
-        ax.set_xlabel("KV cache kept (%)")
-        ax.set_ylabel(y)
-        ax.grid(alpha=0.3)
+    for ax in axes:
         ax.legend(fontsize=7)
-    fig.suptitle(f"{report['model']}: {report['num_seqs']} x {report['seq_len']} tokens "
-                 f"({report['split']})", fontsize=10)
-    fig.tight_layout()
-
-    def write(tmp):
-        fig.savefig(tmp, format="png", dpi=110)
-        plt.close(fig)
-    return write
-
+    from .cli import figure_writer
+    return figure_writer(fig, axes, ("mean KL(full || compressed) per token", "perplexity"),
+                         "KV cache kept (%)", f"{report['model']}: {report['num_seqs']} x "
+                         f"{report['seq_len']} tokens ({report['split']})")
 
 def table(report):
     f = report["full"]
@@ -250,13 +234,8 @@ def run(a):
         report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
                                  {k: v for k, v in r.items() if k not in ("policy", "method")})
     report["elapsed_s"] = time.time() - t0
-    def write_json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-    write_all([(a.json, write_json)] + ([(a.plot, plot(report))] if a.plot else []))
-    table(report)
-    print(f"wrote {a.json}{' and ' + a.plot if a.plot else ''} in {report['elapsed_s']:.1f} s",
-          file=sys.stderr)
+    from .cli import write_report
+    write_report(report, a.json, a.plot, plot, table)
     return report
 
 
