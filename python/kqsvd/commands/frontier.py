@@ -3,7 +3,7 @@ already has, on the same windows, scored the same way.
 
     python -m kqsvd.frontier --model M --text FILE [--proj PROJ.h5 --ranks POLICY[,...]]
         [--methods kqsvd,ksvd] [--group 32] [--key-axis channel] [--value-axis token]
-        [--residual 0] [--rotate] [--plain 8,4,3,2] [--quantized-cache quanto:4,hqq:4,...]
+        [--residual 0] [--rotate] [--plain 8,4,3,2] [--quantized-cache quanto:4,quanto:2]
         [--presses snapkv,expected,knorm] [--press-kept 0.5,0.25,0.125]
         [--context 768] [--continuation 256] [--num-seqs 3] [--split validation] [--chunk 1]
         [--dtype float32] [--device cpu] --json OUT [--plot PNG] [--force]
@@ -12,8 +12,9 @@ Each window's first --context tokens are prefilled into the configuration's
 cache, the next --continuation tokens are fed --chunk at a time with that
 cache and scored (perplexity, KL to the full model, top-1 agreement).  The
 configurations: every rank policy of `kqsvd ranks` (eps:E, fixed:R,
-budget:F, stored) for each method, with '@b' a b-bit latent (fixed:32@4,
-or fixed:32@4/8 for 4-bit keys and 8-bit values); plain int-b caches of the
+budget:F, stored) for each method (METHOD/POLICY for one method only),
+with '@b' a b-bit latent (fixed:32@4, or fixed:32@4/8 for 4-bit keys and
+8-bit values); plain int-b caches of the
 model's keys and values (--plain); transformers' QuantizedCache
 (--quantized-cache backend:bits); kvpress presses keeping each fraction of
 the context (--presses, --press-kept).  Quantized latents and plain caches
@@ -61,8 +62,9 @@ def parse(argv):
     ap.add_argument("--rotate", action="store_true",
                     help="rotate quantized latents by a Hadamard matrix (Palu)")
     ap.add_argument("--plain", default="8,4,3,2", help="bits of plain quantized caches [8,4,3,2]")
-    ap.add_argument("--quantized-cache", default="quanto:4,quanto:2,hqq:4,hqq:2",
-                    help="transformers QuantizedCache backend:bits [quanto:4,quanto:2,hqq:4,hqq:2]")
+    ap.add_argument("--quantized-cache", default="quanto:4,quanto:2",
+                    help="transformers QuantizedCache backend:bits, backend quanto or hqq "
+                    "[quanto:4,quanto:2]")
     ap.add_argument("--presses", default="snapkv,expected,knorm",
                     help=f"kvpress presses ({', '.join(PRESSES)}) [snapkv,expected,knorm]")
     ap.add_argument("--press-kept", default="0.5,0.25,0.125",
@@ -93,7 +95,7 @@ def parse(argv):
         if pol.startswith("quality-"):
             raise UsageError(f"--ranks {pol}: fit it with python -m kqsvd.quality, then give its "
                              "file as --proj with the policy 'stored'")
-        split_bits(pol)
+        split_bits(_method_of(pol, a.methods)[1])
     a.configs = _peer_configs(a, BACKENDS, PRESSES)
     if not a.configs and not any(pols for _, pols in a.proj):
         raise UsageError("nothing to compare: give --ranks, --plain, --quantized-cache or "
@@ -143,6 +145,13 @@ def _peer_configs(a, backends, presses):
     return configs
 
 
+def _method_of(policy, methods):
+    """'kqsvd/stored@4' -> (['kqsvd'], 'stored@4'): a policy for one method
+    only; else (methods, policy)."""
+    m, slash, rest = policy.partition("/")
+    return ([m], rest) if slash and m in METHODS else (methods, policy)
+
+
 def _latent_configs(a, L):
     from ..formats.quant import with_bits
     from ..quality.configs import Latent
@@ -152,8 +161,9 @@ def _latent_configs(a, L):
         # several files: each configuration names its file's stem
         tag = f" [{os.path.splitext(os.path.basename(path))[0]}]" if len(a.proj) > 1 else ""
         for pol in policies:
+            methods, pol = _method_of(pol, a.methods)
             base, bits = split_bits(pol)
-            for _, m, p in resolve_policies(path, [base], a.methods, L):
+            for _, m, p in resolve_policies(path, [base], methods, L):
                 out.append(Latent(pol, m, with_bits(p, bits, a.scheme), tag))
     return out
 
