@@ -17,6 +17,8 @@ import torch
 from common import TEXT, Calibrated, workdir
 
 from kqsvd import models
+from kqsvd.formats.projections import save_ranks
+from kqsvd.formats.quant import QuantScheme
 from kqsvd.quality.frontier import continue_window, pareto
 from kqsvd.quality.configs import Config
 from kqsvd.quality.peers import PressPeer
@@ -38,7 +40,14 @@ class Frontier(unittest.TestCase):
         cls.cal = Calibrated.get()
         cls.wd = workdir("frontier")
         cls.out = os.path.join(cls.wd, "f.json")
+        # a file with bits of its own (as quality-bits:F writes them)
+        cls.bits = os.path.join(cls.wd, "bits.h5")
+        L, H = 2, 2
+        save_ranks(cls.cal.proj, cls.bits, {"kqsvd": (np.full((L, H), 6), np.full((L, H), 6))},
+                   "test", force=True, bits={"kqsvd": (np.full((L, H), 3), np.full((L, H), 8))},
+                   scheme=QuantScheme(group=16))
         frontier("--model", cls.cal.model, "--text", TEXT, "--proj", cls.cal.proj,
+                 "--proj", cls.bits + "=kqsvd/stored",
                  "--ranks", "fixed:8@4,fixed:4@2/8", "--methods", "kqsvd,ksvd",
                  "--plain", "4", "--quantized-cache", "quanto:4", "--presses", "snapkv",
                  "--press-kept", "0.5", "--group", "16", "--context", str(CTX),
@@ -60,8 +69,10 @@ class Frontier(unittest.TestCase):
                 step, _, _ = continue_window(self.model, ids, CTX, Config())
                 np.testing.assert_allclose(step.numpy(), logp[CTX - 1:-1].numpy(), atol=1e-9)
         self.assertAlmostEqual(self.report["full"]["nll"], nll / (N * CONT), delta=1e-9)
-        self.assertEqual(set(self.by), {"kqsvd fixed:8@4", "ksvd fixed:8@4", "kqsvd fixed:4@2/8",
-                                        "ksvd fixed:4@2/8", "int4", "quanto-int4", "snapkv:0.5"})
+        self.assertEqual(set(self.by), {"kqsvd fixed:8@4 [proj]", "ksvd fixed:8@4 [proj]",
+                                        "kqsvd fixed:4@2/8 [proj]", "ksvd fixed:4@2/8 [proj]",
+                                        "kqsvd stored [bits]", "int4", "quanto-int4",
+                                        "snapkv:0.5"})
 
     def test_bytes_are_what_each_cache_holds(self):
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
@@ -75,8 +86,9 @@ class Frontier(unittest.TestCase):
             width = 16 if axis == "channel" else n
             return L * H * (rows * ((width + 7) // 8 * bits + 4 * -(-width // 16)) +
                             (T - q) * n * 2)
-        for label, r, bk, bv in (("int4", d, 4, 4), ("kqsvd fixed:8@4", 8, 4, 4),
-                                 ("kqsvd fixed:4@2/8", 4, 2, 8)):
+        for label, r, bk, bv in (("int4", d, 4, 4), ("kqsvd fixed:8@4 [proj]", 8, 4, 4),
+                                 ("kqsvd fixed:4@2/8 [proj]", 4, 2, 8),
+                                 ("kqsvd stored [bits]", 6, 3, 8)):
             got = self.by[label]
             self.assertEqual(got["bytes_context"], side(CTX, r, bk, "channel") +
                              side(CTX, r, bv, "token"), label)
@@ -91,7 +103,7 @@ class Frontier(unittest.TestCase):
             self.assertGreaterEqual(res["kl"], 0, label)
             self.assertTrue(0 <= res["top1"] <= 1)
         # fewer bits on the same rank cannot be closer to the full model here
-        self.assertLess(r["kqsvd fixed:8@4"]["kl"], r["kqsvd fixed:4@2/8"]["kl"])
+        self.assertLess(r["kqsvd fixed:8@4 [proj]"]["kl"], r["kqsvd fixed:4@2/8 [proj]"]["kl"])
         self.assertTrue(os.path.getsize(os.path.join(self.wd, "f.png")) > 0)
 
     def test_fronts(self):

@@ -164,7 +164,9 @@ def _latent_configs(a, L):
             methods, pol = _method_of(pol, a.methods)
             base, bits = split_bits(pol)
             for _, m, p in resolve_policies(path, [base], methods, L):
-                out.append(Latent(pol, m, with_bits(p, bits, a.scheme), tag))
+                # no '@': the file's own bits, if it has any (quality-bits:F)
+                out.append(Latent(pol, m, p if bits is None else with_bits(p, bits, a.scheme),
+                                  tag))
     return out
 
 
