@@ -191,13 +191,14 @@ def plot(report):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     fams = sorted({r["family"] for r in report["results"]})
+    colors = plt.get_cmap("tab10" if len(fams) <= 10 else "tab20")
     for i, fam in enumerate(fams):
         pts = sorted((100 * r["kept"], r["perplexity"], max(r["kl"], 1e-6),
                       (r["front"], r["front_kl"]))
                      for r in report["results"] if r["family"] == fam)
         for ax, k in zip(axes, (1, 2)):
-            ax.plot([p[0] for p in pts], [p[k] for p in pts], "o-", color=f"C{i % 10}",
-                    label=fam, ms=4)
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], "o-" if len(pts) > 1 else "D",
+                    color=colors(i % colors.N), label=fam if k == 1 else None, ms=4)
             front = [p for p in pts if p[3][k - 1]]
             ax.plot([p[0] for p in front], [p[k] for p in front], "*", color="k", ms=9)
     axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")

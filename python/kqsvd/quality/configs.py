@@ -59,7 +59,10 @@ class Latent(Config):
     window: the model starts its latent cache itself."""
 
     def __init__(self, policy, method, proj, tag=""):
-        bits = "" if proj.quant is None else f" int{int(proj.bits_k.max())}"
+        bits = ""
+        if proj.quant is not None:
+            used = set(proj.bits_k.ravel()) | set(proj.bits_v.ravel())
+            bits = f" int{used.pop()}" if len(used) == 1 else " mixed bits"
         super().__init__(f"{method} {policy}{tag}", f"{method}{bits}{tag}")
         self.policy, self.method, self.proj = policy, method, proj
 
