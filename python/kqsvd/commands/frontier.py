@@ -110,7 +110,8 @@ def parse(argv):
     if len(set(files)) < len(files):
         raise UsageError("--proj: a file is given twice")
     check_outputs([("--json", a.json), ("--plot", a.plot)],
-                  [("--proj", p) for p in files] + [("--text", a.text), ("--model", resolve(a.model))], a.force)
+                  [("--proj", p) for p in files] +
+                  [("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
 
 
@@ -181,7 +182,8 @@ def table(report):
     for r in sorted(report["results"], key=lambda r: -r["kept"]):
         print(f"{r['label']:<{w}}{100 * r['kept']:>7.1f}%{r['perplexity']:>12.3f}"
               f"{r['perplexity'] / f['perplexity']:>7.3f}x{r['kl']:>11.4f}"
-              f"{100 * r['top1']:>7.1f}%  {'*' if r['front'] else ' '} {'*' if r['front_kl'] else ''}")
+              f"{100 * r['top1']:>7.1f}%  {'*' if r['front'] else ' '} "
+              f"{'*' if r['front_kl'] else ''}")
 
 
 def plot(report):

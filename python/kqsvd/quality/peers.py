@@ -5,23 +5,32 @@ packages are imported only when a peer of theirs runs, and a missing one
 is named with what installs it."""
 import contextlib
 import importlib
+import logging
 
 from ..errors import UsageError
 from .configs import Config
 
 # kvpress's presses by the names the command takes
 PRESSES = {"snapkv": "SnapKVPress", "expected": "ExpectedAttentionPress", "knorm": "KnormPress",
-           "streaming": "StreamingLLMPress", "tova": "TOVAPress", "observed": "ObservedAttentionPress"}
+           "streaming": "StreamingLLMPress", "tova": "TOVAPress",
+           "observed": "ObservedAttentionPress"}
 BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}
 SET_UP = "scripts/hf-env.sh installs it (examples/requirements-peers.txt)"
 
 
 def need(module, what):
+    # quanto imports torch's C++ extension builder, which warns on a machine
+    # without CUDA: noise before the command's own one-line messages
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         return importlib.import_module(module)
     except ImportError as e:
         raise UsageError(f"{what} needs the Python package '{module.split('.')[0]}', which "
                          f"cannot be imported ({e}); {SET_UP}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 class QuantizedCachePeer(Config):
