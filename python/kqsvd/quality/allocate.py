@@ -130,15 +130,21 @@ class Sensitivity:
         L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
         self.cost = {m: np.zeros((2, L, H, d)) for m in projs}
 
+    def view(self, a):
+        """[b, Hkv, T, d] rows as the group view's [b, Hkv / G, T, G d]: a
+        group's heads side by side (a itself for G = 1)."""
+        if self.G == 1:
+            return a
+        b, H, T, d = a.shape
+        return a.reshape(b, H // self.G, self.G, T, d).transpose(0, 1, 3, 2, 4).reshape(
+            b, H // self.G, T, self.G * d)
+
     def add(self, layer, kind, x, g, joint):
         """x, g: float64 [b, H, T, d] rows and their loss gradients (a group's
         heads are put side by side for head groups).  joint: square each
         window's sum over tokens (the Fisher form, with random-sign
         gradients), else each token's term."""
-        if self.G > 1:
-            b, H, T, d = x.shape
-            x, g = (a.reshape(b, H // self.G, self.G, T, d).transpose(0, 1, 3, 2, 4).reshape(
-                b, H // self.G, T, self.G * d) for a in (x, g))
+        x, g = self.view(x), self.view(g)
         side = 0 if kind == "k" else 1
         gx = (x * g).sum(-1)                                  # [b, H, T]
         for m, mats in self.mats.items():

@@ -45,10 +45,7 @@ class QuantSensitivity(Sensitivity):
     def add(self, layer, kind, x, g, joint):
         import torch
         from ..attention.quant import Store
-        if self.G > 1:
-            b, H, T, d = x.shape
-            x, g = (a.reshape(b, H // self.G, self.G, T, d).transpose(0, 1, 3, 2, 4).reshape(
-                b, H // self.G, T, self.G * d) for a in (x, g))
+        x, g = self.view(x), self.view(g)
         side = 0 if kind == "k" else 1
         axis = self.scheme.key_axis if kind == "k" else self.scheme.value_axis
         gx = (x * g).sum(-1)
