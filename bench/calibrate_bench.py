@@ -111,7 +111,8 @@ def machine_info():
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break
-    return f"{model}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB"
 
 
 def main():
@@ -170,7 +171,7 @@ def main():
         lines.append(f"| {T:,} | {name} | {r['wall']:.2f} | {T * heads / r['wall']:.3g} | {gf} "
                      f"| {r['rss']:.0f} | {rd} | {r['sigma']:.0e} |")
     big, small = sizes[-1], [t for t in sizes if t * 8 == sizes[-1]]
-    k1, kn = f"kqsvd, 1 rank", f"kqsvd, {a.np} ranks"
+    k1, kn = "kqsvd, 1 rank", f"kqsvd, {a.np} ranks"
     out = ["", f"Machine limits: OpenBLAS dgemm {mach[1]:.1f} GFLOP/s on 1 thread"
            + (f", {mach[a.np]:.1f} on {a.np}" if a.np in mach and a.np != 1 else "")
            + f"; raw read of the {big:,}-token set ({read['read_bytes'] / 1e9:.2f} GB): "
@@ -182,11 +183,14 @@ def main():
                    f"**{s['in-memory, 1 thread']['wall'] / s[k1]['wall']:.2f}x**; "
                    f"QR stage at 1 rank {s[k1]['fold_gflops']:.1f} GFLOP/s = "
                    f"**{100 * s[k1]['fold_gflops'] / mach[1]:.0f}%** of dgemm; "
-                   f"pdgeqrf / TSQR at {a.np} ranks = **{s[f'--qr scalapack, {a.np} ranks']['wall'] / s[kn]['wall']:.2f}x** "
+                   f"pdgeqrf / TSQR at {a.np} ranks = "
+                   f"**{s[f'--qr scalapack, {a.np} ranks']['wall'] / s[kn]['wall']:.2f}x** "
                    "(wall).")
     if small:
         t0 = small[0]
-        g = lambda name: 100 * (summary[big][name]["rss"] / summary[t0][name]["rss"] - 1)
+
+        def g(name):
+            return 100 * (summary[big][name]["rss"] / summary[t0][name]["rss"] - 1)
         out.append(f"- Peak RSS from {t0:,} to {big:,} tokens (8x): kqsvd 1 rank **{g(k1):+.1f}%**, "
                    f"{a.np} ranks {g(kn):+.1f}%; in-memory **{g('in-memory, 1 thread'):+.0f}%**; "
                    f"--qr scalapack {g(f'--qr scalapack, {a.np} ranks'):+.0f}%.")

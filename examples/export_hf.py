@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..
 
 try:
     import h5py  # noqa: F401 - checked here, used by kqsvd.cache_export
-    import torch
+    import torch  # noqa: F401 - checked here, used by kqsvd.models
     import tqdm  # noqa: F401 - the progress bar
     import transformers  # noqa: F401 - checked here, used through its Auto classes
     from kqsvd import models

@@ -11,7 +11,6 @@ import os
 import sys
 import unittest
 
-import numpy as np
 import torch
 
 from common import TEXT, EXPORT, calibrate, export, run, workdir

@@ -139,7 +139,8 @@ def degenerate():
     wd = workdir("degenerate")
     rng = np.random.default_rng(9)
     L, Hq, Hkv, d, D, T = 2, 4, 2, 8, 16, 200
-    K, V, Q = rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hq, T, d))
+    K, V = rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hkv, T, d))
+    Q = rng.standard_normal((L, Hq, T, d))
     O = rng.standard_normal((L, D, Hq * d))
     K[0, 0], V[0, 0], Q[0, 0:2] = 0, 0, 0          # layer 0, group 0: nothing at all
     O[0, :, 0:2 * d] = 0

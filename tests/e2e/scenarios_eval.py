@@ -173,7 +173,8 @@ def eval_policies():
                 used = int(rk[m].sum() + rv[m].sum())
                 check(used <= float(val_) * 2 * d * L + 1e-9, f"{pol} {m}: {used} columns")
                 # Optimal: no single column moved between layers lowers the tail energy.
-                tail = lambda s, r: float(np.mean([(x[r:] ** 2).sum() / max((x ** 2).sum(), 1e-300) for x in s]))
+                def tail(s, r):
+                    return float(np.mean([(x[r:] ** 2).sum() / max((x ** 2).sum(), 1e-300) for x in s]))
                 sides = [(sk[m][l], rk[m][l]) for l in range(L)] + [(sv[m][l], rv[m][l]) for l in range(L)]
                 best = sum(tail(s, r) for s, r in sides)
                 for i, (si, ri) in enumerate(sides):

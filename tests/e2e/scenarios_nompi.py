@@ -15,8 +15,7 @@ import ctypes
 import os
 import re
 
-from harness import (KQSVD, calibrate, check, finish, load_proj, max_rel_diff, run, small_set,
-                     workdir)
+from harness import (KQSVD, calibrate, check, finish, load_proj, max_rel_diff, run, small_set)
 
 TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=4, hidden=16, seqs=4, seq_len=32,
             min_seq_len=32, shards=2)

@@ -70,7 +70,8 @@ def degenerate(qr):
     wd = workdir(f"qr_degenerate_{qr}")
     rng = np.random.default_rng(9)
     L, Hq, Hkv, d, D, T = 1, 4, 2, 8, 16, 200
-    K, V, Q = rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hq, T, d))
+    K, V = rng.standard_normal((L, Hkv, T, d)), rng.standard_normal((L, Hkv, T, d))
+    Q = rng.standard_normal((L, Hq, T, d))
     K[0, 0], V[0, 0], Q[0, 0:2] = 0, 0, 0
     K[0, 1] = rng.standard_normal((T, 3)) @ rng.standard_normal((3, d))
     V[0, 1] = rng.standard_normal((T, 1)) @ rng.standard_normal((1, d))

@@ -185,8 +185,10 @@ def catalogue(info):
     add("seq_lens-scalar", "shard0", "refuse", lambda f, _c: replace(f, "seq_lens", np.int64(T)))
     add("seq_lens-ones", "shard0", "same", seq_lens([1] * T), np_=1)
     add("seq_lens-int8", "shard0", "any", lambda f, _c: replace(f, "seq_lens", f["seq_lens"][...].astype(np.int8)))
-    add("seq_lens-sum-plus1", "shard0", "refuse", lambda f, _c: replace(f, "seq_lens", f["seq_lens"][...] + np.array([1] + [0] * (len(f["seq_lens"]) - 1))))
-    add("seq_lens-str", "shard0", "refuse", lambda f, _c: replace(f, "seq_lens", np.array(["5"], dtype=h5py.string_dtype())))
+    add("seq_lens-sum-plus1", "shard0", "refuse", lambda f, _c: replace(
+        f, "seq_lens", f["seq_lens"][...] + np.array([1] + [0] * (len(f["seq_lens"]) - 1))))
+    add("seq_lens-str", "shard0", "refuse", lambda f, _c: replace(
+        f, "seq_lens", np.array(["5"], dtype=h5py.string_dtype())))
 
     # --- NaN / Inf ---
     add("nan-keys", "shard0", "refuse", edit_elem("keys", (1, 1, 5, 3), 0x7FC0), np_=2)

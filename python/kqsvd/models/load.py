@@ -231,7 +231,6 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     Returns (model, tokenizer, ModelInfo); info.weights is the WEIGHT_TYPES
     key the model runs in.  Raises KqsvdError (for a transformers outside
     the supported range too: kqsvd.compat)."""
-    import torch
     from ..compat import check_transformers
     check_transformers()
     path = resolve(name)
