@@ -74,8 +74,7 @@ static double run_gemm(bench_case_t *c) {
 /* Next `block` source rows (wrapping around the buffer). */
 static const void *next_rows(bench_case_t *c) {
   if (c->row + c->block > SRC_ROWS) c->row = 0;
-  const void *p =
-      (const char *)c->src + (size_t)c->row * (size_t)c->d * kqsvd_dtype_size(c->type);
+  const void *p = (const char *)c->src + (size_t)c->row * (size_t)c->d * kqsvd_dtype_size(c->type);
   c->row += c->block;
   return p;
 }
@@ -91,8 +90,7 @@ static double run_old(bench_case_t *c) {
 
 static double run_new(bench_case_t *c) {
   int64_t bad = 0;
-  if (kqsvd_qr_absorb(c->ws, c->R, next_rows(c), c->type, c->block, &bad) != KQSVD_OK ||
-      bad >= 0)
+  if (kqsvd_qr_absorb(c->ws, c->R, next_rows(c), c->type, c->block, &bad) != KQSVD_OK || bad >= 0)
     abort();
   return 2.0 * c->d * c->d * c->block;
 }
@@ -133,8 +131,8 @@ int main(int argc, char **argv) {
       {"16 x (d-16) x 512, A^T B", 16, rest, 512, 'T', 'N'},
   };
   double peak = 0.0;
-  printf("kqsvd_bench_qr: d = %d, 1 BLAS thread, best of %d trials, 2 d^2 flops per row\n\n",
-         d, TRIALS);
+  printf("kqsvd_bench_qr: d = %d, 1 BLAS thread, best of %d trials, 2 d^2 flops per row\n\n", d,
+         TRIALS);
   for (size_t g = 0; g < sizeof gemms / sizeof gemms[0]; g++) {
     c.m = gemms[g].m, c.n = gemms[g].n, c.k = gemms[g].k;
     c.ta = gemms[g].ta, c.tb = gemms[g].tb;

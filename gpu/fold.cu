@@ -21,12 +21,12 @@ extern "C" {
 
 typedef struct {
   cudaStream_t stream;
-  cudaEvent_t done[2];     /* staging buffer b is free again */
+  cudaEvent_t done[2]; /* staging buffer b is free again */
   cusolverDnHandle_t solver;
   void *pinned[2], *raw[2]; /* host staging and device copies, used in turn so
                                that the next call's copy overlaps this QR */
   int next;
-  double *A, *tau;         /* (d + max_rows) x d work matrix, column-major */
+  double *A, *tau; /* (d + max_rows) x d work matrix, column-major */
   void *work_dev, *work_host;
   size_t work_dev_bytes, work_host_bytes;
   int *info;
@@ -37,8 +37,8 @@ struct kqsvd_gpu_fold {
   int device, d, nlanes;
   int64_t nfactors, max_rows;
   size_t row_bytes; /* d x the widest element type */
-  double *R; /* nfactors x d x d, column-major, upper triangles */
-  double *host; /* d x d scratch for load/sync */
+  double *R;        /* nfactors x d x d, column-major, upper triangles */
+  double *host;     /* d x d scratch for load/sync */
   cusolverDnParams_t params;
   lane_t *lane;
 };
@@ -76,9 +76,8 @@ __global__ static void move_triangle(double *R, double *A, int d, int ld, int ba
     A[i + (size_t)j * ld] = i <= j ? R[i + (size_t)j * d] : 0.0;
 }
 
-extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactors,
-                                              int64_t max_rows, int elem_bytes, int nlanes,
-                                              kqsvd_gpu_fold_t **out) {
+extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactors, int64_t max_rows,
+                                              int elem_bytes, int nlanes, kqsvd_gpu_fold_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_gpu_fold_t *f = (kqsvd_gpu_fold_t *)calloc(1, sizeof *f);
   *out = NULL;
@@ -117,9 +116,9 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_init(int device, int d, int64_t nfactor
       KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->info, sizeof(int)));
       KQSVD_CUDA_CALL(cudaMalloc((void **)&ln->bad, sizeof(unsigned long long)));
       KQSVD_CUDA_CALL(cudaMemset(ln->bad, 0xff, sizeof(unsigned long long)));
-      KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A,
-                                                lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
-                                                &ln->work_dev_bytes, &ln->work_host_bytes));
+      KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F,
+                                                      ln->A, lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
+                                                      &ln->work_dev_bytes, &ln->work_host_bytes));
       KQSVD_CUDA_CALL(cudaMalloc(&ln->work_dev, ln->work_dev_bytes + 1));
       ln->work_host = malloc(ln->work_host_bytes + 1);
       KQSVD_CHECK(ln->work_host, KQSVD_ERR_NOMEM, "cannot allocate cuSOLVER host workspace");
@@ -173,8 +172,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_load(kqsvd_gpu_fold_t *f, const double 
   KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   for (int64_t k = 0; k < f->nfactors; k++) {
     kqsvd_tri_unpack(f->d, packed + (size_t)k * tri, f->host);
-    KQSVD_CUDA_CALL(cudaMemcpy(f->R + (size_t)k * dd, f->host, dd * sizeof(double),
-                         cudaMemcpyHostToDevice));
+    KQSVD_CUDA_CALL(
+        cudaMemcpy(f->R + (size_t)k * dd, f->host, dd * sizeof(double), cudaMemcpyHostToDevice));
   }
   /* A copy from pageable memory may return before it lands. */
   KQSVD_CUDA_CALL(cudaDeviceSynchronize());
@@ -200,9 +199,9 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
   KQSVD_CUDA_CALL(cudaSetDevice(f->device));
   /* cuSOLVER does not promise that a smaller matrix needs no more
    * workspace than the largest: ask, and grow when it does. */
-  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F,
-                                                  ln->A, lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
-                                                  &need_dev, &need_host));
+  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf_bufferSize(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A,
+                                                  lda, CUDA_R_64F, ln->tau, CUDA_R_64F, &need_dev,
+                                                  &need_host));
   if (need_dev > ln->work_dev_bytes || need_host > ln->work_host_bytes) {
     KQSVD_CUDA_CALL(cudaStreamSynchronize(ln->stream));
     if (need_dev > ln->work_dev_bytes) {
@@ -226,8 +225,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
   ln->next ^= 1;
   KQSVD_CUDA_CALL(cudaEventSynchronize(ln->done[b]));
   memcpy(ln->pinned[b], X, bytes);
-  KQSVD_CUDA_CALL(cudaMemcpyAsync(ln->raw[b], ln->pinned[b], bytes, cudaMemcpyHostToDevice,
-                                  ln->stream));
+  KQSVD_CUDA_CALL(
+      cudaMemcpyAsync(ln->raw[b], ln->pinned[b], bytes, cudaMemcpyHostToDevice, ln->stream));
   KQSVD_CUDA_CALL(cudaEventRecord(ln->done[b], ln->stream));
   {
     const int threads = 256;
@@ -238,10 +237,9 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, co
         R, ln->A, d, (int)lda, 0);
     KQSVD_CUDA_CALL(cudaGetLastError());
   }
-  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf(ln->solver, f->params, lda, d, CUDA_R_64F, ln->A, lda,
-                                 CUDA_R_64F, ln->tau, CUDA_R_64F, ln->work_dev,
-                                 ln->work_dev_bytes, ln->work_host, ln->work_host_bytes,
-                                 ln->info));
+  KQSVD_CUSOLVER_CALL(cusolverDnXgeqrf(
+      ln->solver, f->params, lda, d, CUDA_R_64F, ln->A, lda, CUDA_R_64F, ln->tau, CUDA_R_64F,
+      ln->work_dev, ln->work_dev_bytes, ln->work_host, ln->work_host_bytes, ln->info));
   move_triangle<<<dim3((unsigned)((d + 127) / 128), (unsigned)d), 128, 0, ln->stream>>>(
       R, ln->A, d, (int)lda, 1);
   KQSVD_CUDA_CALL(cudaGetLastError());
@@ -249,8 +247,8 @@ done:
   return st;
 }
 
-extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packed,
-                                              int64_t *bad_tag, int64_t *bad_row) {
+extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packed, int64_t *bad_tag,
+                                              int64_t *bad_row) {
   kqsvd_status_t st = KQSVD_OK;
   unsigned long long first = ~0ULL;
   const size_t tri = kqsvd_tri_size(f->d), dd = (size_t)f->d * f->d;
@@ -277,8 +275,8 @@ extern "C" kqsvd_status_t kqsvd_gpu_fold_sync(kqsvd_gpu_fold_t *f, double *packe
     KQSVD_CUDA_CALL(cudaDeviceSynchronize());
   }
   for (int64_t k = 0; packed && k < f->nfactors; k++) {
-    KQSVD_CUDA_CALL(cudaMemcpy(f->host, f->R + (size_t)k * dd, dd * sizeof(double),
-                         cudaMemcpyDeviceToHost));
+    KQSVD_CUDA_CALL(
+        cudaMemcpy(f->host, f->R + (size_t)k * dd, dd * sizeof(double), cudaMemcpyDeviceToHost));
     kqsvd_tri_pack(f->d, f->host, packed + (size_t)k * tri);
   }
 done:

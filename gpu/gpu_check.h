@@ -9,11 +9,11 @@
 
 #include "kqsvd_error.h"
 
-#define KQSVD_CUDA_CALL(call)                                                        \
-  do {                                                                               \
-    cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess)                                                           \
-      KQSVD_FAIL(KQSVD_ERR_CUDA, "CUDA: %s: %s", #call, cudaGetErrorString(e_));     \
+#define KQSVD_CUDA_CALL(call)                                                    \
+  do {                                                                           \
+    cudaError_t e_ = (call);                                                     \
+    if (e_ != cudaSuccess)                                                       \
+      KQSVD_FAIL(KQSVD_ERR_CUDA, "CUDA: %s: %s", #call, cudaGetErrorString(e_)); \
   } while (0)
 #define KQSVD_CUSOLVER_CALL(call)                                                    \
   do {                                                                               \

@@ -55,8 +55,8 @@ kqsvd_status_t kqsvd_gpu_fold_load(kqsvd_gpu_fold_t *f, const double *packed);
  * it.  Calls on one factor run in order; calls on factors of different
  * lanes (k modulo nlanes) overlap.  `tag` (0 <= tag < 2^31) names the call
  * in NaN/Inf reports.  Errors: KQSVD_ERR_CUDA, _BUG. */
-kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, const void *X,
-                                   kqsvd_dtype_t t, int64_t n, int64_t tag);
+kqsvd_status_t kqsvd_gpu_fold_rows(kqsvd_gpu_fold_t *f, int64_t k, const void *X, kqsvd_dtype_t t,
+                                   int64_t n, int64_t tag);
 
 /* Waits for all queued work.  *bad_tag and *bad_row get the smallest tag
  * whose rows held a NaN or Inf and that row (else -1), and are reset.  When
@@ -89,8 +89,8 @@ typedef struct kqsvd_gpu_api {
   uint32_t abi_version; /* KQSVD_GPU_ABI_VERSION of the module's build */
   int (*device_count)(void);
   kqsvd_status_t (*describe)(int dev, char *buf, int n);
-  kqsvd_status_t (*fold_init)(int device, int d, int64_t nfactors, int64_t max_rows,
-                              int elem_bytes, int nlanes, kqsvd_gpu_fold_t **f);
+  kqsvd_status_t (*fold_init)(int device, int d, int64_t nfactors, int64_t max_rows, int elem_bytes,
+                              int nlanes, kqsvd_gpu_fold_t **f);
   void (*fold_free)(kqsvd_gpu_fold_t **f);
   kqsvd_status_t (*fold_load)(kqsvd_gpu_fold_t *f, const double *packed);
   kqsvd_status_t (*fold_rows)(kqsvd_gpu_fold_t *f, int64_t k, const void *X, kqsvd_dtype_t t,

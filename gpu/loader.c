@@ -57,10 +57,10 @@ static const char *missing_function(const kqsvd_gpu_api_t *t) {
   const struct {
     const char *name;
     int set;
-  } fns[] = {{"device_count", t->device_count != NULL}, {"describe", t->describe != NULL},
-             {"fold_init", t->fold_init != NULL},       {"fold_free", t->fold_free != NULL},
-             {"fold_load", t->fold_load != NULL},       {"fold_rows", t->fold_rows != NULL},
-             {"fold_sync", t->fold_sync != NULL},       {"last_error", t->last_error != NULL},
+  } fns[] = {{"device_count", t->device_count != NULL},  {"describe", t->describe != NULL},
+             {"fold_init", t->fold_init != NULL},        {"fold_free", t->fold_free != NULL},
+             {"fold_load", t->fold_load != NULL},        {"fold_rows", t->fold_rows != NULL},
+             {"fold_sync", t->fold_sync != NULL},        {"last_error", t->last_error != NULL},
              {"h2d_bandwidth", t->h2d_bandwidth != NULL}};
   for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
     if (!fns[i].set) return fns[i].name;
@@ -72,12 +72,16 @@ static kqsvd_status_t load(const char *path, const kqsvd_gpu_api_t **out) {
   /* A module that fails a check stays loaded: CUDA's libraries are not made
    * to be unloaded, and the process goes on without them or exits. */
   void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  KQSVD_CHECK(h, KQSVD_ERR_CUDA, "cannot load the CUDA module %s: %s (is this kqsvd built "
-              "with -DKQSVD_CUDA=ON?)", path, dlerror());
+  KQSVD_CHECK(h, KQSVD_ERR_CUDA,
+              "cannot load the CUDA module %s: %s (is this kqsvd built "
+              "with -DKQSVD_CUDA=ON?)",
+              path, dlerror());
   void *sym = dlsym(h, KQSVD_GPU_MODULE_ENTRY);
-  KQSVD_CHECK(sym, KQSVD_ERR_CUDA, "the CUDA module %s exports no %s: it is not a kqsvd CUDA "
+  KQSVD_CHECK(sym, KQSVD_ERR_CUDA,
+              "the CUDA module %s exports no %s: it is not a kqsvd CUDA "
               "module, or one of ABI version 1 (older than this kqsvd's version %u); build the "
-              "two together", path, KQSVD_GPU_MODULE_ENTRY, KQSVD_GPU_ABI_VERSION);
+              "two together",
+              path, KQSVD_GPU_MODULE_ENTRY, KQSVD_GPU_ABI_VERSION);
   const kqsvd_gpu_api_t *(*entry)(void) = NULL;
   memcpy(&entry, &sym, sizeof entry); /* object pointer to function pointer, as above */
   const kqsvd_gpu_api_t *t = entry();
@@ -85,13 +89,15 @@ static kqsvd_status_t load(const char *path, const kqsvd_gpu_api_t **out) {
   /* The version first: nothing past it has a known layout until it matches. */
   KQSVD_CHECK(t->abi_version == KQSVD_GPU_ABI_VERSION, KQSVD_ERR_CUDA,
               "the CUDA module %s has ABI version %u, this kqsvd needs version %u: build the "
-              "two together (or point KQSVD_GPU_MODULE at a matching module)", path,
-              (unsigned)t->abi_version, KQSVD_GPU_ABI_VERSION);
+              "two together (or point KQSVD_GPU_MODULE at a matching module)",
+              path, (unsigned)t->abi_version, KQSVD_GPU_ABI_VERSION);
   const char *missing = missing_function(t);
-  KQSVD_CHECK(!missing, KQSVD_ERR_CUDA, "the CUDA module %s (ABI version %u) has no %s",
-              path, (unsigned)t->abi_version, missing);
-  KQSVD_CHECK(!test_hook(), KQSVD_ERR_CUDA, "KQSVD_TEST_GPU_LOADER=1: the CUDA module %s "
-              "(ABI version %u) was checked and is not used", path, (unsigned)t->abi_version);
+  KQSVD_CHECK(!missing, KQSVD_ERR_CUDA, "the CUDA module %s (ABI version %u) has no %s", path,
+              (unsigned)t->abi_version, missing);
+  KQSVD_CHECK(!test_hook(), KQSVD_ERR_CUDA,
+              "KQSVD_TEST_GPU_LOADER=1: the CUDA module %s "
+              "(ABI version %u) was checked and is not used",
+              path, (unsigned)t->abi_version);
   *out = t;
 done:
   return st;

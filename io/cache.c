@@ -126,8 +126,8 @@ static kqsvd_status_t read_seq_lens(kqsvd_shard_t *sh) {
    * so no sum can overflow (lengths near 2^62 would wrap back to T). */
   long long left = sh->T;
   for (hsize_t i = 0; i < n; i++) {
-    KQSVD_CHECK(lens[i] >= 1, KQSVD_ERR_INPUT, "%s: seq_lens[%llu] = %lld, must be >= 1",
-                sh->path, (unsigned long long)i, lens[i]);
+    KQSVD_CHECK(lens[i] >= 1, KQSVD_ERR_INPUT, "%s: seq_lens[%llu] = %lld, must be >= 1", sh->path,
+                (unsigned long long)i, lens[i]);
     KQSVD_CHECK(lens[i] <= left, KQSVD_ERR_INPUT,
                 "%s: seq_lens[%llu] = %lld goes past the T = %lld rows the caches hold "
                 "(%lld left after the sequences before it)",
@@ -191,14 +191,11 @@ const char *kqsvd_shard_path(const kqsvd_shard_t *sh) { return sh->path; }
 int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh) { return sh->T; }
 int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh) { return sh->S; }
 const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh) { return sh->seq_lens; }
-kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t) {
-  return sh->t[t].type;
-}
+kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t) { return sh->t[t].type; }
 const char *kqsvd_shard_rope(const kqsvd_shard_t *sh) { return sh->rope; }
 
-kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t layer,
-                                int64_t head0, int64_t nheads, int64_t row0, int64_t nrows,
-                                void *buf) {
+kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t layer, int64_t head0,
+                                int64_t nheads, int64_t row0, int64_t nrows, void *buf) {
   const hsize_t start[4] = {(hsize_t)layer, (hsize_t)head0, (hsize_t)row0, 0};
   const hsize_t count[4] = {1, (hsize_t)nheads, (hsize_t)nrows, (hsize_t)sh->dims.head_dim};
   return tensor_read(&sh->t[t], sh->path, kqsvd_tensor_name(t), 4, start, count, buf);
@@ -263,8 +260,8 @@ const kqsvd_dims_t *kqsvd_model_dims(const kqsvd_model_t *m) { return &m->dims; 
 kqsvd_dtype_t kqsvd_model_dtype(const kqsvd_model_t *m) { return m->o.type; }
 const char *kqsvd_model_rope(const kqsvd_model_t *m) { return m->rope; }
 
-kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0,
-                                      int64_t nrows, int64_t col0, int64_t ncols, void *buf) {
+kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0, int64_t nrows,
+                                      int64_t col0, int64_t ncols, void *buf) {
   const hsize_t start[3] = {(hsize_t)layer, (hsize_t)row0, (hsize_t)col0};
   const hsize_t count[3] = {1, (hsize_t)nrows, (hsize_t)ncols};
   return tensor_read(&m->o, m->path, "o_proj", 3, start, count, buf);

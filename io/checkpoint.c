@@ -36,8 +36,8 @@ static void checksum(const char *fingerprint, kqsvd_checkpoint_pos_t pos, int64_
 }
 
 kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint64_t fingerprint,
-                                     const char *about, kqsvd_checkpoint_pos_t pos,
-                                     int64_t nvals, const double *state) {
+                                     const char *about, kqsvd_checkpoint_pos_t pos, int64_t nvals,
+                                     const double *state) {
   kqsvd_status_t st = KQSVD_OK;
   char path[PATH_MAX];
   ckpt_path(path, sizeof path, dir, rank, nranks);
@@ -48,14 +48,13 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint,
-                                          const char *about, kqsvd_checkpoint_pos_t pos,
-                                          int64_t nvals, const double *state) {
+kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint, const char *about,
+                                          kqsvd_checkpoint_pos_t pos, int64_t nvals,
+                                          const double *state) {
   kqsvd_status_t st = KQSVD_OK;
   char tmp[PATH_MAX + 8], fp[32], sum[32];
   hid_t file = -1, space = -1, ds = -1;
-  KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "checkpoint path too long: %.64s...",
-              path);
+  KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "checkpoint path too long: %.64s...", path);
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
   checksum(fp, pos, nvals, state, sum);
@@ -70,8 +69,8 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
   KQSVD_CALL(kqsvd_h5_put_str(file, "checksum", sum));
   const hsize_t n = (hsize_t)nvals;
   KQSVD_H5_ID(space, H5Screate_simple(1, &n, NULL));
-  KQSVD_H5_ID(ds, H5Dcreate2(file, "state", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                             H5P_DEFAULT));
+  KQSVD_H5_ID(
+      ds, H5Dcreate2(file, "state", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
   KQSVD_H5(H5Dwrite(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, state));
   kqsvd_h5_close(&ds);
   if (H5Fclose(file) < 0) {
@@ -135,23 +134,22 @@ static kqsvd_status_t load_here(void *ctx) {
   snprintf(fp, sizeof fp, "%016" PRIx64, a->fingerprint);
   KQSVD_CALL(kqsvd_h5_open_read(path, MPI_COMM_NULL, &file));
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "kqsvd_format", fmt, sizeof fmt));
-  KQSVD_CHECK(strcmp(fmt, "checkpoint") == 0, KQSVD_ERR_INPUT, "%s: not a kqsvd checkpoint",
-              path);
+  KQSVD_CHECK(strcmp(fmt, "checkpoint") == 0, KQSVD_ERR_INPUT, "%s: not a kqsvd checkpoint", path);
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "fingerprint", have, sizeof have));
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "about", about, sizeof about));
   KQSVD_CHECK(strcmp(have, fp) == 0, KQSVD_ERR_INPUT,
               "%s was written for other inputs or options (%s); %s", path, about, a->hint);
   KQSVD_CHECK(H5Aexists(file, "checksum") > 0, KQSVD_ERR_INPUT,
               "%s has no checksum (written by an older kqsvd, or damaged); remove it to start "
-              "over", path);
+              "over",
+              path);
   KQSVD_CALL(kqsvd_h5_attr_str(file, path, "checksum", stored, sizeof stored));
   KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_segment", &a->pos->segment));
   KQSVD_CALL(kqsvd_h5_attr_int(file, path, "next_item", &a->pos->item));
   hsize_t n = 0;
   KQSVD_CALL(kqsvd_h5_dataset(file, path, "state", 1, &n, &ds));
-  KQSVD_CHECK((int64_t)n == a->nvals, KQSVD_ERR_INPUT,
-              "%s: state holds %llu values, expected %lld", path, (unsigned long long)n,
-              (long long)a->nvals);
+  KQSVD_CHECK((int64_t)n == a->nvals, KQSVD_ERR_INPUT, "%s: state holds %llu values, expected %lld",
+              path, (unsigned long long)n, (long long)a->nvals);
   if (a->headers_only) goto done;
   KQSVD_H5(H5Dread(ds, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, a->state));
   /* Resuming from damaged factors would end in a wrong proj.h5 that
@@ -159,11 +157,13 @@ static kqsvd_status_t load_here(void *ctx) {
   checksum(fp, *a->pos, a->nvals, a->state, sum);
   KQSVD_CHECK(strcmp(sum, stored) == 0, KQSVD_ERR_INPUT,
               "%s: checksum mismatch (stored %s, contents give %s): the checkpoint is damaged; "
-              "remove it to start over", path, stored, sum);
+              "remove it to start over",
+              path, stored, sum);
   for (int64_t k = 0; k < a->nvals; k++)
     KQSVD_CHECK(isfinite(a->state[k]), KQSVD_ERR_INPUT,
                 "%s: dataset 'state' holds NaN or Inf at %lld: the checkpoint is damaged; "
-                "remove it to start over", path, (long long)k);
+                "remove it to start over",
+                path, (long long)k);
 done:
   if (st != KQSVD_OK) kqsvd_error_context(path);
   kqsvd_h5_close(&ds);
@@ -176,7 +176,12 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
                                      int *found) {
   kqsvd_status_t st = KQSVD_OK;
   char path[PATH_MAX];
-  load_t a = {path, fingerprint, nvals, state, pos, 1,
+  load_t a = {path,
+              fingerprint,
+              nvals,
+              state,
+              pos,
+              1,
               "remove the folder or use another --checkpoint folder"};
   *found = 0;
   ckpt_path(path, sizeof path, dir, rank, nranks);
@@ -193,7 +198,12 @@ done:
 kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
                                           double *state, kqsvd_checkpoint_pos_t *pos, int isolate) {
   kqsvd_status_t st = KQSVD_OK;
-  load_t a = {path, fingerprint, nvals, state, pos, 1,
+  load_t a = {path,
+              fingerprint,
+              nvals,
+              state,
+              pos,
+              1,
               "load it into an accumulator of the shape and options that saved it"};
   KQSVD_CHECK(access(path, F_OK) == 0, KQSVD_ERR_INPUT, "%s: no such file", path);
   if (isolate) KQSVD_CALL(kqsvd_h5_isolate(path, load_here, &a));

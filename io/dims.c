@@ -2,8 +2,8 @@
 
 #include "kqsvd_h5.h"
 
-kqsvd_status_t kqsvd_h5_read_dims(hid_t file, const char *path, const char *format,
-                                  int want_causal, kqsvd_dims_t *d) {
+kqsvd_status_t kqsvd_h5_read_dims(hid_t file, const char *path, const char *format, int want_causal,
+                                  kqsvd_dims_t *d) {
   kqsvd_status_t st = KQSVD_OK;
   char fmt[64] = "";
   int64_t version = 0;
@@ -19,8 +19,11 @@ kqsvd_status_t kqsvd_h5_read_dims(hid_t file, const char *path, const char *form
   struct {
     const char *name;
     int64_t *v;
-  } f[] = {{"num_layers", &d->layers},   {"num_heads", &d->heads}, {"num_kv_heads", &d->kv_heads},
-           {"head_dim", &d->head_dim},   {"hidden_size", &d->hidden}};
+  } f[] = {{"num_layers", &d->layers},
+           {"num_heads", &d->heads},
+           {"num_kv_heads", &d->kv_heads},
+           {"head_dim", &d->head_dim},
+           {"hidden_size", &d->hidden}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
     KQSVD_CALL(kqsvd_h5_attr_int(file, path, f[i].name, f[i].v));
     KQSVD_CHECK(*f[i].v >= 1, KQSVD_ERR_INPUT, "%s: attribute '%s' is %lld, must be >= 1", path,
@@ -54,15 +57,15 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_dims_match(const kqsvd_dims_t *a, const char *path_a,
-                                const kqsvd_dims_t *b, const char *path_b) {
+kqsvd_status_t kqsvd_dims_match(const kqsvd_dims_t *a, const char *path_a, const kqsvd_dims_t *b,
+                                const char *path_b) {
   kqsvd_status_t st = KQSVD_OK;
   struct {
     const char *name;
     int64_t va, vb;
-  } f[] = {{"num_layers", a->layers, b->layers},     {"num_heads", a->heads, b->heads},
+  } f[] = {{"num_layers", a->layers, b->layers},       {"num_heads", a->heads, b->heads},
            {"num_kv_heads", a->kv_heads, b->kv_heads}, {"head_dim", a->head_dim, b->head_dim},
-           {"hidden_size", a->hidden, b->hidden},    {"causal", a->causal, b->causal}};
+           {"hidden_size", a->hidden, b->hidden},      {"causal", a->causal, b->causal}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
     KQSVD_CHECK(f[i].va == f[i].vb, KQSVD_ERR_INPUT, "%s: %s = %lld, but %s has %lld", path_a,
                 f[i].name, (long long)f[i].va, path_b, (long long)f[i].vb);

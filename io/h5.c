@@ -23,8 +23,8 @@ kqsvd_status_t kqsvd_h5_fail_(const char *call, const char *file, int line, cons
   H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, walk_cb, &m);
   H5Eclear2(H5E_DEFAULT);
   if (strcmp(m.top, m.inner) != 0 && m.inner[0])
-    return kqsvd_error_set(KQSVD_ERR_HDF5, file, line, func, "HDF5: %s (%s) in %s", m.top,
-                           m.inner, call);
+    return kqsvd_error_set(KQSVD_ERR_HDF5, file, line, func, "HDF5: %s (%s) in %s", m.top, m.inner,
+                           call);
   return kqsvd_error_set(KQSVD_ERR_HDF5, file, line, func, "HDF5: %s in %s",
                          m.top[0] ? m.top : "failure", call);
 }
@@ -257,8 +257,8 @@ kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, 
               path, name);
   KQSVD_H5_ID(space, H5Dget_space(*dset));
   const int nd = H5Sget_simple_extent_ndims(space);
-  KQSVD_CHECK(nd == ndims, KQSVD_ERR_INPUT, "%s: dataset '%s' has %d dimensions, expected %d",
-              path, name, nd, ndims);
+  KQSVD_CHECK(nd == ndims, KQSVD_ERR_INPUT, "%s: dataset '%s' has %d dimensions, expected %d", path,
+              name, nd, ndims);
   KQSVD_H5(H5Sget_simple_extent_dims(space, dims, NULL));
   KQSVD_CALL(check_written(*dset, dcpl, space, ndims, dims, path, name));
 done:
@@ -291,8 +291,8 @@ kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name
     KQSVD_H5(H5Tget_fields(type, &spos, &epos, &esize, &mpos, &msize));
     KQSVD_CHECK(spos == 15 && epos == 10 && esize == 5 && mpos == 0 && msize == 10 &&
                     H5Tget_ebias(type) == 15,
-                KQSVD_ERR_INPUT, "%s: dataset '%s' is a 16-bit float that is not IEEE half",
-                path, name);
+                KQSVD_ERR_INPUT, "%s: dataset '%s' is a 16-bit float that is not IEEE half", path,
+                name);
     *t = KQSVD_F16;
   } else if (cls == H5T_FLOAT && (size == 4 || size == 8)) {
     *t = size == 4 ? KQSVD_F32 : KQSVD_F64;
@@ -302,8 +302,8 @@ kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name
                 "dtype = \"bfloat16\"",
                 path, name);
     KQSVD_CHECK(strcmp(tag, "bfloat16") == 0, KQSVD_ERR_INPUT,
-                "%s: dataset '%s' has dtype = \"%s\" (only \"bfloat16\" is supported)", path,
-                name, tag);
+                "%s: dataset '%s' has dtype = \"%s\" (only \"bfloat16\" is supported)", path, name,
+                tag);
     *t = KQSVD_BF16;
   } else {
     KQSVD_FAIL(KQSVD_ERR_INPUT,

@@ -91,8 +91,8 @@ kqsvd_status_t kqsvd_h5_isolate(const char *path, kqsvd_status_t (*fn)(void *), 
                path, child_seconds());
   if (WIFSIGNALED(status))
     KQSVD_FAIL(KQSVD_ERR_INPUT,
-               "%s: the HDF5 library crashed (%s) reading its headers: the file is damaged",
-               path, strsignal(WTERMSIG(status)));
+               "%s: the HDF5 library crashed (%s) reading its headers: the file is damaged", path,
+               strsignal(WTERMSIG(status)));
   KQSVD_CHECK(got == sizeof v && WIFEXITED(status) && WEXITSTATUS(status) == 0, KQSVD_ERR_INPUT,
               "%s: reading its headers failed inside the HDF5 library (exit status %d): the "
               "file is damaged",

@@ -9,7 +9,6 @@
 #include "kqsvd_error.h"
 #include "kqsvd_h5.h"
 
-
 typedef struct kqsvd_shard kqsvd_shard_t;
 
 /* Opens a cache shard and validates all of it but the numbers themselves:
@@ -29,8 +28,8 @@ void kqsvd_shard_close(kqsvd_shard_t **sh);
 
 const kqsvd_dims_t *kqsvd_shard_dims(const kqsvd_shard_t *sh);
 const char *kqsvd_shard_path(const kqsvd_shard_t *sh);
-int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh);    /* T */
-int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh); /* S */
+int64_t kqsvd_shard_tokens(const kqsvd_shard_t *sh);          /* T */
+int64_t kqsvd_shard_sequences(const kqsvd_shard_t *sh);       /* S */
 const int64_t *kqsvd_shard_seq_lens(const kqsvd_shard_t *sh); /* [S] */
 kqsvd_dtype_t kqsvd_shard_dtype(const kqsvd_shard_t *sh, kqsvd_tensor_t t);
 /* The extension attribute `rope` (docs/formats.md 5.6), checked by the
@@ -41,9 +40,8 @@ const char *kqsvd_shard_rope(const kqsvd_shard_t *sh);
 /* Not collective (independent I/O).  Reads the raw elements
  * tensor[layer][head0 .. head0+nheads)[row0 .. row0+nrows)[:] into buf
  * (nheads x nrows x d elements of kqsvd_shard_dtype).  Errors: _HDF5. */
-kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t layer,
-                                int64_t head0, int64_t nheads, int64_t row0, int64_t nrows,
-                                void *buf);
+kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t layer, int64_t head0,
+                                int64_t nheads, int64_t row0, int64_t nrows, void *buf);
 
 typedef struct kqsvd_model kqsvd_model_t;
 
@@ -58,7 +56,7 @@ const char *kqsvd_model_rope(const kqsvd_model_t *m); /* as kqsvd_shard_rope */
 
 /* Not collective.  Reads the raw block o_proj[layer][row0 .. row0+nrows,
  * col0 .. col0+ncols) into buf (nrows x ncols, row-major).  Errors: _HDF5. */
-kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0,
-                                      int64_t nrows, int64_t col0, int64_t ncols, void *buf);
+kqsvd_status_t kqsvd_model_read_oproj(kqsvd_model_t *m, int64_t layer, int64_t row0, int64_t nrows,
+                                      int64_t col0, int64_t ncols, void *buf);
 
 #endif

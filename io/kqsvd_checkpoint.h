@@ -18,8 +18,8 @@ typedef struct kqsvd_checkpoint_pos {
  * description of what it covers and a checksum of the contents.  Errors:
  * KQSVD_ERR_IO, _HDF5. */
 kqsvd_status_t kqsvd_checkpoint_save(const char *dir, int rank, int nranks, uint64_t fingerprint,
-                                     const char *about, kqsvd_checkpoint_pos_t pos,
-                                     int64_t nvals, const double *state);
+                                     const char *about, kqsvd_checkpoint_pos_t pos, int64_t nvals,
+                                     const double *state);
 
 /* Loads this rank's checkpoint if there is one (*found = 0 otherwise),
  * its headers read in a child process first (kqsvd_h5_isolate).  Refuses,
@@ -35,9 +35,9 @@ kqsvd_status_t kqsvd_checkpoint_load(const char *dir, int rank, int nranks, uint
  * when it does not exist, and reads the headers in a child process first
  * only when `isolate` (a library in a threaded host must not fork).  Not
  * collective. */
-kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint,
-                                          const char *about, kqsvd_checkpoint_pos_t pos,
-                                          int64_t nvals, const double *state);
+kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint, const char *about,
+                                          kqsvd_checkpoint_pos_t pos, int64_t nvals,
+                                          const double *state);
 kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
                                           double *state, kqsvd_checkpoint_pos_t *pos, int isolate);
 

@@ -9,25 +9,25 @@
 #include <mpi.h>
 #include <stdint.h>
 
-#include "kqsvd_dims.h"
 #include "kqsvd_convert.h"
+#include "kqsvd_dims.h"
 #include "kqsvd_error.h"
 
 /* HDF5 checker: a negative herr_t/hid_t becomes KQSVD_ERR_HDF5 with the
  * library's own error description. */
 kqsvd_status_t kqsvd_h5_fail_(const char *call, const char *file, int line, const char *func);
-#define KQSVD_H5(call)                                                                 \
-  do {                                                                                 \
-    if ((int64_t)(call) < 0) {                                                         \
-      st = kqsvd_error_trace(kqsvd_h5_fail_(#call, __FILE__, __LINE__, __func__),      \
-                             __FILE__, __LINE__, __func__);                            \
-      goto done;                                                                       \
-    }                                                                                  \
+#define KQSVD_H5(call)                                                                      \
+  do {                                                                                      \
+    if ((int64_t)(call) < 0) {                                                              \
+      st = kqsvd_error_trace(kqsvd_h5_fail_(#call, __FILE__, __LINE__, __func__), __FILE__, \
+                             __LINE__, __func__);                                           \
+      goto done;                                                                            \
+    }                                                                                       \
   } while (0)
-#define KQSVD_H5_ID(var, call)                                                         \
-  do {                                                                                 \
-    (var) = (call);                                                                    \
-    KQSVD_H5(var);                                                                     \
+#define KQSVD_H5_ID(var, call) \
+  do {                         \
+    (var) = (call);            \
+    KQSVD_H5(var);             \
   } while (0)
 
 /* Once per process: stops HDF5 printing its own error stacks. */
@@ -74,8 +74,7 @@ kqsvd_status_t kqsvd_h5_dataset(hid_t file, const char *path, const char *name, 
 /* Classifies a cache or model dataset's elements: IEEE f16/f32/f64, or
  * uint16 with attribute dtype = "bfloat16" (any other type with that tag
  * is refused).  KQSVD_ERR_INPUT otherwise. */
-kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name,
-                                  kqsvd_dtype_t *t);
+kqsvd_status_t kqsvd_h5_elem_type(hid_t dset, const char *path, const char *name, kqsvd_dtype_t *t);
 
 /* In-memory HDF5 type holding `t`'s bits unchanged (so reads do no value
  * conversion), and the matching file type for new datasets.  The caller
@@ -92,14 +91,14 @@ kqsvd_status_t kqsvd_h5_create_dataset(hid_t file, const char *name, kqsvd_dtype
 /* Reads and checks the root attributes: kqsvd_format == `format`, version
  * 1, positive sizes, heads a multiple of kv_heads, causal 0 or 1 (when
  * `want_causal`).  Errors name the file and attribute. */
-kqsvd_status_t kqsvd_h5_read_dims(hid_t file, const char *path, const char *format,
-                                  int want_causal, kqsvd_dims_t *dims);
+kqsvd_status_t kqsvd_h5_read_dims(hid_t file, const char *path, const char *format, int want_causal,
+                                  kqsvd_dims_t *dims);
 /* Writes the same attributes (collective under MPI-IO). */
 kqsvd_status_t kqsvd_h5_write_dims(hid_t file, const char *format, const kqsvd_dims_t *dims,
                                    int with_causal);
 /* Compares two headers, naming the first differing attribute and both
  * files (KQSVD_ERR_INPUT). */
-kqsvd_status_t kqsvd_dims_match(const kqsvd_dims_t *a, const char *path_a,
-                                const kqsvd_dims_t *b, const char *path_b);
+kqsvd_status_t kqsvd_dims_match(const kqsvd_dims_t *a, const char *path_a, const kqsvd_dims_t *b,
+                                const char *path_b);
 
 #endif

@@ -25,20 +25,20 @@
 #define KQSVD_MANIFEST_MAX_NAME 200
 
 typedef struct kqsvd_manifest_entry {
-  int line;                        /* in the manifest, from 1 */
+  int line; /* in the manifest, from 1 */
   /* Absolute and normalised: no "." or ".." components, the folders
    * resolved with realpath; the last component (or, in a glob, everything
    * from the first component with a wildcard) as written. */
   char *name, *model, *output;
-  char *shard_glob, *valid_glob;   /* valid_glob is NULL when not given */
-  char **shards;                   /* the calibration shards, sorted */
+  char *shard_glob, *valid_glob; /* valid_glob is NULL when not given */
+  char **shards;                 /* the calibration shards, sorted */
   int nshards;
-  char **valid;                    /* the validation shards, sorted (none without VALID_GLOB) */
+  char **valid; /* the validation shards, sorted (none without VALID_GLOB) */
   int nvalid;
-  int has_policy;                  /* EPS given */
+  int has_policy; /* EPS given */
   /* An hf: line: model is the model's folder or GGUF file; no shards. */
   int insitu;
-  char *text, *valid_text;         /* valid_text is NULL when not given */
+  char *text, *valid_text; /* valid_text is NULL when not given */
   int64_t seq_len, num_seqs;
   kqsvd_rank_policy_t policy;
 } kqsvd_manifest_entry_t;

@@ -3,8 +3,8 @@
 #ifndef KQSVD_REPORT_H
 #define KQSVD_REPORT_H
 
-#include <stdio.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "kqsvd_error.h"
 #include "kqsvd_eval.h"
@@ -18,8 +18,8 @@ typedef struct kqsvd_report {
   const double *err;              /* [KQSVD_NMETHODS][layers][KQSVD_NMETRICS] */
   /* Extensions (readers of version 1 ignore them). */
   const char *proj, *rank_policy;
-  double beta;      /* of the eigen method */
-  int causal;       /* of the validation caches */
+  double beta; /* of the eigen method */
+  int causal;  /* of the validation caches */
   int64_t calib_tokens;
   int64_t head_groups; /* > 1: a head-groups file (docs/formats.md 5.5); else not listed */
   /* Per-head ranks (docs/formats.md 5.5): rank_k_heads, rank_v_heads

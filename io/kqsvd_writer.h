@@ -23,8 +23,8 @@ kqsvd_status_t kqsvd_model_create(const char *path, const kqsvd_dims_t *dims, kq
 kqsvd_status_t kqsvd_cache_put(kqsvd_writer_t *w, kqsvd_tensor_t t, int64_t layer, int64_t head,
                                int64_t row0, int64_t nrows, const double *rows);
 /* Writes rows row0 .. row0+nrows of o_proj[layer] (each Hq*d wide). */
-kqsvd_status_t kqsvd_model_put_oproj(kqsvd_writer_t *w, int64_t layer, int64_t row0,
-                                     int64_t nrows, const double *rows);
+kqsvd_status_t kqsvd_model_put_oproj(kqsvd_writer_t *w, int64_t layer, int64_t row0, int64_t nrows,
+                                     const double *rows);
 
 /* Closes and renames to the final path; frees *w either way. */
 kqsvd_status_t kqsvd_writer_commit(kqsvd_writer_t **w);

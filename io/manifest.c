@@ -18,11 +18,14 @@
  * manifest would otherwise print one line per line of it. */
 enum { MAX_REPORTED = 1000 };
 
-static const char *const ROLE_NAME[] = {
-    [ROLE_OUTPUT] = "already the output",  [ROLE_MODEL] = "the MODEL_H5",
-    [ROLE_SHARD] = "a SHARD_GLOB file",    [ROLE_VALID] = "a VALID_GLOB file",
-    [ROLE_MANIFEST] = "the manifest itself", [ROLE_HF_MODEL] = "the MODEL",
-    [ROLE_TEXT] = "the TEXT",              [ROLE_VALID_TEXT] = "the VALID_TEXT"};
+static const char *const ROLE_NAME[] = {[ROLE_OUTPUT] = "already the output",
+                                        [ROLE_MODEL] = "the MODEL_H5",
+                                        [ROLE_SHARD] = "a SHARD_GLOB file",
+                                        [ROLE_VALID] = "a VALID_GLOB file",
+                                        [ROLE_MANIFEST] = "the manifest itself",
+                                        [ROLE_HF_MODEL] = "the MODEL",
+                                        [ROLE_TEXT] = "the TEXT",
+                                        [ROLE_VALID_TEXT] = "the VALID_TEXT"};
 
 kqsvd_status_t manifest_note(manifest_reader_t *r, int line, const char *fmt, ...) {
   kqsvd_status_t st = KQSVD_OK;
@@ -83,7 +86,8 @@ static kqsvd_status_t duplicates(manifest_reader_t *r, int outputs) {
     r->flag[e] = 1;
     if (outputs)
       st = manifest_note(r, line, "OUTPUT_H5 %s is already the output of line %d", k[i].key, other);
-    else st = manifest_note(r, line, "NAME '%s' is already used on line %d", k[i].key, other);
+    else
+      st = manifest_note(r, line, "NAME '%s' is already used on line %d", k[i].key, other);
     if (st != KQSVD_ERR_INPUT) KQSVD_CALL(st);
     st = KQSVD_OK;
   }
@@ -119,8 +123,10 @@ static kqsvd_status_t outputs_vs_inputs(manifest_reader_t *r) {
         if (x == o || (in->role == ROLE_OUTPUT && in->entry > out->entry)) continue;
         const kqsvd_manifest_entry_t *e = &m->e[out->entry];
         char who[32] = "";
-        if (in->entry == out->entry) snprintf(who, sizeof who, " of this line");
-        else if (in->entry >= 0) snprintf(who, sizeof who, " of line %d", m->e[in->entry].line);
+        if (in->entry == out->entry)
+          snprintf(who, sizeof who, " of this line");
+        else if (in->entry >= 0)
+          snprintf(who, sizeof who, " of line %d", m->e[in->entry].line);
         r->flag[out->entry] = 1;
         st = manifest_note(r, e->line, "OUTPUT_H5 %s is %s%s", e->output, ROLE_NAME[in->role], who);
         if (st != KQSVD_ERR_INPUT) KQSVD_CALL(st);
@@ -156,8 +162,8 @@ static kqsvd_status_t fail_with_all(manifest_reader_t *r, FILE *report) {
   for (int i = 0, w = 0; i < r->nbad; i++)
     w += sprintf(all + w, "%s%s%s", i ? "\n" : "", r->bad[i].why, i == r->nbad - 1 ? more : "");
   const int head = snprintf(NULL, 0, "%s: %d bad lines:\n", path, total);
-  st = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__, "%s: %d bad lines:\n%s",
-                       path, total, all);
+  st = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__, "%s: %d bad lines:\n%s", path,
+                       total, all);
   if (strlen(kqsvd_error_message()) == (size_t)head + strlen(all)) goto done;
   kqsvd_error_clear();
   if (report) {
@@ -165,8 +171,10 @@ static kqsvd_status_t fail_with_all(manifest_reader_t *r, FILE *report) {
     fflush(report);
     KQSVD_FAIL(KQSVD_ERR_INPUT, "%s: %d bad lines (listed above)", path, total);
   }
-  KQSVD_FAIL(KQSVD_ERR_INPUT, "%s: %d bad lines, the first:\n%s\n... `kqsvd manifest %s` lists "
-             "them all", path, total, r->bad[0].why, path);
+  KQSVD_FAIL(KQSVD_ERR_INPUT,
+             "%s: %d bad lines, the first:\n%s\n... `kqsvd manifest %s` lists "
+             "them all",
+             path, total, r->bad[0].why, path);
 done:
   free(all);
   return st;
@@ -228,8 +236,10 @@ kqsvd_status_t kqsvd_manifest_read_report(const char *path, FILE *report, kqsvd_
   KQSVD_CALL(open_manifest(path, &f, &sb));
   KQSVD_CHECK(realpath(path, real), KQSVD_ERR_INPUT, "manifest %s: %s", path, strerror(errno));
   char *slash = strrchr(real, '/');
-  if (slash == real) slash[1] = '\0';
-  else *slash = '\0';
+  if (slash == real)
+    slash[1] = '\0';
+  else
+    *slash = '\0';
   snprintf(r.dir, sizeof r.dir, "%s", real);
   KQSVD_CALL(manifest_add_ident(&r, &sb, -1, ROLE_MANIFEST));
   KQSVD_MALLOC(buf, KQSVD_MANIFEST_MAX_LINE + 1, "a manifest line");
@@ -238,9 +248,10 @@ kqsvd_status_t kqsvd_manifest_read_report(const char *path, FILE *report, kqsvd_
     KQSVD_CHECK(total <= KQSVD_MANIFEST_MAX_BYTES, KQSVD_ERR_INPUT,
                 "manifest %s: more than the %d bytes a manifest may hold", path,
                 KQSVD_MANIFEST_MAX_BYTES);
-    if (len > KQSVD_MANIFEST_MAX_LINE) st = manifest_note(&r, no, "line longer than %d bytes",
-                                                 KQSVD_MANIFEST_MAX_LINE);
-    else st = manifest_parse_line(&r, no, buf, (size_t)len);
+    if (len > KQSVD_MANIFEST_MAX_LINE)
+      st = manifest_note(&r, no, "line longer than %d bytes", KQSVD_MANIFEST_MAX_LINE);
+    else
+      st = manifest_parse_line(&r, no, buf, (size_t)len);
     /* A bad line's reason is in r; the error record only traced its way
      * up.  The next lines are still checked. */
     if (st != KQSVD_ERR_INPUT) KQSVD_CALL(st);

@@ -47,8 +47,10 @@ static kqsvd_status_t check_bytes(manifest_reader_t *r, int line, const char *te
     const unsigned char c = (unsigned char)text[k];
     if (c == '\0') BAD(r, line, "NUL byte at column %zu: a manifest is text", k + 1);
     if (manifest_is_ctl(c) && c != '\t' && !(c == '\r' && k + 1 == len))
-      BAD(r, line, "control character 0x%02x at column %zu: fields may not hold control "
-                   "characters", c, k + 1);
+      BAD(r, line,
+          "control character 0x%02x at column %zu: fields may not hold control "
+          "characters",
+          c, k + 1);
   }
 done:
   return st;
@@ -113,8 +115,7 @@ done:
 static kqsvd_status_t cache_line(manifest_reader_t *r, int entry, char **tok, int n) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_manifest_entry_t *e = &r->m->e[entry];
-  if (n < 4 || n > 6)
-    BAD(r, e->line, "%d field%s, expected " CACHE_FIELDS, n, n == 1 ? "" : "s");
+  if (n < 4 || n > 6) BAD(r, e->line, "%d field%s, expected " CACHE_FIELDS, n, n == 1 ? "" : "s");
   KQSVD_CALL(input(r, entry, "MODEL_H5", tok[1], ROLE_MODEL, 0, &e->model));
   KQSVD_CALL(manifest_resolve(r, e->line, "SHARD_GLOB", tok[3], 1, &e->shard_glob));
   KQSVD_CALL(
@@ -136,8 +137,7 @@ static kqsvd_status_t insitu_line(manifest_reader_t *r, int entry, char **tok, i
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_manifest_entry_t *e = &r->m->e[entry];
   e->insitu = 1;
-  if (n < 6 || n > 8)
-    BAD(r, e->line, "%d field%s, expected " INSITU_FIELDS, n, n == 1 ? "" : "s");
+  if (n < 6 || n > 8) BAD(r, e->line, "%d field%s, expected " INSITU_FIELDS, n, n == 1 ? "" : "s");
   if (!tok[1][3]) BAD(r, e->line, "MODEL 'hf:' names no model: hf:FOLDER or hf:FILE.gguf");
   KQSVD_CALL(input(r, entry, "MODEL", tok[1] + 3, ROLE_HF_MODEL, 1, &e->model));
   KQSVD_CALL(input(r, entry, "TEXT", tok[3], ROLE_TEXT, 0, &e->text));
@@ -186,8 +186,10 @@ kqsvd_status_t manifest_parse_line(manifest_reader_t *r, int line, char *text, s
   if (!*base || strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
     BAD(r, line, "OUTPUT_H5 %s names a folder, not a file", tok[2]);
   KQSVD_CALL(manifest_resolve(r, line, "OUTPUT_H5", tok[2], 0, &e->output));
-  if (insitu) KQSVD_CALL(insitu_line(r, entry, tok, n));
-  else KQSVD_CALL(cache_line(r, entry, tok, n));
+  if (insitu)
+    KQSVD_CALL(insitu_line(r, entry, tok, n));
+  else
+    KQSVD_CALL(cache_line(r, entry, tok, n));
   /* Last, so that only a line whose inputs are known has its output
    * compared with them. */
   if (stat(e->output, &sb) == 0) {

@@ -23,10 +23,14 @@ const char *manifest_shown(const char *s, char *buf, size_t cap) {
   size_t w = 0;
   for (; *s && w + 5 < cap; s++) {
     const unsigned char c = (unsigned char)*s;
-    if (c == '\t') w += (size_t)snprintf(buf + w, cap - w, "\\t");
-    else if (c == '\n') w += (size_t)snprintf(buf + w, cap - w, "\\n");
-    else if (manifest_is_ctl(c)) w += (size_t)snprintf(buf + w, cap - w, "\\x%02x", c);
-    else buf[w++] = (char)c;
+    if (c == '\t')
+      w += (size_t)snprintf(buf + w, cap - w, "\\t");
+    else if (c == '\n')
+      w += (size_t)snprintf(buf + w, cap - w, "\\n");
+    else if (manifest_is_ctl(c))
+      w += (size_t)snprintf(buf + w, cap - w, "\\x%02x", c);
+    else
+      buf[w++] = (char)c;
   }
   buf[w] = '\0';
   return buf;
@@ -67,8 +71,10 @@ kqsvd_status_t manifest_resolve(manifest_reader_t *r, int line, const char *fiel
   char *joined = malloc(strlen(r->dir) + strlen(tok) + 2);
   *out = NULL;
   KQSVD_CHECK(joined, KQSVD_ERR_NOMEM, "cannot allocate the manifest");
-  if (tok[0] == '/') strcpy(joined, tok);
-  else sprintf(joined, "%s/%s", r->dir, tok);
+  if (tok[0] == '/')
+    strcpy(joined, tok);
+  else
+    sprintf(joined, "%s/%s", r->dir, tok);
   char *split = strrchr(joined, '/');
   /* Only the field's own wildcards: the manifest's folder is taken as is. */
   char *wild = is_glob ? strpbrk(joined + (tok[0] == '/' ? 0 : strlen(r->dir)), "*?[\\") : NULL;

@@ -49,24 +49,24 @@ typedef struct manifest_reader {
 } manifest_reader_t;
 
 /* Room for element `n` of the growing array `arr` of capacity `cap`. */
-#define GROW(arr, n, cap)                                                      \
-  do {                                                                         \
-    if ((size_t)(n) >= (cap)) {                                                \
-      const size_t c_ = (cap) ? 2 * (cap) : 16;                                \
-      void *g_ = realloc((arr), c_ * sizeof *(arr));                           \
-      KQSVD_CHECK(g_, KQSVD_ERR_NOMEM, "cannot allocate the manifest");        \
-      (arr) = g_;                                                              \
-      (cap) = c_;                                                              \
-    }                                                                          \
+#define GROW(arr, n, cap)                                               \
+  do {                                                                  \
+    if ((size_t)(n) >= (cap)) {                                         \
+      const size_t c_ = (cap) ? 2 * (cap) : 16;                         \
+      void *g_ = realloc((arr), c_ * sizeof *(arr));                    \
+      KQSVD_CHECK(g_, KQSVD_ERR_NOMEM, "cannot allocate the manifest"); \
+      (arr) = g_;                                                       \
+      (cap) = c_;                                                       \
+    }                                                                   \
   } while (0)
 
 /* Records the reason in the reader (the error record holds one message,
  * a manifest may have many bad lines) and returns KQSVD_ERR_INPUT, which
  * the line loop takes as "this line is bad, go on with the next". */
-#define BAD(r, line, ...)                                                      \
-  do {                                                                         \
-    st = manifest_note((r), (line), __VA_ARGS__);                              \
-    goto done;                                                                 \
+#define BAD(r, line, ...)                         \
+  do {                                            \
+    st = manifest_note((r), (line), __VA_ARGS__); \
+    goto done;                                    \
   } while (0)
 
 /* Records "MANIFEST:LINE: reason"; KQSVD_ERR_INPUT, or KQSVD_ERR_NOMEM. */
@@ -83,8 +83,8 @@ const char *manifest_shown(const char *s, char *buf, size_t cap);
  * folders through realpath (in a glob, those before the first wildcard),
  * the rest lexically.  A folder that is missing, or a result holding a
  * control character, is a bad line. */
-kqsvd_status_t manifest_resolve(manifest_reader_t *r, int line, const char *field,
-                                const char *tok, int is_glob, char **out);
+kqsvd_status_t manifest_resolve(manifest_reader_t *r, int line, const char *field, const char *tok,
+                                int is_glob, char **out);
 /* The regular files `pattern` matches, sorted, into *files (malloc'd) and
  * *n, each recorded by identity in `role`; a pattern matching nothing, or
  * reading more than a million folder entries, is a bad line. */

@@ -11,8 +11,17 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-enum { P_KEY_DOWN, P_QUERY_DOWN, P_VALUE_DOWN, P_VALUE_UP, P_SIGMA_K, P_SIGMA_V, P_RANK_K,
-       P_RANK_V, P_N };
+enum {
+  P_KEY_DOWN,
+  P_QUERY_DOWN,
+  P_VALUE_DOWN,
+  P_VALUE_UP,
+  P_SIGMA_K,
+  P_SIGMA_V,
+  P_RANK_K,
+  P_RANK_V,
+  P_N
+};
 static const char *const g_pnames[P_N] = {"key_down", "query_down", "value_down", "value_up",
                                           "sigma_k",  "sigma_v",    "rank_k",     "rank_v"};
 enum { S_K, S_Q, S_V, S_KQT, S_VWO, S_N };
@@ -108,8 +117,8 @@ done:
 int64_t kqsvd_proj_size_estimate(const kqsvd_dims_t *dm) {
   const int64_t items = dm->layers * dm->kv_heads, d = dm->head_dim;
   /* Per method 4 matrices, 2 spectra and 2 rank vectors; 5 spectra. */
-  const int64_t raw = KQSVD_NMETHODS * (items * (4 * d * d + 2 * d) * 8 + 2 * dm->layers * 4) +
-                      5 * items * d * 8;
+  const int64_t raw =
+      KQSVD_NMETHODS * (items * (4 * d * d + 2 * d) * 8 + 2 * dm->layers * 4) + 5 * items * d * 8;
   /* The metadata of the 32 datasets and their attributes takes ~20 KiB. */
   return raw + 64 * 1024 + raw / 100;
 }
@@ -117,18 +126,17 @@ int64_t kqsvd_proj_size_estimate(const kqsvd_dims_t *dm) {
 kqsvd_status_t kqsvd_proj_reserve(const kqsvd_proj_writer_t *w, const char *final_path) {
   kqsvd_status_t st = KQSVD_OK;
   struct statvfs vfs;
-  const int64_t need = kqsvd_proj_size_estimate(&(kqsvd_dims_t){.layers = w->layers,
-                                                                .kv_heads = w->kv_heads,
-                                                                .head_dim = w->d});
+  const int64_t need = kqsvd_proj_size_estimate(
+      &(kqsvd_dims_t){.layers = w->layers, .kv_heads = w->kv_heads, .head_dim = w->d});
   const int fd = open(w->path, O_WRONLY);
   KQSVD_CHECK(fd >= 0, KQSVD_ERR_IO, "%s: cannot open %s to reserve its space: %s", final_path,
               w->path, strerror(errno));
   const int rc = posix_fallocate(fd, 0, (off_t)need);
   close(fd);
   if (rc != 0) {
-    const double free_mib =
-        statvfs(w->path, &vfs) == 0 ? (double)vfs.f_bavail * (double)vfs.f_frsize / 1048576.0
-                                    : -1.0;
+    const double free_mib = statvfs(w->path, &vfs) == 0
+                                ? (double)vfs.f_bavail * (double)vfs.f_frsize / 1048576.0
+                                : -1.0;
     KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot reserve the %.1f MiB it needs (%s; %.1f MiB free)",
                final_path, (double)need / 1048576.0, strerror(rc), free_mib);
   }
@@ -245,8 +253,8 @@ static kqsvd_status_t check_dataset(kqsvd_proj_reader_t *r, const char *group, c
   hsize_t got[4] = {0, 0, 0, 0};
   char full[96];
   const kqsvd_dims_t *dm = &r->dims;
-  const hsize_t want[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads,
-                           (hsize_t)dm->head_dim, (hsize_t)dm->head_dim};
+  const hsize_t want[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
+                           (hsize_t)dm->head_dim};
   snprintf(full, sizeof full, "%s/%s", group, name);
   KQSVD_CALL(kqsvd_h5_dataset(r->file, r->path, full, nd, got, &ds));
   for (int k = 0; k < nd; k++)
@@ -254,8 +262,8 @@ static kqsvd_status_t check_dataset(kqsvd_proj_reader_t *r, const char *group, c
                 "%s: dataset '%s' has extent %llu in dimension %d, expected %llu", r->path, full,
                 (unsigned long long)got[k], k, (unsigned long long)want[k]);
   KQSVD_H5_ID(type, H5Dget_type(ds));
-  KQSVD_CHECK(H5Tget_class(type) == cls, KQSVD_ERR_INPUT, "%s: dataset '%s' must hold %s",
-              r->path, full, cls == H5T_FLOAT ? "floating-point numbers" : "integers");
+  KQSVD_CHECK(H5Tget_class(type) == cls, KQSVD_ERR_INPUT, "%s: dataset '%s' must hold %s", r->path,
+              full, cls == H5T_FLOAT ? "floating-point numbers" : "integers");
 done:
   kqsvd_h5_close(&type);
   kqsvd_h5_close(&ds);
@@ -324,8 +332,8 @@ static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out
   if (H5Aexists(r->file, "head_groups") > 0) {
     KQSVD_CALL(kqsvd_h5_attr_int(r->file, path, "head_groups", &r->head_groups));
     KQSVD_CHECK(r->head_groups >= 1 && r->dims.head_dim % r->head_groups == 0, KQSVD_ERR_INPUT,
-                "%s: attribute 'head_groups' = %lld must be >= 1 and divide head_dim = %lld",
-                path, (long long)r->head_groups, (long long)r->dims.head_dim);
+                "%s: attribute 'head_groups' = %lld must be >= 1 and divide head_dim = %lld", path,
+                (long long)r->head_groups, (long long)r->dims.head_dim);
   }
   const char *groups[KQSVD_NMETHODS + 1] = {"kqsvd", "ksvd", "eigen", "spectra"};
   for (int g = 0; g <= KQSVD_NMETHODS; g++)
@@ -334,7 +342,9 @@ static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out
   for (int m = 0; m < KQSVD_NMETHODS; m++)
     for (int i = 0; i < P_N; i++)
       KQSVD_CALL(check_dataset(r, groups[m], g_pnames[i],
-                               i <= P_VALUE_UP ? 4 : i <= P_SIGMA_V ? 3 : 1,
+                               i <= P_VALUE_UP  ? 4
+                               : i <= P_SIGMA_V ? 3
+                                                : 1,
                                i >= P_RANK_K ? H5T_INTEGER : H5T_FLOAT));
   for (int m = 0; m < KQSVD_NMETHODS; m++)
     KQSVD_CALL(check_head_ranks(r, groups[m], &r->head_ranks[m]));
@@ -423,8 +433,8 @@ kqsvd_status_t kqsvd_proj_read_ranks(kqsvd_proj_reader_t *r, kqsvd_method_t m, i
     kqsvd_h5_close(&ds);
     for (int64_t l = 0; l < r->dims.layers; l++)
       KQSVD_CHECK(v[l] >= 1 && v[l] <= r->dims.head_dim, KQSVD_ERR_INPUT,
-                  "%s: dataset '%s': layer %lld has rank %d, outside [1, head_dim = %lld]",
-                  r->path, full, (long long)l, v[l], (long long)r->dims.head_dim);
+                  "%s: dataset '%s': layer %lld has rank %d, outside [1, head_dim = %lld]", r->path,
+                  full, (long long)l, v[l], (long long)r->dims.head_dim);
   }
 done:
   if (st != KQSVD_OK) kqsvd_error_context(r->path);

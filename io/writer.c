@@ -1,5 +1,5 @@
-#include "kqsvd_writer.h"
 #include "kqsvd_signal.h"
+#include "kqsvd_writer.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -64,8 +64,7 @@ kqsvd_status_t kqsvd_cache_create(const char *path, const kqsvd_dims_t *dims, kq
   const hsize_t ns = (hsize_t)nseq;
   hid_t space = H5Screate_simple(1, &ns, NULL);
   KQSVD_H5(space);
-  ds = H5Dcreate2(w->file, "seq_lens", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT,
-                  H5P_DEFAULT);
+  ds = H5Dcreate2(w->file, "seq_lens", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
   kqsvd_h5_close(&space);
   KQSVD_H5(ds);
   if (nseq) KQSVD_H5(H5Dwrite(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, seq_lens));
@@ -135,8 +134,8 @@ kqsvd_status_t kqsvd_cache_put(kqsvd_writer_t *w, kqsvd_tensor_t t, int64_t laye
   return put(w, w->dset[t], 4, start, count, rows);
 }
 
-kqsvd_status_t kqsvd_model_put_oproj(kqsvd_writer_t *w, int64_t layer, int64_t row0,
-                                     int64_t nrows, const double *rows) {
+kqsvd_status_t kqsvd_model_put_oproj(kqsvd_writer_t *w, int64_t layer, int64_t row0, int64_t nrows,
+                                     const double *rows) {
   const hsize_t start[3] = {(hsize_t)layer, (hsize_t)row0, 0};
   const hsize_t count[3] = {1, (hsize_t)nrows, (hsize_t)w->width};
   return put(w, w->dset[0], 3, start, count, rows);

@@ -66,8 +66,7 @@ kqsvd_status_t kqsvd_tsqr_reduce_root(MPI_Comm comm, int d, int per_item, int64_
 /* Collective.  Like kqsvd_tsqr_reduce, but items of `item_doubles` doubles
  * are summed (Gram matrices of `calibrate --qr gram`).  Errors: _MPI;
  * _USAGE when one item or chunk exceeds MPI's int count. */
-kqsvd_status_t kqsvd_sum_reduce(MPI_Comm comm, size_t item_doubles, int64_t nitems,
-                                double *packed);
+kqsvd_status_t kqsvd_sum_reduce(MPI_Comm comm, size_t item_doubles, int64_t nitems, double *packed);
 
 /* ScaLAPACK pdgeqrf on a P x 1 row-block grid (`calibrate --qr scalapack`):
  * the classic distributed Householder QR that TSQR is compared with.  Each
@@ -122,8 +121,7 @@ kqsvd_status_t kqsvd_monitor_raise(kqsvd_monitor_t *mon);
 
 /* Collective.  Drains all messages in flight, shows the final progress and
  * agrees on the outcome like kqsvd_mpi_agree. */
-kqsvd_status_t kqsvd_monitor_finish(kqsvd_monitor_t *mon, int64_t local_done,
-                                    kqsvd_status_t local);
+kqsvd_status_t kqsvd_monitor_finish(kqsvd_monitor_t *mon, int64_t local_done, kqsvd_status_t local);
 
 /* Not collective; call after finish. */
 void kqsvd_monitor_free(kqsvd_monitor_t **mon);

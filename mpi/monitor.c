@@ -19,11 +19,11 @@ struct kqsvd_monitor {
   kqsvd_progress_fn fn;
   void *ctx;
   double interval, last_show, last_send;
-  int64_t *counts;      /* rank 0: latest report of each rank */
-  int64_t send_value;   /* buffer of the progress message in flight */
+  int64_t *counts;    /* rank 0: latest report of each rank */
+  int64_t send_value; /* buffer of the progress message in flight */
   MPI_Request send_req;
   int raised, stop;
-  int *cancel_seen;     /* cancel already received from rank q */
+  int *cancel_seen; /* cancel already received from rank q */
   MPI_Request *cancel_reqs;
   int64_t cancel_token; /* sent as MPI_INT64_T */
 };
@@ -97,7 +97,8 @@ kqsvd_status_t kqsvd_monitor_update(kqsvd_monitor_t *m, int64_t local_done, int 
     }
   if (m->rank != 0 && now - m->last_send >= SEND_INTERVAL) {
     int idle = 1;
-    if (m->send_req != MPI_REQUEST_NULL) KQSVD_MPI(MPI_Test(&m->send_req, &idle, MPI_STATUS_IGNORE));
+    if (m->send_req != MPI_REQUEST_NULL)
+      KQSVD_MPI(MPI_Test(&m->send_req, &idle, MPI_STATUS_IGNORE));
     if (idle) {
       m->send_value = local_done;
       KQSVD_MPI(MPI_Isend(&m->send_value, 1, MPI_INT64_T, 0, TAG_PROGRESS, m->comm, &m->send_req));
@@ -119,8 +120,8 @@ kqsvd_status_t kqsvd_monitor_raise(kqsvd_monitor_t *m) {
   m->raised = 1;
   for (int q = 0; q < m->size; q++)
     if (q != m->rank)
-      KQSVD_MPI(MPI_Isend(&m->cancel_token, 1, MPI_INT64_T, q, TAG_CANCEL, m->comm,
-                          &m->cancel_reqs[q]));
+      KQSVD_MPI(
+          MPI_Isend(&m->cancel_token, 1, MPI_INT64_T, q, TAG_CANCEL, m->comm, &m->cancel_reqs[q]));
 done:
   return st;
 }

@@ -15,8 +15,10 @@ static int64_t nearest_boundary(const int64_t *cum, int64_t nshards, int64_t tar
   int64_t lo = 0, hi = nshards; /* cum[0] = 0, cum[nshards] = total */
   while (hi - lo > 1) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (cum[mid] <= target) lo = mid;
-    else hi = mid;
+    if (cum[mid] <= target)
+      lo = mid;
+    else
+      hi = mid;
   }
   return target - cum[lo] <= cum[hi] - target ? cum[lo] : cum[hi];
 }

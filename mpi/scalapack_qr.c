@@ -17,8 +17,8 @@ void Cblacs_gridinit(int *ctxt, const char *order, int nprow, int npcol);
 void Cblacs_gridexit(int ctxt);
 void descinit_(int *desc, const int *m, const int *n, const int *mb, const int *nb,
                const int *irsrc, const int *icsrc, const int *ctxt, const int *lld, int *info);
-void pdgeqrf_(const int *m, const int *n, double *a, const int *ia, const int *ja,
-              const int *desca, double *tau, double *work, const int *lwork, int *info);
+void pdgeqrf_(const int *m, const int *n, double *a, const int *ia, const int *ja, const int *desca,
+              double *tau, double *work, const int *lwork, int *info);
 #endif
 
 /* Column block of the descriptor, the width of pdgeqrf's panels.  At d =
@@ -50,7 +50,8 @@ static kqsvd_status_t to_int(int64_t v, int *out) {
   kqsvd_status_t st = KQSVD_OK;
   KQSVD_CHECK(v >= 0 && v <= INT_MAX, KQSVD_ERR_USAGE,
               "--qr scalapack: %lld rows exceed ScaLAPACK's 32-bit indices; use --qr tsqr or "
-              "more ranks", (long long)v);
+              "more ranks",
+              (long long)v);
   *out = (int)v;
 done:
   return st;
@@ -119,7 +120,7 @@ kqsvd_status_t kqsvd_pqr_init(MPI_Comm comm, int d, int64_t max_local_rows, kqsv
 #else
   (void)comm, (void)d, (void)max_local_rows, (void)to_int;
   KQSVD_FAIL(KQSVD_ERR_USAGE, "--qr scalapack: this kqsvd was built without ScaLAPACK "
-             "(Debian: apt-get install libscalapack-openmpi-dev, then rebuild)");
+                              "(Debian: apt-get install libscalapack-openmpi-dev, then rebuild)");
 #endif
 done:
   /* Every failure above is agreed, so every rank releases the grid. */

@@ -20,8 +20,9 @@ static int contiguous_parts(MPI_Datatype t, MPI_Datatype *inner) {
 
 static void free_if_derived(MPI_Datatype *t) {
   int ni = 0, na = 0, nd = 0, combiner = 0;
-  if (*t != MPI_DATATYPE_NULL && MPI_Type_get_envelope(*t, &ni, &na, &nd, &combiner) ==
-      MPI_SUCCESS && combiner != MPI_COMBINER_NAMED)
+  if (*t != MPI_DATATYPE_NULL &&
+      MPI_Type_get_envelope(*t, &ni, &na, &nd, &combiner) == MPI_SUCCESS &&
+      combiner != MPI_COMBINER_NAMED)
     MPI_Type_free(t);
   *t = MPI_DATATYPE_NULL;
 }

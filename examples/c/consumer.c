@@ -20,12 +20,12 @@ static double uniform(unsigned long long *s) {
   return ((double)(*s >> 11) + 0.5) * 0x1.0p-53 - 0.5;
 }
 
-#define TRY(call)                                                                  \
-  do {                                                                             \
-    if ((call) != KQSVD_OK) {                                                      \
-      fprintf(stderr, "kqsvd_consumer: %s: %s\n", #call, kqsvd_last_error());      \
-      return 1;                                                                    \
-    }                                                                              \
+#define TRY(call)                                                             \
+  do {                                                                        \
+    if ((call) != KQSVD_OK) {                                                 \
+      fprintf(stderr, "kqsvd_consumer: %s: %s\n", #call, kqsvd_last_error()); \
+      return 1;                                                               \
+    }                                                                         \
   } while (0)
 
 int main(int argc, char **argv) {

@@ -61,8 +61,8 @@ typedef struct kqsvd_result kqsvd_result_t;
 typedef enum kqsvd_qr { KQSVD_QR_TSQR = 0, KQSVD_QR_GRAM = 1 } kqsvd_qr_t;
 
 typedef struct kqsvd_acc_options {
-  int64_t block_rows; /* rows per Householder update [256]; results depend on
-                         it by round-off only, and checkpoints record it */
+  int64_t block_rows;   /* rows per Householder update [256]; results depend on
+                           it by round-off only, and checkpoints record it */
   double mem_limit_mib; /* refuse an accumulator whose factors and buffers
                            exceed this many MiB; 0 = no limit [0] */
   kqsvd_qr_t qr;        /* [KQSVD_QR_TSQR] */
@@ -83,7 +83,7 @@ KQSVD_API void kqsvd_acc_options_default(kqsvd_acc_options_t *opt);
  * a size < 1 or a block_rows outside 1..2^20, KQSVD_ERR_NOMEM (also when the
  * memory limit is too small, saying how much is needed). */
 KQSVD_API kqsvd_status_t kqsvd_acc_init(const kqsvd_shape_t *shape, const kqsvd_acc_options_t *opt,
-                              kqsvd_acc_t **acc);
+                                        kqsvd_acc_t **acc);
 /* Frees *acc and sets it to NULL; NULL is a no-op.  Not collective. */
 KQSVD_API void kqsvd_acc_free(kqsvd_acc_t **acc);
 
@@ -105,8 +105,8 @@ KQSVD_API void kqsvd_acc_free(kqsvd_acc_t **acc);
  * Inf, naming the tensor, layer, head and row; the factor is then left as it
  * was before the call. */
 KQSVD_API kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *acc, kqsvd_tensor_t tensor, int64_t layer,
-                                int64_t kv_head, int64_t query, const void *rows,
-                                kqsvd_dtype_t type, int64_t nrows, int64_t row_stride);
+                                          int64_t kv_head, int64_t query, const void *rows,
+                                          kqsvd_dtype_t type, int64_t nrows, int64_t row_stride);
 
 /* Folds rows of layer `layer`'s output projection into the W factors of
  * all its KV groups: o_proj holds `nrows` rows (of the D rows of Hugging
@@ -117,7 +117,8 @@ KQSVD_API kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *acc, kqsvd_tensor_t tenso
  * Not collective.  Errors: as kqsvd_acc_absorb (the layer's W factors are
  * left as they were). */
 KQSVD_API kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *acc, int64_t layer, const void *o_proj,
-                                      kqsvd_dtype_t type, int64_t nrows, int64_t row_stride);
+                                                kqsvd_dtype_t type, int64_t nrows,
+                                                int64_t row_stride);
 
 /* Copies the current R factor of one head's rows into R (d x d, row-major,
  * upper triangular, zeros below): tensor and indices as kqsvd_acc_absorb
@@ -156,8 +157,8 @@ KQSVD_API kqsvd_status_t kqsvd_acc_load(kqsvd_acc_t *acc, const char *path);
 KQSVD_API kqsvd_status_t kqsvd_acc_reduce(kqsvd_acc_t *acc, MPI_Comm comm, int root);
 
 typedef struct kqsvd_finish_options {
-  double beta;        /* key/query unbalance of the eigen method, > 0 [1] */
-  const char *ranks;  /* rank policy: "eps:E", "fixed:R" or "budget:F" ["eps:0.1"] */
+  double beta;       /* key/query unbalance of the eigen method, > 0 [1] */
+  const char *ranks; /* rank policy: "eps:E", "fixed:R" or "budget:F" ["eps:0.1"] */
 } kqsvd_finish_options_t;
 
 KQSVD_API void kqsvd_finish_options_default(kqsvd_finish_options_t *opt);
@@ -172,7 +173,7 @@ KQSVD_API void kqsvd_finish_options_default(kqsvd_finish_options_t *opt);
  * an unknown policy or a rank above head_dim, KQSVD_ERR_LAPACK,
  * KQSVD_ERR_NOMEM. */
 KQSVD_API kqsvd_status_t kqsvd_acc_finish(const kqsvd_acc_t *acc, const kqsvd_finish_options_t *opt,
-                                kqsvd_result_t **res);
+                                          kqsvd_result_t **res);
 
 /* What proj.h5 stores, as in docs/formats.md section 3. */
 typedef enum kqsvd_matrix {
@@ -186,11 +187,11 @@ typedef enum kqsvd_matrix {
  * important first (any rank r is the first r columns); NULL for an index
  * out of range.  Valid until kqsvd_result_free.  Not collective. */
 KQSVD_API const double *kqsvd_result_matrix(const kqsvd_result_t *res, kqsvd_method_t method,
-                                  kqsvd_matrix_t which, int64_t layer, int64_t kv_head);
+                                            kqsvd_matrix_t which, int64_t layer, int64_t kv_head);
 /* The d singular values ordering a method's key (values == 0) or value
  * (values == 1) columns; NULL for an index out of range. */
-KQSVD_API const double *kqsvd_result_sigma(const kqsvd_result_t *res, kqsvd_method_t method, int values,
-                                 int64_t layer, int64_t kv_head);
+KQSVD_API const double *kqsvd_result_sigma(const kqsvd_result_t *res, kqsvd_method_t method,
+                                           int values, int64_t layer, int64_t kv_head);
 /* The chosen ranks of a method: [layers] each, or NULL. */
 KQSVD_API const int32_t *kqsvd_result_rank_k(const kqsvd_result_t *res, kqsvd_method_t method);
 KQSVD_API const int32_t *kqsvd_result_rank_v(const kqsvd_result_t *res, kqsvd_method_t method);
@@ -224,7 +225,7 @@ KQSVD_API void kqsvd_write_options_default(kqsvd_write_options_t *opt);
  * KQSVD_ERR_USAGE for an existing file without force, KQSVD_ERR_IO,
  * KQSVD_ERR_HDF5. */
 KQSVD_API kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *res, const char *path,
-                                  const kqsvd_write_options_t *opt);
+                                            const kqsvd_write_options_t *opt);
 KQSVD_API void kqsvd_result_free(kqsvd_result_t **res);
 
 #ifdef __cplusplus

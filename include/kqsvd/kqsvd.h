@@ -9,9 +9,9 @@
 #ifndef KQSVD_PUBLIC_KQSVD_H
 #define KQSVD_PUBLIC_KQSVD_H
 
-#include "kqsvd/version.h"
-#include "kqsvd/types.h"
-#include "kqsvd/error.h"
 #include "kqsvd/accumulator.h"
+#include "kqsvd/error.h"
+#include "kqsvd/types.h"
+#include "kqsvd/version.h"
 
 #endif

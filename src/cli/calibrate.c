@@ -16,75 +16,89 @@ typedef struct calibrate_cmd {
 } calibrate_cmd_t;
 
 static void calibrate_help(void) {
-  printf(
-      "usage: [mpirun -np N] kqsvd calibrate --model MODEL.h5 --out PROJ.h5 [OPTIONS] SHARD...\n"
-      "       [mpirun -np N] kqsvd calibrate --manifest MANIFEST [OPTIONS]\n"
-      "\n"
-      "Streams the cache shards once, folds every (layer, KV head)'s K, stacked Q and V\n"
-      "into float64 R factors (Householder QR per block, TSQR across ranks), and writes\n"
-      "the kqsvd, ksvd and eigen projections with all d columns, spectra and ranks.\n"
-      "\n"
-      "  --model FILE           model file with o_proj (required)\n"
-      "  --manifest FILE        calibrate every model of FILE in turn, on all ranks, instead\n"
-      "                         of --model/--out/SHARD: lines 'NAME MODEL_H5 OUTPUT_H5\n"
-      "                         SHARD_GLOB [EPS [VALID_GLOB]]', '#' comments, paths\n"
-      "                         relative to FILE (docs/formats.md);\n"
-      "                         outputs already made from the same inputs are skipped, and\n"
-      "                         --checkpoint DIR keeps each model's in DIR/NAME\n"
-      "  --skip-done            do nothing when OUT exists and was made from the same\n"
-      "                         files and options (as --manifest does for every model);\n"
-      "                         remake it otherwise\n"
-      "  --out FILE             projections file to write (required); written under a\n"
-      "                         temporary name and renamed when complete; an existing\n"
-      "                         file is refused unless --force or --skip-done\n"
-      "  --force                replace an existing OUT\n"
-      "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
-      "                           eps:E     the paper's rule: per layer, the smallest rank\n"
-      "                                     keeping 1 - E of the head-averaged energy of K\n"
-      "                                     (V for values); the same for every method\n"
-      "                           fixed:R   rank R everywhere\n"
-      "                           budget:F  a fraction F of the full cache, spread over the\n"
-      "                                     layers to minimise each method's tail energy\n"
-      "  --eps E                same as --ranks eps:E\n"
-      "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n");
-  printf(
-      "  --head-groups G        solve each group of G consecutive KV heads as one (G must\n"
-      "                         divide the KV heads): keys side by side against the\n"
-      "                         group's queries, one latent of rank R <= G d shared by\n"
-      "                         the group; memory and time grow as (G d)^2 [1: per head]\n"
-      "  --checkpoint DIR       save progress in DIR; rerunning the same command resumes\n"
-      "  --checkpoint-every S   also checkpoint within a shard every S seconds, 0 = after\n"
-      "                         every (layer, KV head) [60]; finished shards always are\n"
-      "  --mem-limit MIB        memory bound per rank for factors and buffers [1024]\n"
-      "  --qr-block N           rows per Householder update [256]\n"
-      "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
-      "                         [as many as --mem-limit allows, at most 8192 (65536 on\n"
-      "                         a GPU)]\n"
-      "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
-      "  --qr METHOD            how cache rows become R factors [tsqr]:\n"
-      "                           tsqr       streaming Householder QR, merged by a TSQR tree\n"
-      "                           gram       float64 Gram matrix (SYRK) and Cholesky: half the\n"
-      "                                      flops, but singular values below ~1e-8 of the\n"
-      "                                      largest are lost (a benchmark peer)\n"
-      "                           scalapack  ScaLAPACK pdgeqrf on a ranks x 1 grid; holds each\n"
-      "                                      (layer, KV head)'s rows in memory (a benchmark\n"
-      "                                      peer; no --checkpoint)\n"
-      "                         gram and scalapack run on the CPU\n"
-      "  --timings              print the time of each stage (slowest rank), the bytes\n"
-      "                         read per second, the fold's GFLOP/s at 2 d^2 flops per row\n"
-      "                         (QR-equivalent for gram) and the peak RSS per rank\n"
-      "  --device D             where the QR stage runs: cpu, cuda (one GPU per rank: the\n"
-      "                         node-local rank modulo the GPUs) or auto (cuda when this\n"
-      "                         kqsvd has CUDA and sees a GPU) [auto]\n"
-      "  --progress MODE        auto, bar, lines or off [auto]\n"
-      "  -v, --verbose          print a trace with errors\n"
-      "  -h, --help             this text\n");
+  printf("usage: [mpirun -np N] kqsvd calibrate --model MODEL.h5 --out PROJ.h5 [OPTIONS] SHARD...\n"
+         "       [mpirun -np N] kqsvd calibrate --manifest MANIFEST [OPTIONS]\n"
+         "\n"
+         "Streams the cache shards once, folds every (layer, KV head)'s K, stacked Q and V\n"
+         "into float64 R factors (Householder QR per block, TSQR across ranks), and writes\n"
+         "the kqsvd, ksvd and eigen projections with all d columns, spectra and ranks.\n"
+         "\n"
+         "  --model FILE           model file with o_proj (required)\n"
+         "  --manifest FILE        calibrate every model of FILE in turn, on all ranks, instead\n"
+         "                         of --model/--out/SHARD: lines 'NAME MODEL_H5 OUTPUT_H5\n"
+         "                         SHARD_GLOB [EPS [VALID_GLOB]]', '#' comments, paths\n"
+         "                         relative to FILE (docs/formats.md);\n"
+         "                         outputs already made from the same inputs are skipped, and\n"
+         "                         --checkpoint DIR keeps each model's in DIR/NAME\n"
+         "  --skip-done            do nothing when OUT exists and was made from the same\n"
+         "                         files and options (as --manifest does for every model);\n"
+         "                         remake it otherwise\n"
+         "  --out FILE             projections file to write (required); written under a\n"
+         "                         temporary name and renamed when complete; an existing\n"
+         "                         file is refused unless --force or --skip-done\n"
+         "  --force                replace an existing OUT\n"
+         "  --ranks POLICY         how rank_k and rank_v are chosen [eps:0.1]:\n"
+         "                           eps:E     the paper's rule: per layer, the smallest rank\n"
+         "                                     keeping 1 - E of the head-averaged energy of K\n"
+         "                                     (V for values); the same for every method\n"
+         "                           fixed:R   rank R everywhere\n"
+         "                           budget:F  a fraction F of the full cache, spread over the\n"
+         "                                     layers to minimise each method's tail energy\n"
+         "  --eps E                same as --ranks eps:E\n"
+         "  --beta X               key/query unbalance of the eigen method, > 0 [1]\n");
+  printf("  --head-groups G        solve each group of G consecutive KV heads as one (G must\n"
+         "                         divide the KV heads): keys side by side against the\n"
+         "                         group's queries, one latent of rank R <= G d shared by\n"
+         "                         the group; memory and time grow as (G d)^2 [1: per head]\n"
+         "  --checkpoint DIR       save progress in DIR; rerunning the same command resumes\n"
+         "  --checkpoint-every S   also checkpoint within a shard every S seconds, 0 = after\n"
+         "                         every (layer, KV head) [60]; finished shards always are\n"
+         "  --mem-limit MIB        memory bound per rank for factors and buffers [1024]\n"
+         "  --qr-block N           rows per Householder update [256]\n"
+         "  --read-rows N          rows per read, rounded to a multiple of --qr-block\n"
+         "                         [as many as --mem-limit allows, at most 8192 (65536 on\n"
+         "                         a GPU)]\n"
+         "  --threads N            BLAS threads per rank [1]; use MPI ranks for cores\n"
+         "  --qr METHOD            how cache rows become R factors [tsqr]:\n"
+         "                           tsqr       streaming Householder QR, merged by a TSQR tree\n"
+         "                           gram       float64 Gram matrix (SYRK) and Cholesky: half the\n"
+         "                                      flops, but singular values below ~1e-8 of the\n"
+         "                                      largest are lost (a benchmark peer)\n"
+         "                           scalapack  ScaLAPACK pdgeqrf on a ranks x 1 grid; holds each\n"
+         "                                      (layer, KV head)'s rows in memory (a benchmark\n"
+         "                                      peer; no --checkpoint)\n"
+         "                         gram and scalapack run on the CPU\n"
+         "  --timings              print the time of each stage (slowest rank), the bytes\n"
+         "                         read per second, the fold's GFLOP/s at 2 d^2 flops per row\n"
+         "                         (QR-equivalent for gram) and the peak RSS per rank\n"
+         "  --device D             where the QR stage runs: cpu, cuda (one GPU per rank: the\n"
+         "                         node-local rank modulo the GPUs) or auto (cuda when this\n"
+         "                         kqsvd has CUDA and sees a GPU) [auto]\n"
+         "  --progress MODE        auto, bar, lines or off [auto]\n"
+         "  -v, --verbose          print a trace with errors\n"
+         "  -h, --help             this text\n");
 }
 
 static kqsvd_status_t parse(kqsvd_cli_t *cli, calibrate_cmd_t *cmd, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_OUT, O_EPS, O_RANKS, O_BETA, O_CKPT, O_CKPT_EVERY, O_QRB, O_READ,
-         O_MANIFEST, O_SKIP_DONE, O_DEVICE, O_QR, O_TIMINGS, O_FORCE, O_GROUPS };
+  enum {
+    O_MODEL = 256,
+    O_OUT,
+    O_EPS,
+    O_RANKS,
+    O_BETA,
+    O_CKPT,
+    O_CKPT_EVERY,
+    O_QRB,
+    O_READ,
+    O_MANIFEST,
+    O_SKIP_DONE,
+    O_DEVICE,
+    O_QR,
+    O_TIMINGS,
+    O_FORCE,
+    O_GROUPS
+  };
   static const struct option longopts[] = {
       {"model", required_argument, NULL, O_MODEL},
       {"out", required_argument, NULL, O_OUT},

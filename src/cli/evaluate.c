@@ -19,32 +19,31 @@ typedef struct evaluate_cmd {
 } evaluate_cmd_t;
 
 static void evaluate_help(void) {
-  printf(
-      "usage: [mpirun -np N] kqsvd evaluate --model MODEL.h5 --proj PROJ.h5 [OPTIONS] SHARD...\n"
-      "\n"
-      "Measures how well the kqsvd, ksvd and eigen projections of PROJ.h5 reproduce\n"
-      "attention on validation caches: err_k, err_q, err_v, err_kq and err_out, the\n"
-      "relative squared Frobenius errors of K, Q, V, Q K^T and the attention layer's\n"
-      "output, per sequence over all heads of a layer, averaged over sequences.\n"
-      "\n"
-      "  --model FILE        model file with o_proj (required)\n"
-      "  --proj FILE         projections from kqsvd calibrate (required)\n"
-      "  --json FILE         also write the report as JSON (docs/formats.md)\n"
-      "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
-      "                        eps:E     the paper's rule with tolerance E\n"
-      "                        fixed:R   rank R everywhere\n"
-      "                        budget:F  a fraction F of the full cache, spread over layers\n"
-      "                                  by each method's own spectra\n"
-      "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
-      "                      [256, fewer if --mem-limit requires]\n"
-      "  --mem-limit MIB     memory bound per rank [1024]\n"
-      "  --allow-model-mismatch\n"
-      "                      evaluate projections whose 'model' attribute differs from\n"
-      "                      MODEL's (an error otherwise)\n"
-      "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
-      "  --progress MODE     auto, bar, lines or off [auto]\n"
-      "  -v, --verbose       print a trace with errors\n"
-      "  -h, --help          this text\n");
+  printf("usage: [mpirun -np N] kqsvd evaluate --model MODEL.h5 --proj PROJ.h5 [OPTIONS] SHARD...\n"
+         "\n"
+         "Measures how well the kqsvd, ksvd and eigen projections of PROJ.h5 reproduce\n"
+         "attention on validation caches: err_k, err_q, err_v, err_kq and err_out, the\n"
+         "relative squared Frobenius errors of K, Q, V, Q K^T and the attention layer's\n"
+         "output, per sequence over all heads of a layer, averaged over sequences.\n"
+         "\n"
+         "  --model FILE        model file with o_proj (required)\n"
+         "  --proj FILE         projections from kqsvd calibrate (required)\n"
+         "  --json FILE         also write the report as JSON (docs/formats.md)\n"
+         "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
+         "                        eps:E     the paper's rule with tolerance E\n"
+         "                        fixed:R   rank R everywhere\n"
+         "                        budget:F  a fraction F of the full cache, spread over layers\n"
+         "                                  by each method's own spectra\n"
+         "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
+         "                      [256, fewer if --mem-limit requires]\n"
+         "  --mem-limit MIB     memory bound per rank [1024]\n"
+         "  --allow-model-mismatch\n"
+         "                      evaluate projections whose 'model' attribute differs from\n"
+         "                      MODEL's (an error otherwise)\n"
+         "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
+         "  --progress MODE     auto, bar, lines or off [auto]\n"
+         "  -v, --verbose       print a trace with errors\n"
+         "  -h, --help          this text\n");
 }
 
 static kqsvd_status_t parse(kqsvd_cli_t *cli, evaluate_cmd_t *e, int argc, char **argv) {
@@ -120,7 +119,8 @@ static void print_table(const kqsvd_eval_result_t *res) {
          (long long)res->head_dim, r->causal ? ", causal" : "");
   if (r->head_groups > 1)
     printf("head groups of %lld KV heads: one latent of rank_k (rank_v) per group, d = %lld "
-           "wide\n", (long long)r->head_groups, (long long)res->head_dim);
+           "wide\n",
+           (long long)r->head_groups, (long long)res->head_dim);
   int per_head = 0;
   for (int m = 0; m < KQSVD_NMETHODS; m++) per_head |= r->rank_k_heads && r->heads[m];
   if (per_head)
@@ -147,8 +147,8 @@ static void print_table(const kqsvd_eval_result_t *res) {
     for (int k = KQSVD_ERR_KQ; k <= KQSVD_ERR_OUT; k++) {
       printf("  ");
       for (int m = 0; m < KQSVD_NMETHODS; m++) {
-        const double v = l == L ? kqsvd_report_mean(r, m, k)
-                                : r->err[((size_t)m * L + l) * KQSVD_NMETRICS + k];
+        const double v =
+            l == L ? kqsvd_report_mean(r, m, k) : r->err[((size_t)m * L + l) * KQSVD_NMETRICS + k];
         printf(" %8.2e", v);
       }
     }

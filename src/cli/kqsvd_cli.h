@@ -33,8 +33,8 @@ kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv);
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */
 kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v);
-kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
-                                int open_lo, int open_hi, double *v);
+kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi, int open_lo,
+                                int open_hi, double *v);
 
 /* Turns a usage error found identically on every rank into a collective
  * one that rank 0 prints, with a pointer to --help. */
@@ -93,10 +93,12 @@ void kqsvd_cli_observer_init(kqsvd_cli_observer_t *o, kqsvd_progress_mode_t mode
 /* Options shared by the long-running subcommands (codes above any
  * subcommand's own), for their getopt_long tables. */
 enum { KQSVD_OPT_MEM = 1000, KQSVD_OPT_THREADS, KQSVD_OPT_PROGRESS };
-#define KQSVD_RUN_LONGOPTS                                     \
-  {"mem-limit", required_argument, NULL, KQSVD_OPT_MEM},       \
-      {"threads", required_argument, NULL, KQSVD_OPT_THREADS}, \
-      {"progress", required_argument, NULL, KQSVD_OPT_PROGRESS}, {"verbose", no_argument, NULL, 'v'}
+#define KQSVD_RUN_LONGOPTS                                         \
+  {"mem-limit", required_argument, NULL, KQSVD_OPT_MEM},           \
+      {"threads", required_argument, NULL, KQSVD_OPT_THREADS},     \
+      {"progress", required_argument, NULL, KQSVD_OPT_PROGRESS}, { \
+    "verbose", no_argument, NULL, 'v'                              \
+  }
 
 typedef struct kqsvd_run_opts {
   int64_t mem_mib, threads;

@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include "kqsvd_cli.h"
-#include "kqsvd_h5.h"
 #include "kqsvd_gpu.h"
+#include "kqsvd_h5.h"
 #include "kqsvd_signal.h"
 
 typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
@@ -27,21 +27,22 @@ static const struct {
   int h5;  /* reads HDF5 files (whose library, initialised, asks MPI_Initialized) */
   const char *about;
 } g_commands[] = {
-    {"calibrate", kqsvd_cmd_calibrate, 1, 1, "compute kqsvd, ksvd and eigen projections from caches"},
+    {"calibrate", kqsvd_cmd_calibrate, 1, 1,
+     "compute kqsvd, ksvd and eigen projections from caches"},
     {"evaluate", kqsvd_cmd_evaluate, 1, 1,
      "measure attention fidelity of projections on validation caches"},
     {"manifest", kqsvd_cmd_manifest, 0, 0, "check a manifest of models and print it resolved"},
-    {"ranks", kqsvd_cmd_ranks, 0, 1, "print the per-layer ranks a rank policy gives for projections"},
+    {"ranks", kqsvd_cmd_ranks, 0, 1,
+     "print the per-layer ranks a rank policy gives for projections"},
     {"synth", kqsvd_cmd_synth, 1, 1, "write a synthetic cache set and model file"},
 };
 #define NCOMMANDS (sizeof g_commands / sizeof g_commands[0])
 
 static void usage(FILE *out) {
-  fprintf(out,
-          "usage: [mpirun -np N] kqsvd COMMAND [OPTIONS]\n\n"
-          "Low-rank KV-cache projections (KQ-SVD, K-SVD, Eigen) from calibration caches,\n"
-          "streamed once in bounded memory and reduced across MPI ranks by TSQR.\n\n"
-          "commands:\n");
+  fprintf(out, "usage: [mpirun -np N] kqsvd COMMAND [OPTIONS]\n\n"
+               "Low-rank KV-cache projections (KQ-SVD, K-SVD, Eigen) from calibration caches,\n"
+               "streamed once in bounded memory and reduced across MPI ranks by TSQR.\n\n"
+               "commands:\n");
   for (size_t i = 0; i < NCOMMANDS; i++)
     fprintf(out, "  %-10s %s\n", g_commands[i].name, g_commands[i].about);
   fprintf(out, "\n'kqsvd help COMMAND' (or 'kqsvd COMMAND --help') describes each command;\n"

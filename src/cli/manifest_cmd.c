@@ -14,8 +14,8 @@
 /* DIR/NAME.KIND: the paths, each ended by a NUL byte, in the order
  * calibrate --manifest uses.  NUL is the one byte no path can hold, so no
  * file name can shift the list a job script reads back (mapfile -d ''). */
-static kqsvd_status_t write_list(const char *dir, const char *name, const char *kind,
-                                 char **paths, int n) {
+static kqsvd_status_t write_list(const char *dir, const char *name, const char *kind, char **paths,
+                                 int n) {
   kqsvd_status_t st = KQSVD_OK;
   char file[PATH_MAX];
   FILE *f = NULL;
@@ -66,10 +66,9 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
     return KQSVD_OK;
   }
   if (argc != 2) {
-    KQSVD_CALL(kqsvd_usage_error(
-        cli, "manifest",
-        kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
-                        "expected MANIFEST [--lists DIR]")));
+    KQSVD_CALL(kqsvd_usage_error(cli, "manifest",
+                                 kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
+                                                 "expected MANIFEST [--lists DIR]")));
   }
   /* Under a launcher every process reads alone; the first one reports. */
   KQSVD_CALL(kqsvd_manifest_read_report(argv[1], cli->rank == 0 ? stderr : NULL, &m));
@@ -89,8 +88,8 @@ kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
              (long long)e->num_seqs, e->text, e->valid_text ? e->valid_text : "-",
              (long long)e->seq_len);
     else
-      printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\t-\n", e->name, e->model, e->output, policy,
-             e->nshards, e->shard_glob, e->valid_glob ? e->valid_glob : "-");
+      printf("%s\t%s\t%s\t%s\t%d\t%s\t%s\t-\n", e->name, e->model, e->output, policy, e->nshards,
+             e->shard_glob, e->valid_glob ? e->valid_glob : "-");
   }
 done:
   kqsvd_manifest_free(&m);

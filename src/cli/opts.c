@@ -17,8 +17,8 @@ kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t
   char *end = NULL;
   errno = 0;
   long long x = strtoll(s, &end, 10);
-  KQSVD_CHECK(*s && end && !*end && errno == 0, KQSVD_ERR_USAGE,
-              "%s expects an integer, got '%s'", opt, s);
+  KQSVD_CHECK(*s && end && !*end && errno == 0, KQSVD_ERR_USAGE, "%s expects an integer, got '%s'",
+              opt, s);
   KQSVD_CHECK(x >= lo && x <= hi, KQSVD_ERR_USAGE, "%s must be in [%lld, %lld], got %lld", opt,
               (long long)lo, (long long)hi, x);
   *v = x;
@@ -26,8 +26,8 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi,
-                                int open_lo, int open_hi, double *v) {
+kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, double hi, int open_lo,
+                                int open_hi, double *v) {
   kqsvd_status_t st = KQSVD_OK;
   char *end = NULL;
   errno = 0;
@@ -35,8 +35,8 @@ kqsvd_status_t kqsvd_opt_double(const char *opt, const char *s, double lo, doubl
   KQSVD_CHECK(*s && end && !*end && errno == 0 && isfinite(x), KQSVD_ERR_USAGE,
               "%s expects a finite number, got '%s'", opt, s);
   const int ok = (open_lo ? x > lo : x >= lo) && (open_hi ? x < hi : x <= hi);
-  KQSVD_CHECK(ok, KQSVD_ERR_USAGE, "%s must be in %c%g, %g%c, got %s", opt, open_lo ? '(' : '[',
-              lo, hi, open_hi ? ')' : ']', s);
+  KQSVD_CHECK(ok, KQSVD_ERR_USAGE, "%s must be in %c%g, %g%c, got %s", opt, open_lo ? '(' : '[', lo,
+              hi, open_hi ? ')' : ']', s);
   *v = x;
 done:
   return st;

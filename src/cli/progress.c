@@ -56,8 +56,8 @@ void kqsvd_progress_show(void *ctx, int64_t done, int64_t total, int final) {
     fprintf(stderr, "\r%s [%s] %5.1f%%  %s/%s tokens  %s tok/s  %s %s\033[K%s", p->label, bar,
             100.0 * frac, a, b, c, final ? "took" : "ETA", e, final ? "\n" : "");
   } else {
-    fprintf(stderr, "%s: %5.1f%%  %s of %s tokens  %s tok/s  %s %s\n", p->label, 100.0 * frac, a,
-            b, c, final ? "took" : "ETA", e);
+    fprintf(stderr, "%s: %5.1f%%  %s of %s tokens  %s tok/s  %s %s\n", p->label, 100.0 * frac, a, b,
+            c, final ? "took" : "ETA", e);
   }
   fflush(stderr);
 }
@@ -103,7 +103,8 @@ static void cli_calibrated(void *ctx, const kqsvd_calib_report_t *r) {
   char rate[32];
   kqsvd_fmt_count(r->tokens_per_s, rate, sizeof rate);
   printf("wrote %s: kqsvd, ksvd and eigen (beta = %g) projections in %.2f s (%s tokens/s "
-         "streamed)\n", r->out_path, r->beta, r->seconds, rate);
+         "streamed)\n",
+         r->out_path, r->beta, r->seconds, rate);
   fflush(stdout);
   const kqsvd_calib_timings_t *t = r->timings;
   if (t)

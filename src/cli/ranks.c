@@ -17,43 +17,40 @@ typedef struct ranks_cmd {
 } ranks_cmd_t;
 
 static void ranks_help(void) {
-  printf(
-      "usage: kqsvd ranks --proj PROJ.h5 [--ranks POLICY] [--json]\n"
-      "\n"
-      "Prints the key and value rank of each layer for the kqsvd, ksvd and eigen\n"
-      "projections of PROJ.h5, and the fraction of the full KV cache each method\n"
-      "keeps, sum over layers of (rank_k + rank_v) / (2 d L).  Without --ranks: the\n"
-      "ranks stored in PROJ.h5 and the policy that chose them.  With --ranks: those\n"
-      "POLICY chooses from the stored spectra, exactly as 'kqsvd calibrate --ranks\n"
-      "POLICY' and 'kqsvd evaluate --ranks POLICY' do.  Where PROJ.h5 stores ranks\n"
-      "per KV head (rank_k_heads, rank_v_heads) and --ranks is not given, those are\n"
-      "listed too, and kept is the sum over layers and KV heads of (rank_k +\n"
-      "rank_v) / (2 d L Hkv).  Runs without mpirun.\n"
-      "\n"
-      "  --proj FILE         projections from kqsvd calibrate (required)\n"
-      "  --ranks POLICY      ranks to compute [those stored in PROJ.h5]:\n"
-      "                        eps:E     the paper's rule with tolerance E\n"
-      "                        fixed:R   rank R everywhere, 1 <= R <= d\n"
-      "                        budget:F  a fraction F of the full cache, spread over layers\n"
-      "                                  by each method's own spectra\n"
-      "  --json              print one JSON object instead of the table: proj, policy,\n"
-      "                      num_layers, num_kv_heads, head_dim, methods.M.rank_k and\n"
-      "                      .rank_v (one entry per layer; .rank_k_heads and\n"
-      "                      .rank_v_heads, [layer][KV head], where stored) and\n"
-      "                      cache_kept.M, for M in kqsvd, ksvd, eigen\n"
-      "  -v, --verbose       print a trace with errors\n"
-      "  -h, --help          this text\n");
+  printf("usage: kqsvd ranks --proj PROJ.h5 [--ranks POLICY] [--json]\n"
+         "\n"
+         "Prints the key and value rank of each layer for the kqsvd, ksvd and eigen\n"
+         "projections of PROJ.h5, and the fraction of the full KV cache each method\n"
+         "keeps, sum over layers of (rank_k + rank_v) / (2 d L).  Without --ranks: the\n"
+         "ranks stored in PROJ.h5 and the policy that chose them.  With --ranks: those\n"
+         "POLICY chooses from the stored spectra, exactly as 'kqsvd calibrate --ranks\n"
+         "POLICY' and 'kqsvd evaluate --ranks POLICY' do.  Where PROJ.h5 stores ranks\n"
+         "per KV head (rank_k_heads, rank_v_heads) and --ranks is not given, those are\n"
+         "listed too, and kept is the sum over layers and KV heads of (rank_k +\n"
+         "rank_v) / (2 d L Hkv).  Runs without mpirun.\n"
+         "\n"
+         "  --proj FILE         projections from kqsvd calibrate (required)\n"
+         "  --ranks POLICY      ranks to compute [those stored in PROJ.h5]:\n"
+         "                        eps:E     the paper's rule with tolerance E\n"
+         "                        fixed:R   rank R everywhere, 1 <= R <= d\n"
+         "                        budget:F  a fraction F of the full cache, spread over layers\n"
+         "                                  by each method's own spectra\n"
+         "  --json              print one JSON object instead of the table: proj, policy,\n"
+         "                      num_layers, num_kv_heads, head_dim, methods.M.rank_k and\n"
+         "                      .rank_v (one entry per layer; .rank_k_heads and\n"
+         "                      .rank_v_heads, [layer][KV head], where stored) and\n"
+         "                      cache_kept.M, for M in kqsvd, ksvd, eigen\n"
+         "  -v, --verbose       print a trace with errors\n"
+         "  -h, --help          this text\n");
 }
 
 static kqsvd_status_t parse(kqsvd_cli_t *cli, ranks_cmd_t *r, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
   enum { O_PROJ = 256, O_RANKS, O_JSON };
-  static const struct option longopts[] = {{"proj", required_argument, NULL, O_PROJ},
-                                           {"ranks", required_argument, NULL, O_RANKS},
-                                           {"json", no_argument, NULL, O_JSON},
-                                           {"verbose", no_argument, NULL, 'v'},
-                                           {"help", no_argument, NULL, 'h'},
-                                           {NULL, 0, NULL, 0}};
+  static const struct option longopts[] = {
+      {"proj", required_argument, NULL, O_PROJ}, {"ranks", required_argument, NULL, O_RANKS},
+      {"json", no_argument, NULL, O_JSON},       {"verbose", no_argument, NULL, 'v'},
+      {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
   optind = 1;
   for (;;) {
     int o;
@@ -179,8 +176,8 @@ static void print_head_table(const kqsvd_dims_t *dims, const ranks_out_t *o) {
            heads ? "per KV head" : "per layer", cache_kept(o, m, dims), width, "rank_k");
     for (int64_t l = 0; l < L; l++) {
       printf("%5lld  ", (long long)l);
-      const int w = heads ? put_heads(o->head_k + (m * L + l) * H, H)
-                          : printf("%d", o->rank_k[m * L + l]);
+      const int w =
+          heads ? put_heads(o->head_k + (m * L + l) * H, H) : printf("%d", o->rank_k[m * L + l]);
       printf("%*s  ", width - w, "");
       if (heads)
         put_heads(o->head_v + (m * L + l) * H, H);
@@ -202,7 +199,8 @@ static void print_table(const ranks_cmd_t *r, const kqsvd_dims_t *dims, const ra
          o->head_k ? ", per KV head" : "");
   if (o->head_groups > 1)
     printf("head groups: each of these KV heads is a group of %lld of the model's, one latent "
-           "d = %lld wide\n", (long long)o->head_groups, (long long)dims->head_dim);
+           "d = %lld wide\n",
+           (long long)o->head_groups, (long long)dims->head_dim);
   if (o->head_k) {
     print_head_table(dims, o);
     return;
@@ -236,8 +234,8 @@ static kqsvd_status_t choose(const ranks_cmd_t *r, kqsvd_proj_reader_t *proj, ra
   const size_t count = (size_t)KQSVD_NMETHODS * (size_t)kqsvd_proj_dims(proj)->layers;
   KQSVD_MALLOC(o->rank_k, count, "ranks");
   KQSVD_MALLOC(o->rank_v, count, "ranks");
-  KQSVD_CALL(kqsvd_proj_choose_ranks(proj, r->policy_set ? &r->policy : NULL, o->rank_k,
-                                     o->rank_v, o->policy, sizeof o->policy));
+  KQSVD_CALL(kqsvd_proj_choose_ranks(proj, r->policy_set ? &r->policy : NULL, o->rank_k, o->rank_v,
+                                     o->policy, sizeof o->policy));
   if (!r->policy_set)
     KQSVD_CALL(kqsvd_proj_choose_head_ranks(proj, &o->head_k, &o->head_v, o->has));
 done:

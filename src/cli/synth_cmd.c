@@ -43,21 +43,46 @@ static void synth_help(void) {
 
 static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_OUT = 256, O_LAYERS, O_HEADS, O_KV, O_HD, O_HIDDEN, O_SEQS, O_SEQLEN, O_SHARDS,
-         O_DTYPE, O_BETA, O_CAUSAL, O_SEED, O_UNEVEN, O_NAME, O_PROGRESS, O_MINLEN, O_SKIP };
-  static const struct option longopts[] = {
-      {"out", required_argument, NULL, O_OUT},       {"layers", required_argument, NULL, O_LAYERS},
-      {"heads", required_argument, NULL, O_HEADS},   {"kv-heads", required_argument, NULL, O_KV},
-      {"head-dim", required_argument, NULL, O_HD},   {"hidden", required_argument, NULL, O_HIDDEN},
-      {"seqs", required_argument, NULL, O_SEQS},     {"seq-len", required_argument, NULL, O_SEQLEN},
-      {"shards", required_argument, NULL, O_SHARDS}, {"dtype", required_argument, NULL, O_DTYPE},
-      {"beta", required_argument, NULL, O_BETA},     {"causal", required_argument, NULL, O_CAUSAL},
-      {"seed", required_argument, NULL, O_SEED},     {"uneven", no_argument, NULL, O_UNEVEN},
-      {"model-name", required_argument, NULL, O_NAME},
-      {"min-seq-len", required_argument, NULL, O_MINLEN},
-      {"skip-seqs", required_argument, NULL, O_SKIP},
-      {"progress", required_argument, NULL, O_PROGRESS},
-      {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0}};
+  enum {
+    O_OUT = 256,
+    O_LAYERS,
+    O_HEADS,
+    O_KV,
+    O_HD,
+    O_HIDDEN,
+    O_SEQS,
+    O_SEQLEN,
+    O_SHARDS,
+    O_DTYPE,
+    O_BETA,
+    O_CAUSAL,
+    O_SEED,
+    O_UNEVEN,
+    O_NAME,
+    O_PROGRESS,
+    O_MINLEN,
+    O_SKIP
+  };
+  static const struct option longopts[] = {{"out", required_argument, NULL, O_OUT},
+                                           {"layers", required_argument, NULL, O_LAYERS},
+                                           {"heads", required_argument, NULL, O_HEADS},
+                                           {"kv-heads", required_argument, NULL, O_KV},
+                                           {"head-dim", required_argument, NULL, O_HD},
+                                           {"hidden", required_argument, NULL, O_HIDDEN},
+                                           {"seqs", required_argument, NULL, O_SEQS},
+                                           {"seq-len", required_argument, NULL, O_SEQLEN},
+                                           {"shards", required_argument, NULL, O_SHARDS},
+                                           {"dtype", required_argument, NULL, O_DTYPE},
+                                           {"beta", required_argument, NULL, O_BETA},
+                                           {"causal", required_argument, NULL, O_CAUSAL},
+                                           {"seed", required_argument, NULL, O_SEED},
+                                           {"uneven", no_argument, NULL, O_UNEVEN},
+                                           {"model-name", required_argument, NULL, O_NAME},
+                                           {"min-seq-len", required_argument, NULL, O_MINLEN},
+                                           {"skip-seqs", required_argument, NULL, O_SKIP},
+                                           {"progress", required_argument, NULL, O_PROGRESS},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {NULL, 0, NULL, 0}};
   kqsvd_synth_config_t *c = &o->cfg;
   c->layers = 4, c->heads = 8, c->kv_heads = 2, c->head_dim = 64, c->hidden = 0;
   c->max_seq_len = 512, c->beta = 1.0, c->rope_theta = 10000.0;
@@ -77,7 +102,9 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     case O_HD: KQSVD_CALL(kqsvd_opt_int("--head-dim", optarg, 2, 4096, &c->head_dim)); break;
     case O_HIDDEN: KQSVD_CALL(kqsvd_opt_int("--hidden", optarg, 1, 1 << 20, &c->hidden)); break;
     case O_SEQS: KQSVD_CALL(kqsvd_opt_int("--seqs", optarg, 1, big, &o->seqs)); break;
-    case O_SEQLEN: KQSVD_CALL(kqsvd_opt_int("--seq-len", optarg, 1, 1 << 24, &c->max_seq_len)); break;
+    case O_SEQLEN:
+      KQSVD_CALL(kqsvd_opt_int("--seq-len", optarg, 1, 1 << 24, &c->max_seq_len));
+      break;
     case O_SHARDS: KQSVD_CALL(kqsvd_opt_int("--shards", optarg, 1, 1000000, &o->shards)); break;
     case O_DTYPE: KQSVD_CALL(kqsvd_dtype_parse(optarg, &o->dtype)); break;
     case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
@@ -85,10 +112,15 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     case O_SEED: KQSVD_CALL(kqsvd_opt_int("--seed", optarg, 0, INT64_MAX, &seed)); break;
     case O_UNEVEN: o->uneven = 1; break;
     case O_NAME: o->name = optarg; break;
-    case O_MINLEN: KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len)); break;
+    case O_MINLEN:
+      KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len));
+      break;
     case O_SKIP: KQSVD_CALL(kqsvd_opt_int("--skip-seqs", optarg, 0, big, &o->skip)); break;
     case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &o->progress)); break;
-    case 'h': synth_help(); o->help = 1; return KQSVD_OK;
+    case 'h':
+      synth_help();
+      o->help = 1;
+      return KQSVD_OK;
     default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", ch);
     }
   }
@@ -151,8 +183,7 @@ done:
 static kqsvd_status_t write_shards(kqsvd_cli_t *cli, const synth_opts_t *o,
                                    const kqsvd_synth_t *gen, const kqsvd_dims_t *dims,
                                    const int64_t *lens, const int64_t *first, int64_t base,
-                                   int64_t *done_rows,
-                                   kqsvd_monitor_t *mon) {
+                                   int64_t *done_rows, kqsvd_monitor_t *mon) {
   kqsvd_status_t st = KQSVD_OK;
   const int64_t N = o->shards, d = dims->head_dim;
   kqsvd_writer_t **w = NULL;
@@ -171,8 +202,8 @@ static kqsvd_status_t write_shards(kqsvd_cli_t *cli, const synth_opts_t *o,
   for (int64_t s = cli->rank; s < N; s += cli->size) {
     char path[PATH_MAX];
     snprintf(path, sizeof path, "%s/shard-%04lld.h5", o->out, (long long)s);
-    KQSVD_CALL(kqsvd_cache_create(path, dims, o->dtype, first[s + 1] - first[s], lens + first[s],
-                                  &w[s]));
+    KQSVD_CALL(
+        kqsvd_cache_create(path, dims, o->dtype, first[s + 1] - first[s], lens + first[s], &w[s]));
   }
   KQSVD_MALLOC(out, (size_t)(SYNTH_BLOCK * d), "synthetic rows");
   KQSVD_MALLOC(pos, SYNTH_BLOCK, "positions");
@@ -235,8 +266,11 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
 
   kqsvd_dims_t dims;
   memset(&dims, 0, sizeof dims);
-  if (o.name) snprintf(dims.model, sizeof dims.model, "%s", o.name);
-  else snprintf(dims.model, sizeof dims.model, "kqsvd-synth(seed=%llu)", (unsigned long long)o.cfg.seed);
+  if (o.name)
+    snprintf(dims.model, sizeof dims.model, "%s", o.name);
+  else
+    snprintf(dims.model, sizeof dims.model, "kqsvd-synth(seed=%llu)",
+             (unsigned long long)o.cfg.seed);
   dims.layers = o.cfg.layers, dims.heads = o.cfg.heads, dims.kv_heads = o.cfg.kv_heads;
   dims.head_dim = o.cfg.head_dim, dims.hidden = o.cfg.hidden, dims.causal = o.causal;
 

@@ -73,8 +73,10 @@ static uint32_t encode_small(double v, int ebits, int mbits) {
     return sign | inf | (ax > UINT64_C(0x7ff0000000000000) ? 1u << (mbits - 1) : 0u);
   int e2 = (int)(ax >> 52) - 1023;
   uint64_t m = ax & ((UINT64_C(1) << 52) - 1);
-  if (ax >> 52) m |= UINT64_C(1) << 52;
-  else e2 = -1022;
+  if (ax >> 52)
+    m |= UINT64_C(1) << 52;
+  else
+    e2 = -1022;
   if (e2 > bias) return sign | inf;
   if (e2 >= 1 - bias) {
     /* Normal target: a carry out of the fraction bumps the exponent, and
@@ -229,8 +231,8 @@ static int64_t transpose_bf16_avx512(const uint16_t *src, int64_t rows, int d, d
     if (bad) return transpose_rows(KQSVD_BF16, src, i0, i0 + ROWS_AT_ONCE, d, dst, ld);
   }
   for (; i0 < rows; i0 += 8) {
-    const int64_t bad = transpose_rows(KQSVD_BF16, src, i0, i0 + 8 < rows ? i0 + 8 : rows, d,
-                                       dst, ld);
+    const int64_t bad =
+        transpose_rows(KQSVD_BF16, src, i0, i0 + 8 < rows ? i0 + 8 : rows, d, dst, ld);
     if (bad >= 0) return bad;
   }
   return -1;

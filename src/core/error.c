@@ -21,12 +21,11 @@ static _Thread_local struct {
 static void append_frame(const char *file, int line, const char *func) {
   size_t used = strlen(g_err.trace);
   if (used + 1 < sizeof g_err.trace)
-    snprintf(g_err.trace + used, sizeof g_err.trace - used, "  at %s (%s:%d)\n", func,
-             file, line);
+    snprintf(g_err.trace + used, sizeof g_err.trace - used, "  at %s (%s:%d)\n", func, file, line);
 }
 
-kqsvd_status_t kqsvd_error_set(kqsvd_status_t code, const char *file, int line,
-                               const char *func, const char *fmt, ...) {
+kqsvd_status_t kqsvd_error_set(kqsvd_status_t code, const char *file, int line, const char *func,
+                               const char *fmt, ...) {
   if (g_err.code == KQSVD_OK) {
     va_list ap;
     va_start(ap, fmt);
@@ -99,7 +98,9 @@ void kqsvd_error_clear(void) {
 }
 
 void kqsvd_error_set_origin(kqsvd_status_t code) { g_err.origin = code; }
-kqsvd_status_t kqsvd_error_origin(void) { return g_err.origin != KQSVD_OK ? g_err.origin : g_err.code; }
+kqsvd_status_t kqsvd_error_origin(void) {
+  return g_err.origin != KQSVD_OK ? g_err.origin : g_err.code;
+}
 
 void kqsvd_error_mark_collective(bool report_here) {
   g_err.collective = true;
@@ -134,8 +135,8 @@ const char *kqsvd_status_name(kqsvd_status_t st) {
   return "unknown status";
 }
 
-kqsvd_status_t kqsvd_to_int_(int64_t v, int *out, const char *what, const char *file,
-                             int line, const char *func) {
+kqsvd_status_t kqsvd_to_int_(int64_t v, int *out, const char *what, const char *file, int line,
+                             const char *func) {
   if (v < INT_MIN || v > INT_MAX)
     return kqsvd_error_set(KQSVD_ERR_USAGE, file, line, func,
                            "%s = %lld does not fit the 32-bit int of LAPACK/MPI/HDF5; "
@@ -154,8 +155,7 @@ kqsvd_status_t kqsvd_malloc_(void **p, size_t count, size_t size, const char *wh
                            "size of %s overflows (%zu x %zu bytes)", what, count, size);
   *p = malloc(count * size);
   if (!*p)
-    return kqsvd_error_set(KQSVD_ERR_NOMEM, file, line, func,
-                           "cannot allocate %.1f MiB for %s",
+    return kqsvd_error_set(KQSVD_ERR_NOMEM, file, line, func, "cannot allocate %.1f MiB for %s",
                            (double)count * (double)size / 1048576.0, what);
   return KQSVD_OK;
 }

@@ -8,8 +8,7 @@
 #include "kqsvd_linalg.h"
 
 const char *kqsvd_metric_name(int metric) {
-  static const char *const names[KQSVD_NMETRICS] = {"err_k", "err_q", "err_v", "err_kq",
-                                                    "err_out"};
+  static const char *const names[KQSVD_NMETRICS] = {"err_k", "err_q", "err_v", "err_kq", "err_out"};
   return metric >= 0 && metric < KQSVD_NMETRICS ? names[metric] : "?";
 }
 
@@ -30,13 +29,13 @@ struct kqsvd_eval_ws {
   int heads, d, hidden;
   int64_t max_T, max_rows;
   kqsvd_qr_ws_t *qr;
-  double *R;              /* R factor of the group's K, column-major */
-  double *S;              /* max_rows x max_T scores, then probabilities */
-  double *KA, *VA;        /* max_T x d: compressed keys and values */
-  double *QB, *E, *X, *Y; /* max_rows x d */
-  double *Z;              /* max_rows x heads*d: exact head outputs */
+  double *R;                  /* R factor of the group's K, column-major */
+  double *S;                  /* max_rows x max_T scores, then probabilities */
+  double *KA, *VA;            /* max_T x d: compressed keys and values */
+  double *QB, *E, *X, *Y;     /* max_rows x d */
+  double *Z;                  /* max_rows x heads*d: exact head outputs */
   double *Dm[KQSVD_NMETHODS]; /* the same minus each method's */
-  double *O;              /* max_rows x hidden */
+  double *O;                  /* max_rows x hidden */
   /* the current block */
   const kqsvd_eval_layer_t *L;
   int64_t T, row0, nrows, nk;
@@ -50,14 +49,14 @@ double kqsvd_eval_ws_bytes(int heads, int d, int hidden, int64_t max_T, int64_t 
   return 8.0 * (doubles + (KQSVD_QR_BLOCK_DEFAULT + 3.0 * dd) * dd);
 }
 
-kqsvd_status_t kqsvd_eval_ws_init(int heads, int d, int hidden, int64_t max_T,
-                                  int64_t block_rows, kqsvd_eval_ws_t **out) {
+kqsvd_status_t kqsvd_eval_ws_init(int heads, int d, int hidden, int64_t max_T, int64_t block_rows,
+                                  kqsvd_eval_ws_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_eval_ws_t *ws = calloc(1, sizeof *ws);
   *out = NULL;
   KQSVD_CHECK(ws, KQSVD_ERR_NOMEM, "cannot allocate the evaluation workspace");
-  KQSVD_CHECK(heads >= 1 && d >= 1 && hidden >= 1 && max_T >= 1 && block_rows >= 1,
-              KQSVD_ERR_USAGE, "evaluation workspace: sizes must be positive");
+  KQSVD_CHECK(heads >= 1 && d >= 1 && hidden >= 1 && max_T >= 1 && block_rows >= 1, KQSVD_ERR_USAGE,
+              "evaluation workspace: sizes must be positive");
   ws->heads = heads, ws->d = d, ws->hidden = hidden;
   ws->max_T = max_T, ws->max_rows = block_rows;
   const size_t b = (size_t)block_rows, T = (size_t)max_T, D = (size_t)d;
@@ -119,9 +118,8 @@ static double diff2(const double *A, const double *B, int64_t rows, int64_t cols
   return s;
 }
 
-static void gemm(CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, double alpha,
-                 const double *A, int64_t lda, const double *B, int64_t ldb, double beta,
-                 double *C, int64_t ldc) {
+static void gemm(CBLAS_TRANSPOSE tb, int64_t m, int64_t n, int64_t k, double alpha, const double *A,
+                 int64_t lda, const double *B, int64_t ldb, double beta, double *C, int64_t ldc) {
   cblas_dgemm(CblasRowMajor, CblasNoTrans, tb, (int)m, (int)n, (int)k, alpha, A, (int)lda, B,
               (int)ldb, beta, C, (int)ldc);
 }
@@ -150,8 +148,8 @@ kqsvd_status_t kqsvd_eval_begin(kqsvd_eval_ws_t *ws, const kqsvd_eval_layer_t *l
                                 int64_t row0, int64_t nrows) {
   kqsvd_status_t st = KQSVD_OK;
   KQSVD_CHECK(layer->heads == ws->heads && layer->d == ws->d && layer->hidden == ws->hidden &&
-                  T >= 1 && T <= ws->max_T && nrows >= 1 && nrows <= ws->max_rows &&
-                  row0 >= 0 && row0 + nrows <= T,
+                  T >= 1 && T <= ws->max_T && nrows >= 1 && nrows <= ws->max_rows && row0 >= 0 &&
+                  row0 + nrows <= T,
               KQSVD_ERR_USAGE, "evaluation block [%lld, %lld) of %lld rows exceeds the workspace",
               (long long)row0, (long long)(row0 + nrows), (long long)T);
   ws->L = layer;

@@ -8,8 +8,8 @@
 
 #include "kqsvd_linalg.h"
 
-void kqsvd_gram_absorb(int d, double *G, const void *X, kqsvd_dtype_t type, int64_t n,
-                       double *buf, int block_rows, int64_t *bad_row) {
+void kqsvd_gram_absorb(int d, double *G, const void *X, kqsvd_dtype_t type, int64_t n, double *buf,
+                       int block_rows, int64_t *bad_row) {
   const size_t esz = kqsvd_dtype_size(type);
   *bad_row = -1;
   for (int64_t r0 = 0; r0 < n; r0 += block_rows) {

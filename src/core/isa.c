@@ -43,7 +43,9 @@ static void supported_list(char *out, size_t size) {
   out[0] = '\0';
   for (int isa = kqsvd_isa_best(); isa >= 0 && len < size; isa--)
     len += (size_t)snprintf(out + len, size - len, "%s%s", g_names[isa],
-                            isa == 1 ? " and " : isa > 1 ? ", " : "");
+                            isa == 1  ? " and "
+                            : isa > 1 ? ", "
+                                      : "");
 }
 
 /* The set named `value` (any case), or KQSVD_ISA_COUNT. */

@@ -8,7 +8,6 @@
 
 #include "kqsvd_error.h"
 
-
 /* Parses "f16", "bf16", "f32" or "f64"; KQSVD_ERR_USAGE otherwise. */
 kqsvd_status_t kqsvd_dtype_parse(const char *s, kqsvd_dtype_t *t);
 

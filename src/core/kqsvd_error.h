@@ -20,17 +20,13 @@
 extern "C" {
 #endif
 
-
-
 /* Records a new error (the first one wins while one is pending) and returns
  * `code`.  printf-style message; file/line/func locate the failure. */
-kqsvd_status_t kqsvd_error_set(kqsvd_status_t code, const char *file, int line,
-                               const char *func, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
+kqsvd_status_t kqsvd_error_set(kqsvd_status_t code, const char *file, int line, const char *func,
+                               const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 
 /* Appends a frame to the trace of the pending error and returns `code`. */
-kqsvd_status_t kqsvd_error_trace(kqsvd_status_t code, const char *file, int line,
-                                 const char *func);
+kqsvd_status_t kqsvd_error_trace(kqsvd_status_t code, const char *file, int line, const char *func);
 
 /* Makes the pending message start with "<context>: " unless it already
  * names `context` (readers use it so every failure names the file). */
@@ -63,43 +59,42 @@ void kqsvd_error_set_origin(kqsvd_status_t code);
 kqsvd_status_t kqsvd_error_origin(void);
 bool kqsvd_error_report_here(void);
 
-
 /* Checked narrowing for LAPACK/MPI/HDF5 `int` arguments (row counts are
  * 64-bit everywhere else). */
-kqsvd_status_t kqsvd_to_int_(int64_t v, int *out, const char *what, const char *file,
-                             int line, const char *func);
+kqsvd_status_t kqsvd_to_int_(int64_t v, int *out, const char *what, const char *file, int line,
+                             const char *func);
 
 /* malloc that fails with a message naming what was being allocated. */
 kqsvd_status_t kqsvd_malloc_(void **p, size_t count, size_t size, const char *what,
                              const char *file, int line, const char *func);
 
 /* Carries a failing call's status up: needs `kqsvd_status_t st` and `done:`. */
-#define KQSVD_CALL(expr)                                                        \
-  do {                                                                          \
-    kqsvd_status_t kqsvd_s_ = (expr);                                           \
-    if (kqsvd_s_ != KQSVD_OK) {                                                 \
-      st = kqsvd_error_trace(kqsvd_s_, __FILE__, __LINE__, __func__);           \
-      goto done;                                                                \
-    }                                                                           \
+#define KQSVD_CALL(expr)                                              \
+  do {                                                                \
+    kqsvd_status_t kqsvd_s_ = (expr);                                 \
+    if (kqsvd_s_ != KQSVD_OK) {                                       \
+      st = kqsvd_error_trace(kqsvd_s_, __FILE__, __LINE__, __func__); \
+      goto done;                                                      \
+    }                                                                 \
   } while (0)
 
-#define KQSVD_FAIL(code, ...)                                                   \
-  do {                                                                          \
-    st = kqsvd_error_set((code), __FILE__, __LINE__, __func__, __VA_ARGS__);    \
-    goto done;                                                                  \
+#define KQSVD_FAIL(code, ...)                                                \
+  do {                                                                       \
+    st = kqsvd_error_set((code), __FILE__, __LINE__, __func__, __VA_ARGS__); \
+    goto done;                                                               \
   } while (0)
 
-#define KQSVD_CHECK(cond, code, ...)                                            \
-  do {                                                                          \
-    if (!(cond)) KQSVD_FAIL(code, __VA_ARGS__);                                 \
+#define KQSVD_CHECK(cond, code, ...)            \
+  do {                                          \
+    if (!(cond)) KQSVD_FAIL(code, __VA_ARGS__); \
   } while (0)
 
-#define KQSVD_TO_INT(v, out, what)                                              \
+#define KQSVD_TO_INT(v, out, what) \
   KQSVD_CALL(kqsvd_to_int_((int64_t)(v), (out), (what), __FILE__, __LINE__, __func__))
 
-#define KQSVD_MALLOC(p, count, what)                                            \
-  KQSVD_CALL(kqsvd_malloc_((void **)&(p), (size_t)(count), sizeof(*(p)), (what), \
-                           __FILE__, __LINE__, __func__))
+#define KQSVD_MALLOC(p, count, what)                                                       \
+  KQSVD_CALL(kqsvd_malloc_((void **)&(p), (size_t)(count), sizeof(*(p)), (what), __FILE__, \
+                           __LINE__, __func__))
 
 #ifdef __cplusplus
 }

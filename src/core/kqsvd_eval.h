@@ -58,8 +58,8 @@ double kqsvd_eval_ws_bytes(int heads, int d, int hidden, int64_t max_T, int64_t 
 
 /* Workspace for sequences of at most max_T tokens and blocks of at most
  * block_rows query rows.  Errors: KQSVD_ERR_USAGE for sizes < 1, _NOMEM. */
-kqsvd_status_t kqsvd_eval_ws_init(int heads, int d, int hidden, int64_t max_T,
-                                  int64_t block_rows, kqsvd_eval_ws_t **ws);
+kqsvd_status_t kqsvd_eval_ws_init(int heads, int d, int hidden, int64_t max_T, int64_t block_rows,
+                                  kqsvd_eval_ws_t **ws);
 void kqsvd_eval_ws_free(kqsvd_eval_ws_t **ws);
 
 /* Starts the block of query rows [row0, row0 + nrows) of a sequence of T

@@ -17,8 +17,8 @@
  * doubles).  Only the upper triangle of the column-major d x d G is used.
  * A NaN or Inf stops before its sub-block and sets *bad_row (else -1)
  * without failing, like kqsvd_qr_absorb. */
-void kqsvd_gram_absorb(int d, double *G, const void *X, kqsvd_dtype_t type, int64_t n,
-                       double *buf, int block_rows, int64_t *bad_row);
+void kqsvd_gram_absorb(int d, double *G, const void *X, kqsvd_dtype_t type, int64_t n, double *buf,
+                       int block_rows, int64_t *bad_row);
 
 /* In place: the upper triangle of G (d x d, column-major) becomes an upper
  * triangular R with R^T R = G and a non-negative diagonal; the strict lower

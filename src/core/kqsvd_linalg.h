@@ -13,7 +13,7 @@
 /* LAPACK info check: < 0 is a kqsvd bug, > 0 a numerical failure. */
 kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *file, int line,
                                    const char *func);
-#define KQSVD_LAPACK(routine, call)                                                   \
+#define KQSVD_LAPACK(routine, call) \
   KQSVD_CALL(kqsvd_lapack_check_((routine), (int)(call), __FILE__, __LINE__, __func__))
 
 /* Rows folded per Householder update: large enough to amortize the d x d

@@ -57,9 +57,8 @@ kqsvd_status_t kqsvd_rank_policy_check(const kqsvd_rank_policy_t *p, int L, int 
  * Errors: those of kqsvd_rank_policy_check, KQSVD_ERR_NOMEM. */
 kqsvd_status_t kqsvd_rank_choose(const kqsvd_rank_policy_t *p, int L, int H, int d,
                                  const double *const sigma_k[KQSVD_NMETHODS],
-                                 const double *const sigma_v[KQSVD_NMETHODS],
-                                 const double *spec_K, const double *spec_V, int32_t *rank_k,
-                                 int32_t *rank_v);
+                                 const double *const sigma_v[KQSVD_NMETHODS], const double *spec_K,
+                                 const double *spec_V, int32_t *rank_k, int32_t *rank_v);
 
 /* Splits `units` columns over `nsides` spectra (side s: sigma[s], [H][d])
  * as ranks rank[s] in [1, d] with sum <= units, minimising the sum over

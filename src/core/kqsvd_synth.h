@@ -13,14 +13,18 @@
 
 typedef struct kqsvd_synth_config {
   int64_t layers, heads, kv_heads, head_dim, hidden;
-  double beta;       /* keys times beta, queries divided by beta */
+  double beta; /* keys times beta, queries divided by beta */
   uint64_t seed;
   int64_t max_seq_len; /* positions run 0 .. max_seq_len-1 */
   int64_t min_seq_len; /* lengths are uniform in [min_seq_len, max_seq_len] */
-  double rope_theta; /* 10000 as in Llama-2 */
+  double rope_theta;   /* 10000 as in Llama-2 */
 } kqsvd_synth_config_t;
 
-typedef enum kqsvd_synth_kind { KQSVD_SYNTH_Q = 0, KQSVD_SYNTH_K, KQSVD_SYNTH_V } kqsvd_synth_kind_t;
+typedef enum kqsvd_synth_kind {
+  KQSVD_SYNTH_Q = 0,
+  KQSVD_SYNTH_K,
+  KQSVD_SYNTH_V
+} kqsvd_synth_kind_t;
 
 typedef struct kqsvd_synth kqsvd_synth_t;
 typedef struct kqsvd_synth_layer kqsvd_synth_layer_t;

@@ -1,5 +1,5 @@
-#include "kqsvd_linalg.h"
 #include "kqsvd_isa.h"
+#include "kqsvd_linalg.h"
 
 #include <cblas.h>
 #include <float.h>
@@ -28,12 +28,11 @@ kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *fi
                                    const char *func) {
   if (info == 0) return KQSVD_OK;
   if (info == LAPACK_WORK_MEMORY_ERROR || info == LAPACK_TRANSPOSE_MEMORY_ERROR)
-    return kqsvd_error_set(KQSVD_ERR_NOMEM, file, line, func, "LAPACK %s: out of memory",
-                           routine);
+    return kqsvd_error_set(KQSVD_ERR_NOMEM, file, line, func, "LAPACK %s: out of memory", routine);
   if (info < 0)
     return kqsvd_error_set(KQSVD_ERR_BUG, file, line, func,
-                           "LAPACK %s: argument %d had an illegal value (a kqsvd bug)",
-                           routine, -info);
+                           "LAPACK %s: argument %d had an illegal value (a kqsvd bug)", routine,
+                           -info);
   return kqsvd_error_set(KQSVD_ERR_LAPACK, file, line, func,
                          "LAPACK %s failed to converge (info = %d)", routine, info);
 }
@@ -41,7 +40,8 @@ kqsvd_status_t kqsvd_lapack_check_(const char *routine, int info, const char *fi
 double kqsvd_qr_ws_bytes(int d, int block_rows) {
   const double nb = d < TPQRT_NB ? d : TPQRT_NB;
   return ((double)block_rows * kqsvd_tpqr_ld(d) + (double)kqsvd_tpqr_work_size(block_rows, d) +
-          2.0 * nb * d + (double)d * d) * sizeof(double);
+          2.0 * nb * d + (double)d * d) *
+         sizeof(double);
 }
 
 kqsvd_status_t kqsvd_qr_ws_init(int d, int block_rows, kqsvd_qr_ws_t **out) {
@@ -112,14 +112,15 @@ kqsvd_status_t kqsvd_qr_merge(kqsvd_qr_ws_t *ws, double *R_top, const double *R_
      * dtpqrt's 2/3 d^3), yet runs faster than dtpqrt's level-2 panels; the
      * merges are the TSQR tree's work at scale (docs/benchmarks.md). */
     for (int i = 0; i < d; i++)
-      for (int j = 0; j < d; j++) ws->X[(size_t)i * ws->ldx + j] = j >= i ? R_bot[(size_t)j * d + i] : 0.0;
+      for (int j = 0; j < d; j++)
+        ws->X[(size_t)i * ws->ldx + j] = j >= i ? R_bot[(size_t)j * d + i] : 0.0;
     kqsvd_tpqr(d, d, R_top, d, ws->X, ws->ldx, ws->work);
     goto done;
   }
   memcpy(ws->tri, R_bot, (size_t)d * (size_t)d * sizeof(double));
   /* l = d: the bottom block is itself triangular, which dtpqrt exploits. */
-  KQSVD_LAPACK("dtpqrt", LAPACKE_dtpqrt_work(LAPACK_COL_MAJOR, d, d, d, ws->nb, R_top, d,
-                                            ws->tri, d, ws->T, ws->nb, ws->mwork));
+  KQSVD_LAPACK("dtpqrt", LAPACKE_dtpqrt_work(LAPACK_COL_MAJOR, d, d, d, ws->nb, R_top, d, ws->tri,
+                                             d, ws->T, ws->nb, ws->mwork));
 done:
   return st;
 }
@@ -165,9 +166,9 @@ kqsvd_status_t kqsvd_svd(int m, int n, double *A, int lda, double *s, double *U,
   if (info > 0) {
     memcpy(A, copy, (size_t)lda * (size_t)n * sizeof(double));
     KQSVD_MALLOC(superb, (size_t)(k > 1 ? k : 1), "dgesvd work");
-    KQSVD_LAPACK("dgesvd", LAPACKE_dgesvd(LAPACK_COL_MAJOR, want ? 'S' : 'N', want ? 'S' : 'N',
-                                          m, n, A, lda, s, u, want ? lu : 1, vt,
-                                          want ? lvt : 1, superb));
+    KQSVD_LAPACK("dgesvd",
+                 LAPACKE_dgesvd(LAPACK_COL_MAJOR, want ? 'S' : 'N', want ? 'S' : 'N', m, n, A, lda,
+                                s, u, want ? lu : 1, vt, want ? lvt : 1, superb));
   } else {
     KQSVD_LAPACK("dgesdd", info);
   }
@@ -182,8 +183,7 @@ done:
 void kqsvd_gemm(char ta, char tb, int m, int n, int k, double alpha, const double *A, int lda,
                 const double *B, int ldb, double beta, double *C, int ldc) {
   cblas_dgemm(CblasColMajor, ta == 'T' ? CblasTrans : CblasNoTrans,
-              tb == 'T' ? CblasTrans : CblasNoTrans, m, n, k, alpha, A, lda, B, ldb, beta, C,
-              ldc);
+              tb == 'T' ? CblasTrans : CblasNoTrans, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void kqsvd_blas_set_threads(int n) {

@@ -37,8 +37,8 @@ kqsvd_status_t kqsvd_rank_policy_parse(const char *opt, const char *text, kqsvd_
       arg = text + strlen(kinds[k]);
     }
   KQSVD_CHECK(arg, KQSVD_ERR_USAGE,
-              "%s '%s': expected eps:E (0 < E < 1), fixed:R (R >= 1) or budget:F (0 < F <= 1)",
-              opt, text);
+              "%s '%s': expected eps:E (0 < E < 1), fixed:R (R >= 1) or budget:F (0 < F <= 1)", opt,
+              text);
   char *end = NULL;
   errno = 0;
   p->value = strtod(arg, &end);
@@ -46,8 +46,8 @@ kqsvd_status_t kqsvd_rank_policy_parse(const char *opt, const char *text, kqsvd_
               "%s '%s': '%s' is not a number", opt, text, arg);
   switch (p->kind) {
   case KQSVD_RANKS_EPS:
-    KQSVD_CHECK(p->value > 0 && p->value < 1, KQSVD_ERR_USAGE, "%s '%s': E must lie in (0, 1)",
-                opt, text);
+    KQSVD_CHECK(p->value > 0 && p->value < 1, KQSVD_ERR_USAGE, "%s '%s': E must lie in (0, 1)", opt,
+                text);
     break;
   case KQSVD_RANKS_FIXED:
     KQSVD_CHECK(p->value >= 1 && p->value <= 1e6 && p->value == floor(p->value), KQSVD_ERR_USAGE,
@@ -159,9 +159,8 @@ done:
 
 kqsvd_status_t kqsvd_rank_choose(const kqsvd_rank_policy_t *p, int L, int H, int d,
                                  const double *const sigma_k[KQSVD_NMETHODS],
-                                 const double *const sigma_v[KQSVD_NMETHODS],
-                                 const double *spec_K, const double *spec_V, int32_t *rank_k,
-                                 int32_t *rank_v) {
+                                 const double *const sigma_v[KQSVD_NMETHODS], const double *spec_K,
+                                 const double *spec_V, int32_t *rank_k, int32_t *rank_v) {
   kqsvd_status_t st = KQSVD_OK;
   const double **sides = NULL;
   int32_t *r = NULL;

@@ -54,8 +54,11 @@ static void say(const char *s) {
 static void fatal(int sig) {
   if (getpid() == g_owner) {
     say("kqsvd: fatal signal ");
-    say(sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : sig == SIGFPE ? "SIGFPE"
-        : sig == SIGILL ? "SIGILL" : "SIGABRT");
+    say(sig == SIGSEGV  ? "SIGSEGV"
+        : sig == SIGBUS ? "SIGBUS"
+        : sig == SIGFPE ? "SIGFPE"
+        : sig == SIGILL ? "SIGILL"
+                        : "SIGABRT");
     if (g_have_context) {
       say("; the last file opened or read was ");
       say(g_context);

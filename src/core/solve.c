@@ -21,8 +21,7 @@ kqsvd_status_t kqsvd_solution_init(int d, kqsvd_solution_t *s) {
   const size_t dd = (size_t)d * (size_t)d;
   memset(s, 0, sizeof *s);
   s->d = d;
-  KQSVD_MALLOC(s->storage_, KQSVD_NMETHODS * (4 * dd + 2 * (size_t)d) + 5 * (size_t)d,
-               "solution");
+  KQSVD_MALLOC(s->storage_, KQSVD_NMETHODS * (4 * dd + 2 * (size_t)d) + 5 * (size_t)d, "solution");
   double *p = s->storage_;
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     kqsvd_projection_t *o = &s->method[m];

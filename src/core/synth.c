@@ -15,14 +15,23 @@ struct kqsvd_synth {
 struct kqsvd_synth_layer {
   const kqsvd_synth_t *gen;
   int64_t layer;
-  int r;      /* latent dimension */
-  double *G;  /* [heads + 2 kv_heads][r][d]: diag(s) P W_h */
-  double *b;  /* [heads + 2 kv_heads][d]: mu W_h */
+  int r;     /* latent dimension */
+  double *G; /* [heads + 2 kv_heads][r][d]: diag(s) P W_h */
+  double *b; /* [heads + 2 kv_heads][d]: mu W_h */
 };
 
 /* Independent random streams, keyed by what they generate. */
-enum { STREAM_Z = 1, STREAM_P, STREAM_MU, STREAM_W, STREAM_WSCALE, STREAM_O, STREAM_OSCALE,
-       STREAM_LEN, STREAM_OUTLIER };
+enum {
+  STREAM_Z = 1,
+  STREAM_P,
+  STREAM_MU,
+  STREAM_W,
+  STREAM_WSCALE,
+  STREAM_O,
+  STREAM_OSCALE,
+  STREAM_LEN,
+  STREAM_OUTLIER
+};
 static uint64_t stream(const kqsvd_synth_t *g, int64_t layer, int what, int64_t head) {
   return kqsvd_mix64(kqsvd_mix64(kqsvd_mix64(g->c.seed, (uint64_t)layer + 1), (uint64_t)what),
                      (uint64_t)head + 1);
@@ -133,7 +142,8 @@ kqsvd_status_t kqsvd_synth_layer_init(const kqsvd_synth_t *g, int64_t layer,
     const double gain = !qk ? 1.0 : h < g->c.heads ? 12.0 / m4 : 12.0 * m4;
     for (int64_t j = 0; j < d; j++) {
       const double scale = gain * exp(spread * kqsvd_uniform(ks, (uint64_t)j)) / sqrt((double)D);
-      for (int64_t c = 0; c < D; c++) W[c * d + j] = scale * kqsvd_normal(kw, (uint64_t)(c * d + j));
+      for (int64_t c = 0; c < D; c++)
+        W[c * d + j] = scale * kqsvd_normal(kw, (uint64_t)(c * d + j));
     }
     /* Row-major products via column-major BLAS on the transposes. */
     kqsvd_gemm('N', 'N', (int)d, r, (int)D, 1.0, W, (int)d, P, (int)D, 0.0, lay->G + h * r * d,
@@ -177,7 +187,7 @@ void kqsvd_synth_project(const kqsvd_synth_layer_t *lay, kqsvd_synth_kind_t kind
                          const double *Z, int64_t n, const int64_t *pos, double *out) {
   const kqsvd_synth_t *g = lay->gen;
   const int64_t d = g->c.head_dim, half = d / 2;
-  const int64_t h = kind == KQSVD_SYNTH_Q ? head
+  const int64_t h = kind == KQSVD_SYNTH_Q   ? head
                     : kind == KQSVD_SYNTH_K ? g->c.heads + head
                                             : g->c.heads + g->c.kv_heads + head;
   const double *G = lay->G + h * lay->r * d, *b = lay->b + h * d;

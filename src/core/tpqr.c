@@ -69,21 +69,21 @@ typedef uint16_t v8h __attribute__((vector_size(PANEL * sizeof(uint16_t))));
  * vectors of 8 doubles) on AVX-512, name##_plain (scalar loops the compiler
  * may vectorize) built for AVX2 or baseline x86-64 otherwise; 8-lane
  * vectors split into halves compile badly. */
-#define MULTIVERSION(name, params, args)                                                 \
-  AVX512_FN FMA_CONTRACT static void name##_avx512 params { name##_vec args; }          \
-  __attribute__((target("avx2,fma"))) FMA_CONTRACT static void name##_avx2 params {      \
-    name##_plain args;                                                                    \
-  }                                                                                       \
-  static void name##_base params { name##_plain args; }                                  \
-  static void name(kqsvd_isa_t isa, UNPAREN params) {                                    \
-    switch (isa) {                                                                        \
-    case KQSVD_ISA_AVX512: name##_avx512 args; break;                                     \
-    case KQSVD_ISA_AVX2: name##_avx2 args; break;                                         \
-    default: name##_base args; break;                                                     \
-    }                                                                                     \
+#define MULTIVERSION(name, params, args)                                            \
+  AVX512_FN FMA_CONTRACT static void name##_avx512 params { name##_vec args; }      \
+  __attribute__((target("avx2,fma"))) FMA_CONTRACT static void name##_avx2 params { \
+    name##_plain args;                                                              \
+  }                                                                                 \
+  static void name##_base params { name##_plain args; }                             \
+  static void name(kqsvd_isa_t isa, UNPAREN params) {                               \
+    switch (isa) {                                                                  \
+    case KQSVD_ISA_AVX512: name##_avx512 args; break;                               \
+    case KQSVD_ISA_AVX2: name##_avx2 args; break;                                   \
+    default: name##_base args; break;                                               \
+    }                                                                               \
   }
 #else
-#define MULTIVERSION(name, params, args)                                                 \
+#define MULTIVERSION(name, params, args) \
   FMA_CONTRACT static void name(kqsvd_isa_t isa, UNPAREN params) { name##_plain args; }
 #endif
 
@@ -95,7 +95,7 @@ typedef uint16_t v8h __attribute__((vector_size(PANEL * sizeof(uint16_t))));
  * as in convert.c), and the caller then looks for the row.  The flags are
  * only reduced once per block. */
 INLINE void load_vec(kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb,
-                      int *bad) {
+                     int *bad) {
   int tail = 0;
   switch (type) {
   case KQSVD_F64: {
@@ -166,7 +166,7 @@ INLINE void load_vec(kqsvd_dtype_t type, const void *src, int m, int d, double *
 }
 #endif
 INLINE void load_plain(kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb,
-                        int *bad) {
+                       int *bad) {
   int flag = 0;
   for (int r = 0; r < m && !flag; r++) {
     double *dst = B + (size_t)r * ldb;
@@ -192,8 +192,8 @@ INLINE void load_plain(kqsvd_dtype_t type, const void *src, int m, int d, double
   }
   *bad = flag;
 }
-MULTIVERSION(load, (kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb,
-                    int *bad),
+MULTIVERSION(load,
+             (kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb, int *bad),
              (type, src, m, d, B, ldb, bad))
 
 int64_t kqsvd_tpqr_load(kqsvd_dtype_t type, const void *src, int m, int d, double *B, int ldb) {
@@ -219,7 +219,7 @@ int64_t kqsvd_tpqr_load(kqsvd_dtype_t type, const void *src, int m, int d, doubl
  * its end), which leaves three vector operations per row.  Four
  * accumulators hide the add latency, combined in a fixed order. */
 INLINE void sweep_vec(int m, double *B, int ldb, int p, const double *coef_in, int i,
-                       double *acc_out) {
+                      double *acc_out) {
   v8d a[4] = {{0}, {0}, {0}, {0}}, coef;
   const v8l lane = {i, i, i, i, i, i, i, i};
   LOAD(coef, coef_in);
@@ -267,7 +267,7 @@ INLINE void sweep_vec(int m, double *B, int ldb, int p, const double *coef_in, i
 #endif
 /* The same sums in the same order, in plain loops. */
 INLINE void sweep_plain(int m, double *B, int ldb, int p, const double *coef_in, int i,
-                         double *acc) {
+                        double *acc) {
   double a[4][PANEL] = {{0}}, coef[PANEL];
   memcpy(coef, coef_in, sizeof coef);
   for (int r = 0; r < m; r++) {
@@ -313,8 +313,7 @@ MULTIVERSION(scale_rows, (int m, double *B, int ldb, const double *sv), (m, B, l
  * vectors keep 8-16 accumulators in registers; nothing is packed, as all
  * operands sit in L1 or L2. */
 #ifdef HAVE_X86_CLONES
-INLINE void gram_tile(int m, int nv, const double *A, const double *C, int ld, double *G,
-                      int ldg) {
+INLINE void gram_tile(int m, int nv, const double *A, const double *C, int ld, double *G, int ldg) {
   v8d acc[TILE_ROWS][2];
 #pragma GCC unroll 8
   for (int k = 0; k < TILE_ROWS; k++)
@@ -346,8 +345,8 @@ AVX512_FN FMA_CONTRACT static void gram_avx512(int m, int p, int qv, const doubl
   }
 }
 
-INLINE void update_tile(int nr, int nv, int p, const double *A, int ld, const double *W,
-                        int ldw, double *C) {
+INLINE void update_tile(int nr, int nv, int p, const double *A, int ld, const double *W, int ldw,
+                        double *C) {
   v8d acc[TILE_ROWS][2];
 #pragma GCC unroll 8
   for (int i = 0; i < nr; i++)
@@ -396,8 +395,8 @@ static void gram(kqsvd_isa_t isa, int m, int p, int q, const double *A, const do
     return;
   }
 #endif
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, qv * PANEL, p, m, 1.0, C, ld, A, ld, 0.0,
-              G, ldg);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasTrans, qv * PANEL, p, m, 1.0, C, ld, A, ld, 0.0, G,
+              ldg);
 }
 
 /* C -= A W, W p x q row-major (ldw) with zero pad columns. */
@@ -410,8 +409,8 @@ static void update(kqsvd_isa_t isa, int m, int p, int q, const double *A, int ld
     return;
   }
 #endif
-  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, qv * PANEL, m, p, -1.0, W, ldw, A, ld,
-              1.0, C, ld);
+  cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, qv * PANEL, m, p, -1.0, W, ldw, A, ld, 1.0,
+              C, ld);
 }
 
 /* ---- factorization ------------------------------------------------------- */
@@ -433,8 +432,8 @@ static double slow_reflector(kqsvd_isa_t isa, int m, double *B, int ldb, int i, 
 /* Unblocked QR of nb <= PANEL columns (B row-major; lanes beyond nb are
  * read but never changed).  Reflector i is [e_i; sv[i] u_i], u_i left in
  * lane i until the final scaling; its tau and scale follow dlarfg. */
-static void panel(kqsvd_isa_t isa, int m, int nb, double *R, int ldr, double *B, int ldb,
-                  double *T, int ldt, double *tmp) {
+static void panel(kqsvd_isa_t isa, int m, int nb, double *R, int ldr, double *B, int ldb, double *T,
+                  int ldt, double *tmp) {
   double acc[PANEL], coef[PANEL] = {0}, y[PANEL], sv[PANEL];
   for (int k = 0; k < PANEL; k++) sv[k] = 1.0;
   for (int i = 0; i < nb; i++) {
@@ -498,8 +497,8 @@ static void rec(kqsvd_isa_t isa, int m, int n, double *R, int ldr, double *B, in
   gram(isa, m, n1, n2, B, B2, ldb, W, ldw);
   for (int j = 0; j < n2; j++)
     for (int i = 0; i < n1; i++) W[(size_t)i * ldw + j] += R12[(size_t)j * ldr + i];
-  cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit, n2, n1, 1.0, T,
-              ldt, W, ldw);
+  cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasTrans, CblasNonUnit, n2, n1, 1.0, T, ldt,
+              W, ldw);
   for (int j = 0; j < n2; j++)
     for (int i = 0; i < n1; i++) R12[(size_t)j * ldr + i] -= W[(size_t)i * ldw + j];
   update(isa, m, n1, n2, B, ldb, W, ldw, B2);
@@ -507,10 +506,10 @@ static void rec(kqsvd_isa_t isa, int m, int n, double *R, int ldr, double *B, in
   if (want_t) {
     /* T12 = -T1 (V1^T V2) T2 */
     gram(isa, m, n1, n2, B, B2, ldb, T12, ldt);
-    cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, -1.0,
-                T, ldt, T12, ldt);
-    cblas_dtrmm(CblasColMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, 1.0,
-                T22, ldt, T12, ldt);
+    cblas_dtrmm(CblasColMajor, CblasRight, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, -1.0, T,
+                ldt, T12, ldt);
+    cblas_dtrmm(CblasColMajor, CblasLeft, CblasLower, CblasNoTrans, CblasNonUnit, n2, n1, 1.0, T22,
+                ldt, T12, ldt);
   }
 }
 

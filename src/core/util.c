@@ -1,5 +1,5 @@
-#include "kqsvd_util.h"
 #include "kqsvd/version.h"
+#include "kqsvd_util.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -63,8 +63,10 @@ const char *kqsvd_fmt_duration(double s, char *buf, size_t n) {
     return buf;
   }
   long t = (long)(s + 0.5);
-  if (t >= 3600) snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
-  else snprintf(buf, n, "%ld:%02ld", t / 60, t % 60);
+  if (t >= 3600)
+    snprintf(buf, n, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else
+    snprintf(buf, n, "%ld:%02ld", t / 60, t % 60);
   return buf;
 }
 

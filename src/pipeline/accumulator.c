@@ -30,8 +30,8 @@ struct kqsvd_acc {
   int hd; /* head_dim */
   int64_t nitems;
   size_t tri;
-  double *state;  /* nitems x ACC_NR packed triangles (Gram matrices under GRAM) */
-  double *wstate; /* nitems packed triangles of W^T */
+  double *state;      /* nitems x ACC_NR packed triangles (Gram matrices under GRAM) */
+  double *wstate;     /* nitems packed triangles of W^T */
   double *R, *backup; /* d x d: scratch for W's factors; a K/Q/V factor as it was */
   double *sub;        /* hd x hd: one KV head's diagonal block of a grouped item */
   /* The K, Q and V factors of one item, unpacked while rows of that item
@@ -39,10 +39,10 @@ struct kqsvd_acc {
    * when another item comes or the state is read. */
   double *cur[ACC_NR];
   int64_t cur_item;
-  int64_t bad_row; /* the last call's NaN or Inf row, else -1 */
-  char *gather;       /* block_rows x d elements of the widest type, for strided rows */
-  double *gram_buf;   /* block_rows x d doubles */
-  char *wbuf;         /* block_rows x group x d elements: o_proj rows of one group */
+  int64_t bad_row;             /* the last call's NaN or Inf row, else -1 */
+  char *gather;                /* block_rows x d elements of the widest type, for strided rows */
+  double *gram_buf;            /* block_rows x d doubles */
+  char *wbuf;                  /* block_rows x group x d elements: o_proj rows of one group */
   kqsvd_qr_ws_t *ws, *ws_head; /* for d-wide rows; for hd-wide ones (when G > 1) */
   int64_t tokens;
   int64_t *w_rows; /* [layers]: o_proj rows absorbed, D when complete */
@@ -84,10 +84,12 @@ int64_t kqsvd_acc_tokens(const kqsvd_acc_t *acc) { return acc ? acc->tokens : 0;
  * refused as usage. */
 static kqsvd_status_t check_shape(const kqsvd_shape_t *s, const kqsvd_acc_options_t *o) {
   kqsvd_status_t st = KQSVD_OK;
-  const struct { const char *name; int64_t v, max; } f[] = {
-      {"layers", s->layers, 1 << 20},   {"kv_heads", s->kv_heads, 1 << 20},
-      {"group", s->group, 1 << 16},     {"head_dim", s->head_dim, 1 << 14},
-      {"hidden", s->hidden, 1 << 26},   {"block_rows", o->block_rows, 1 << 20}};
+  const struct {
+    const char *name;
+    int64_t v, max;
+  } f[] = {{"layers", s->layers, 1 << 20}, {"kv_heads", s->kv_heads, 1 << 20},
+           {"group", s->group, 1 << 16},   {"head_dim", s->head_dim, 1 << 14},
+           {"hidden", s->hidden, 1 << 26}, {"block_rows", o->block_rows, 1 << 20}};
   for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
     KQSVD_CHECK(f[i].v >= 1 && f[i].v <= f[i].max, KQSVD_ERR_USAGE,
                 "accumulator: %s = %lld is outside 1..%lld", f[i].name, (long long)f[i].v,
@@ -97,16 +99,16 @@ static kqsvd_status_t check_shape(const kqsvd_shape_t *s, const kqsvd_acc_option
               "accumulator: head_groups = %lld must divide kv_heads = %lld", (long long)G,
               (long long)s->kv_heads);
   KQSVD_CHECK(G * s->head_dim <= 1 << 15, KQSVD_ERR_USAGE,
-              "accumulator: head_groups x head_dim = %lld is above %d", (long long)(G * s->head_dim),
-              1 << 15);
+              "accumulator: head_groups x head_dim = %lld is above %d",
+              (long long)(G * s->head_dim), 1 << 15);
   /* The factors' bytes must fit a size_t (and a double's exact range). */
   const double w = (double)(G * s->head_dim);
-  const double bytes = (double)s->layers * (double)(s->kv_heads / G) * (ACC_NR + 1) *
-                       (w * (w + 1.0) / 2.0) * 8.0;
+  const double bytes =
+      (double)s->layers * (double)(s->kv_heads / G) * (ACC_NR + 1) * (w * (w + 1.0) / 2.0) * 8.0;
   KQSVD_CHECK(bytes < 0x1p52, KQSVD_ERR_USAGE,
               "accumulator: %lld layers x %lld KV heads at d = %lld need %.3g bytes of factors, "
-              "more than this library can address", (long long)s->layers, (long long)s->kv_heads,
-              (long long)s->head_dim, bytes);
+              "more than this library can address",
+              (long long)s->layers, (long long)s->kv_heads, (long long)s->head_dim, bytes);
   KQSVD_CHECK(o->qr == KQSVD_QR_TSQR || o->qr == KQSVD_QR_GRAM, KQSVD_ERR_USAGE,
               "accumulator: unknown qr method %d", (int)o->qr);
   KQSVD_CHECK(o->mem_limit_mib >= 0.0 && isfinite(o->mem_limit_mib), KQSVD_ERR_USAGE,
@@ -143,15 +145,18 @@ kqsvd_status_t kqsvd_acc_init(const kqsvd_shape_t *shape, const kqsvd_acc_option
    * backup, the item's K, Q and V), the row, Gram and o_proj buffers, the
    * QR workspace. */
   const double dd = (double)a->d * a->d, rows = (double)a->opt.block_rows * a->d;
-  const double need = ((double)a->nitems * (ACC_NR + 1) * (double)a->tri + 5.0 * dd +
-                       (2.0 + (double)shape->group) * rows + (double)shape->layers +
-                       (double)a->hd * a->hd) * 8.0 +
-                      kqsvd_qr_ws_bytes(a->d, (int)a->opt.block_rows) +
-                      (G > 1 ? kqsvd_qr_ws_bytes(a->hd, (int)a->opt.block_rows) : 0.0);
+  const double need =
+      ((double)a->nitems * (ACC_NR + 1) * (double)a->tri + 5.0 * dd +
+       (2.0 + (double)shape->group) * rows + (double)shape->layers + (double)a->hd * a->hd) *
+          8.0 +
+      kqsvd_qr_ws_bytes(a->d, (int)a->opt.block_rows) +
+      (G > 1 ? kqsvd_qr_ws_bytes(a->hd, (int)a->opt.block_rows) : 0.0);
   KQSVD_CHECK(a->opt.mem_limit_mib == 0.0 || need <= a->opt.mem_limit_mib * 1048576.0,
-              KQSVD_ERR_NOMEM, "accumulator: the factors of %lld layers x %lld KV heads at d = %d "
-              "need %.1f MiB, above the limit of %g MiB", (long long)shape->layers,
-              (long long)shape->kv_heads, a->d, need / 1048576.0, a->opt.mem_limit_mib);
+              KQSVD_ERR_NOMEM,
+              "accumulator: the factors of %lld layers x %lld KV heads at d = %d "
+              "need %.1f MiB, above the limit of %g MiB",
+              (long long)shape->layers, (long long)shape->kv_heads, a->d, need / 1048576.0,
+              a->opt.mem_limit_mib);
   KQSVD_MALLOC(a->state, (size_t)kqsvd_acc_state_doubles(a), "accumulator factors");
   KQSVD_MALLOC(a->wstate, (size_t)a->nitems * a->tri, "accumulator W factors");
   memset(a->state, 0, (size_t)kqsvd_acc_state_doubles(a) * sizeof(double));
@@ -298,7 +303,8 @@ kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *a, kqsvd_tensor_t tensor, int64_t l
   const int64_t G = a->opt.head_groups, q = tensor == KQSVD_QUERIES;
   KQSVD_CHECK(q || kv_head % G == 0, KQSVD_ERR_USAGE,
               "accumulator: with head_groups = %lld, keys and values come a group at a time: "
-              "kv_head %lld is not a group's first head", (long long)G, (long long)kv_head);
+              "kv_head %lld is not a group's first head",
+              (long long)G, (long long)kv_head);
   KQSVD_CALL(check_rows(rows, type, nrows, row_stride, q ? a->hd : a->d));
   const int64_t item = layer * a->view.kv_heads + kv_head / G;
   const int k = tensor == KQSVD_KEYS ? ACC_K : q ? ACC_Q : ACC_V;
@@ -310,8 +316,8 @@ kqsvd_status_t kqsvd_acc_absorb(kqsvd_acc_t *a, kqsvd_tensor_t tensor, int64_t l
   }
   /* A grouped item's queries: Q_bd = blockdiag(Q_1 .. Q_G), whose R factor
    * is blockdiag(R_Q1 .. R_QG); each KV head's fold into its block. */
-  KQSVD_CALL(absorb_rows(a, a->cur[k], q ? (int)(kv_head % G) : -1, rows, type, nrows,
-                         row_stride, a->opt.qr == KQSVD_QR_GRAM, &bad));
+  KQSVD_CALL(absorb_rows(a, a->cur[k], q ? (int)(kv_head % G) : -1, rows, type, nrows, row_stride,
+                         a->opt.qr == KQSVD_QR_GRAM, &bad));
   a->bad_row = bad;
   if (!q && G > 1)
     KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: NaN or Inf at layer %lld, heads %lld..%lld, row %lld",
@@ -378,7 +384,8 @@ kqsvd_status_t kqsvd_acc_absorb_oproj(kqsvd_acc_t *a, int64_t layer, const void 
     const char *cols = (const char *)o_proj + (size_t)(g * m * d) * kqsvd_dtype_size(type);
     KQSVD_CALL(kqsvd_acc_absorb_wt(a, layer, g, cols, type, nrows, row_stride));
     if (a->bad_row >= 0) {
-      memcpy(a->wstate + (size_t)(layer * Hv) * a->tri, saved, (size_t)Hv * a->tri * sizeof(double));
+      memcpy(a->wstate + (size_t)(layer * Hv) * a->tri, saved,
+             (size_t)Hv * a->tri * sizeof(double));
       KQSVD_FAIL(KQSVD_ERR_DATA, "o_proj: NaN or Inf at layer %lld, row %lld (head %lld's block)",
                  (long long)layer, (long long)(a->bad_row / m),
                  (long long)(g * m + a->bad_row % m));
@@ -398,16 +405,17 @@ kqsvd_status_t kqsvd_acc_factor(const kqsvd_acc_t *a, kqsvd_tensor_t tensor, int
   KQSVD_CHECK(a && R, KQSVD_ERR_USAGE, "kqsvd_acc_factor: acc and R must not be NULL");
   KQSVD_CHECK(tensor == KQSVD_KEYS || tensor == KQSVD_VALUES || tensor == KQSVD_QUERIES,
               KQSVD_ERR_USAGE, "kqsvd_acc_factor: unknown tensor %d", (int)tensor);
-  KQSVD_CHECK(layer >= 0 && layer < a->shape.layers && kv_head >= 0 &&
-              kv_head < a->shape.kv_heads, KQSVD_ERR_USAGE,
-              "kqsvd_acc_factor: (layer %lld, kv_head %lld) is outside the shape",
+  KQSVD_CHECK(layer >= 0 && layer < a->shape.layers && kv_head >= 0 && kv_head < a->shape.kv_heads,
+              KQSVD_ERR_USAGE, "kqsvd_acc_factor: (layer %lld, kv_head %lld) is outside the shape",
               (long long)layer, (long long)kv_head);
   const int k = tensor == KQSVD_KEYS ? ACC_K : tensor == KQSVD_QUERIES ? ACC_Q : ACC_V;
   const int d = a->d, G = (int)a->opt.head_groups;
   KQSVD_MALLOC(C, (size_t)d * (size_t)d, "R factor");
   flush((kqsvd_acc_t *)a); /* the cache, not the factors, changes */
-  kqsvd_tri_unpack(d, a->state + ((size_t)(layer * a->view.kv_heads + kv_head / G) * ACC_NR +
-                                  (size_t)k) * a->tri, C);
+  kqsvd_tri_unpack(
+      d,
+      a->state + ((size_t)(layer * a->view.kv_heads + kv_head / G) * ACC_NR + (size_t)k) * a->tri,
+      C);
   if (a->opt.qr == KQSVD_QR_GRAM) KQSVD_CALL(kqsvd_gram_to_r(d, C));
   /* A grouped item's queries: kv_head's own block. */
   const int w = k == ACC_Q ? a->hd : d;
@@ -422,12 +430,14 @@ done:
 /* What a checkpoint of this accumulator must match: the shape, the
  * options that change the numbers, and the state's layout. */
 static uint64_t fingerprint(const kqsvd_acc_t *a, char *about, size_t n) {
-  const int64_t f[] = {a->shape.layers, a->shape.kv_heads, a->shape.group, a->shape.head_dim,
+  const int64_t f[] = {a->shape.layers, a->shape.kv_heads, a->shape.group,     a->shape.head_dim,
                        a->shape.hidden, a->opt.block_rows, (int64_t)a->opt.qr, ACC_NR};
-  snprintf(about, n, "accumulator: %lld layers, %lld KV heads x %lld queries, d = %lld, "
-           "D = %lld, block_rows %lld, qr %s, head_groups %lld", (long long)f[0],
-           (long long)f[1], (long long)f[2], (long long)f[3], (long long)f[4], (long long)f[5],
-           a->opt.qr == KQSVD_QR_GRAM ? "gram" : "tsqr", (long long)a->opt.head_groups);
+  snprintf(about, n,
+           "accumulator: %lld layers, %lld KV heads x %lld queries, d = %lld, "
+           "D = %lld, block_rows %lld, qr %s, head_groups %lld",
+           (long long)f[0], (long long)f[1], (long long)f[2], (long long)f[3], (long long)f[4],
+           (long long)f[5], a->opt.qr == KQSVD_QR_GRAM ? "gram" : "tsqr",
+           (long long)a->opt.head_groups);
   const uint64_t h = kqsvd_fnv1a(kqsvd_fnv1a(KQSVD_FNV_INIT, "kqsvd-acc", 9), f, sizeof f);
   /* Per-head checkpoints of earlier versions stay valid. */
   return a->opt.head_groups == 1 ? h : kqsvd_fnv1a(h, &a->opt.head_groups, sizeof(int64_t));
@@ -456,8 +466,8 @@ kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *a, const char *path) {
   const uint64_t fp = fingerprint(a, about, sizeof about);
   kqsvd_h5guard_t guard;
   kqsvd_h5guard_enter(&guard);
-  st = kqsvd_checkpoint_save_file(path, fp, about, (kqsvd_checkpoint_pos_t){0, 0},
-                                  saved_doubles(a), all);
+  st = kqsvd_checkpoint_save_file(path, fp, about, (kqsvd_checkpoint_pos_t){0, 0}, saved_doubles(a),
+                                  all);
   kqsvd_h5guard_leave(&guard);
   KQSVD_CALL(st);
 done:
@@ -500,15 +510,16 @@ kqsvd_status_t kqsvd_acc_reduce(kqsvd_acc_t *a, MPI_Comm comm, int root) {
   flush(a);
   if (comm == MPI_COMM_NULL) return kqsvd_api_return(KQSVD_OK);
   KQSVD_MPI(MPI_Initialized(&init));
-  KQSVD_CHECK(init, KQSVD_ERR_USAGE, "kqsvd_acc_reduce: MPI is not initialised (pass "
+  KQSVD_CHECK(init, KQSVD_ERR_USAGE,
+              "kqsvd_acc_reduce: MPI is not initialised (pass "
               "MPI_COMM_NULL for a single process)");
   KQSVD_MPI(MPI_Comm_size(comm, &size));
   if (size == 1) return kqsvd_api_return(KQSVD_OK);
   /* Every process must agree on what is merged, or the reduction would mix
    * triangles of different sizes. */
-  const int64_t f[] = {a->shape.layers, a->shape.kv_heads, a->shape.group, a->shape.head_dim,
-                       a->shape.hidden, a->opt.block_rows, (int64_t)a->opt.qr, (int64_t)root,
-                       a->opt.head_groups};
+  const int64_t f[] = {a->shape.layers,    a->shape.kv_heads, a->shape.group,
+                       a->shape.head_dim,  a->shape.hidden,   a->opt.block_rows,
+                       (int64_t)a->opt.qr, (int64_t)root,     a->opt.head_groups};
   int64_t lo[9], hi[9];
   KQSVD_MPI(MPI_Allreduce(f, lo, 9, MPI_INT64_T, MPI_MIN, comm));
   KQSVD_MPI(MPI_Allreduce(f, hi, 9, MPI_INT64_T, MPI_MAX, comm));

@@ -5,8 +5,8 @@
 #include <limits.h>
 #include <stdint.h>
 
-#include "kqsvd_cache.h"
 #include "kqsvd_acc.h"
+#include "kqsvd_cache.h"
 #include "kqsvd_checkpoint.h"
 #include "kqsvd_mpi.h"
 #include "kqsvd_pipeline.h"
@@ -44,9 +44,9 @@ typedef struct calib {
    * written as a whole by checkpoints, the GPU lane, pdgeqrf and the
    * reduction, and folded into row by row by the accumulator itself */
   kqsvd_acc_t *acc;
-  double *state;    /* nitems x CAL_NR packed triangles */
-  char *raw;        /* (group + 2 G) x io_rows x hd elements */
-  char *joint;      /* qr_block x d elements: a grouped block's rows side by side */
+  double *state; /* nitems x CAL_NR packed triangles */
+  char *raw;     /* (group + 2 G) x io_rows x hd elements */
+  char *joint;   /* qr_block x d elements: a grouped block's rows side by side */
   kqsvd_checkpoint_pos_t pos;
   int32_t *rank_k, *rank_v; /* [KQSVD_NMETHODS][L], rank 0 */
   int device;               /* -1: CPU; else the GPU that folds this rank's rows */
@@ -72,7 +72,6 @@ kqsvd_status_t calib_manifest(calib_t *c);
  * the rank policy and beta, as hex in c->inputs_hash. */
 void calib_inputs_hash(calib_t *c);
 
-
 /* Not collective (call on one rank): whether c->out_path exists and holds
  * the inputs_hash of these inputs, so that it need not be made again. */
 int calib_up_to_date(const calib_t *c);
@@ -84,8 +83,8 @@ int calib_up_to_date(const calib_t *c);
  * to_state, brings the factors back into c->state; stop() frees. */
 int calib_gpu_devices(void);
 kqsvd_status_t calib_gpu_start(calib_t *c, int device);
-kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item,
-                                   int64_t r0, int64_t n);
+kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item, int64_t r0,
+                                   int64_t n);
 kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state);
 void calib_gpu_stop(calib_t *c);
 

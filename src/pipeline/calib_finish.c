@@ -38,8 +38,8 @@ static kqsvd_status_t solve_owned(calib_t *c, kqsvd_proj_writer_t *w, double *si
     for (int k = 0; k < CAL_NR; k++)
       kqsvd_tri_unpack(d, c->state + ((size_t)i * CAL_NR + k) * tri, R + k * dd);
     kqsvd_tri_unpack(d, kqsvd_acc_wstate(c->acc) + (size_t)i * tri, R + CAL_NR * dd);
-    KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd,
-                           R + CAL_NR * dd, c->cfg.beta, &sol));
+    KQSVD_CALL(kqsvd_solve(d, R + CAL_RK * dd, R + CAL_RQ * dd, R + CAL_RV * dd, R + CAL_NR * dd,
+                           c->cfg.beta, &sol));
     KQSVD_CALL(kqsvd_proj_write_item(w, i / c->dims.kv_heads, i % c->dims.kv_heads, &sol));
     double *at = sig + (size_t)i * (size_t)d;
     for (int m = 0; m < KQSVD_NMETHODS; m++) {
@@ -110,7 +110,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
   if (root)
     kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: reducing the R factors and solving %lld (layer, KV head) "
-            "items on %d rank%s\n", (long long)c->nitems, c->ctx.size, c->ctx.size == 1 ? "" : "s");
+                  "items on %d rank%s\n",
+                  (long long)c->nitems, c->ctx.size, c->ctx.size == 1 ? "" : "s");
   /* Without it the reduction's time would include waiting for the slowest
    * rank's stream. */
   if (c->cfg.timings) KQSVD_MPI(MPI_Barrier(comm));
@@ -127,8 +128,16 @@ kqsvd_status_t calib_finish(calib_t *c) {
   const char *sig_at = getenv("KQSVD_TEST_SIGNAL_WRITING");
   kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
   const double eps = c->cfg.ranks.kind == KQSVD_RANKS_EPS ? c->cfg.ranks.value : NAN;
-  kqsvd_proj_meta_t meta = {c->dims, eps, c->cfg.beta, c->tokens, c->cfg.nshards, c->cfg.qr_block, policy,
-                            c->inputs_hash, c->rope[0] ? c->rope : NULL, c->G};
+  kqsvd_proj_meta_t meta = {c->dims,
+                            eps,
+                            c->cfg.beta,
+                            c->tokens,
+                            c->cfg.nshards,
+                            c->cfg.qr_block,
+                            policy,
+                            c->inputs_hash,
+                            c->rope[0] ? c->rope : NULL,
+                            c->G};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   /* Every byte is claimed now, while a failure can still be agreed on. */

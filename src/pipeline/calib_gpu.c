@@ -26,10 +26,10 @@ struct calib_gpu {
 };
 
 /* A failure inside the module: its message, here. */
-#define GPU_CALL(g, call)                                                         \
-  do {                                                                            \
-    kqsvd_status_t s_ = (call);                                                   \
-    if (s_ != KQSVD_OK) KQSVD_FAIL(s_, "GPU: %s", (g)->api->last_error());        \
+#define GPU_CALL(g, call)                                                  \
+  do {                                                                     \
+    kqsvd_status_t s_ = (call);                                            \
+    if (s_ != KQSVD_OK) KQSVD_FAIL(s_, "GPU: %s", (g)->api->last_error()); \
   } while (0)
 
 int calib_gpu_devices(void) { return kqsvd_gpu_driver_devices(); }
@@ -46,8 +46,8 @@ done:
   return st;
 }
 
-kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item,
-                                   int64_t r0, int64_t n) {
+kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item, int64_t r0,
+                                   int64_t n) {
   kqsvd_status_t st = KQSVD_OK;
   struct calib_gpu *g = c->gpu;
   const int64_t d = c->d, m = c->group;

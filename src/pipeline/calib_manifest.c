@@ -46,12 +46,12 @@ kqsvd_status_t calib_manifest(calib_t *base) {
     if (m.e[i].insitu) {
       int more = 0;
       for (int k = i + 1; k < m.n; k++) more += m.e[k].insitu;
-      st = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
-                           "%s:%d: %s names a model (hf:), not cache shards%s; kqsvd calibrate "
-                           "reads caches: submit the manifest with slurm/kqsvd-submit, which runs "
-                           "python -m kqsvd.calibrate_hf for such lines",
-                           m.path, m.e[i].line, m.e[i].name,
-                           more ? " (and so do later lines)" : "");
+      st =
+          kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
+                          "%s:%d: %s names a model (hf:), not cache shards%s; kqsvd calibrate "
+                          "reads caches: submit the manifest with slurm/kqsvd-submit, which runs "
+                          "python -m kqsvd.calibrate_hf for such lines",
+                          m.path, m.e[i].line, m.e[i].name, more ? " (and so do later lines)" : "");
       break;
     }
     /* A manifest remakes outputs whose inputs changed: no --force needed. */

@@ -31,7 +31,8 @@ void calib_inputs_hash(calib_t *c) {
   h = kqsvd_fnv1a(h, &c->cfg.qr_block, sizeof c->cfg.qr_block);
   if (c->cfg.head_groups != 1) h = kqsvd_fnv1a(h, &c->cfg.head_groups, sizeof(int64_t));
   /* Only the default method keeps the hash of outputs made before --qr. */
-  if (c->cfg.qr != KQSVD_CALIB_QR_TSQR) h = kqsvd_fnv1a(h, kqsvd_calib_qr_name(c->cfg.qr), strlen(kqsvd_calib_qr_name(c->cfg.qr)) + 1);
+  if (c->cfg.qr != KQSVD_CALIB_QR_TSQR)
+    h = kqsvd_fnv1a(h, kqsvd_calib_qr_name(c->cfg.qr), strlen(kqsvd_calib_qr_name(c->cfg.qr)) + 1);
   h = kqsvd_fnv1a(h, KQSVD_VERSION, sizeof KQSVD_VERSION);
   snprintf(c->inputs_hash, sizeof c->inputs_hash, "%016llx", (unsigned long long)h);
 }
@@ -45,9 +46,9 @@ int calib_up_to_date(const calib_t *c) {
     kqsvd_error_clear();
     return 0;
   }
-  const int have = H5Aexists(f, "inputs_hash") > 0 &&
-                   kqsvd_h5_attr_str(f, c->cfg.out_path, "inputs_hash", stored, sizeof stored) ==
-                       KQSVD_OK;
+  const int have =
+      H5Aexists(f, "inputs_hash") > 0 &&
+      kqsvd_h5_attr_str(f, c->cfg.out_path, "inputs_hash", stored, sizeof stored) == KQSVD_OK;
   kqsvd_error_clear();
   kqsvd_h5_close(&f);
   return have && strcmp(stored, c->inputs_hash) == 0;
@@ -63,8 +64,8 @@ static kqsvd_status_t validate_inputs(calib_t *c) {
   c->d = c->dims.head_dim;
   c->group = c->dims.heads / c->dims.kv_heads;
   c->nitems = c->dims.layers * c->dims.kv_heads;
-  KQSVD_CALL(kqsvd_scan_shards(&c->ctx, c->obs, "calibrate", c->cfg.shards, c->cfg.nshards, &c->dims,
-                               c->cfg.model_path, kqsvd_model_rope(c->model),
+  KQSVD_CALL(kqsvd_scan_shards(&c->ctx, c->obs, "calibrate", c->cfg.shards, c->cfg.nshards,
+                               &c->dims, c->cfg.model_path, kqsvd_model_rope(c->model),
                                kqsvd_dtype_size(kqsvd_model_dtype(c->model)), 0, &set));
   /* Carried into the output, so the projections say which keys they are
    * for; the shards agree with it (kqsvd_scan_shards). */
@@ -89,8 +90,8 @@ static kqsvd_status_t plan(calib_t *c) {
   c->hd = c->d;
   c->m = c->group;
   KQSVD_CHECK(c->dims.kv_heads % c->G == 0, KQSVD_ERR_USAGE,
-              "--head-groups %lld does not divide the %lld KV heads of %s",
-              (long long)c->G, (long long)c->dims.kv_heads, c->cfg.model_path);
+              "--head-groups %lld does not divide the %lld KV heads of %s", (long long)c->G,
+              (long long)c->dims.kv_heads, c->cfg.model_path);
   c->dims.kv_heads /= c->G;
   c->dims.head_dim *= c->G;
   c->d = c->dims.head_dim;
@@ -105,14 +106,15 @@ static kqsvd_status_t plan(calib_t *c) {
   /* The accumulator's W factors (every item's, though a rank computes only
    * its own) and its work buffers. */
   const double rw = ((double)c->nitems * (double)kqsvd_tri_size((int)c->d) + 6.0 * d * d +
-                     (double)(c->group + 3) * (double)c->cfg.qr_block * d) * 8.0;
+                     (double)(c->group + 3) * (double)c->cfg.qr_block * d) *
+                    8.0;
   /* Solver, reduction messages (64 MiB at most) and library overheads; the
    * solver's own 32 d^2 doubles (workspace, one item's solution and R
    * factors) pass that only for the wide items of head groups (d > 627). */
   const double reserve = fmax(96.0 * mib, 32.0 * d * d * 8.0);
   /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
-  const double per_row = (double)(c->group + 2 * c->G + (c->device >= 0 ? 8 : 0)) *
-                         (double)c->hd * (double)c->elem_max;
+  const double per_row = (double)(c->group + 2 * c->G + (c->device >= 0 ? 8 : 0)) * (double)c->hd *
+                         (double)c->elem_max;
   /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
   double block = 0;
   for (int p = 0; c->cfg.qr == KQSVD_CALIB_QR_SCALAPACK && p < P; p++) {
@@ -125,7 +127,8 @@ static kqsvd_status_t plan(calib_t *c) {
   KQSVD_CHECK(block == 0 || avail >= per_row * (double)c->cfg.qr_block, KQSVD_ERR_USAGE,
               "--qr scalapack holds each (layer, KV head)'s rows in memory: %.0f MiB per rank "
               "here; raise --mem-limit to at least %.0f MiB, use more ranks, or use --qr tsqr, "
-              "which streams", block / mib,
+              "which streams",
+              block / mib,
               (state + rw + reserve + block + per_row * (double)c->cfg.qr_block) / mib + 1);
   int64_t rows = avail > 0 ? (int64_t)(avail / per_row) : 0;
   /* Larger reads buy nothing on the CPU (reads of 4 k to 64 k rows stream
@@ -133,20 +136,28 @@ static kqsvd_status_t plan(calib_t *c) {
    * large transfers. */
   const int64_t cap = c->device >= 0 ? 65536 : 8192;
   rows = rows > cap ? cap : rows;
-  if (c->cfg.read_rows > 0 && c->cfg.read_rows < rows) rows = c->cfg.read_rows < c->cfg.qr_block ? c->cfg.qr_block : c->cfg.read_rows;
+  if (c->cfg.read_rows > 0 && c->cfg.read_rows < rows)
+    rows = c->cfg.read_rows < c->cfg.qr_block ? c->cfg.qr_block : c->cfg.read_rows;
   rows -= rows % c->cfg.qr_block;
   KQSVD_CHECK(rows >= c->cfg.qr_block, KQSVD_ERR_USAGE,
               "--mem-limit %lld MiB is too small here: the R factors need %.2f MiB, reading "
               "needs %.2f MiB more and %.0f MiB are reserved; raise it to at least %.0f",
-              (long long)c->cfg.mem_mib, (state + rw) / mib, per_row * (double)c->cfg.qr_block / mib,
-              reserve / mib, (state + rw + reserve + per_row * (double)c->cfg.qr_block) / mib + 1);
+              (long long)c->cfg.mem_mib, (state + rw) / mib,
+              per_row * (double)c->cfg.qr_block / mib, reserve / mib,
+              (state + rw + reserve + per_row * (double)c->cfg.qr_block) / mib + 1);
   c->io_rows = rows;
 
   /* Anything that changes which rows meet which R factor, or the order of
    * the Householder updates, changes the checkpointed state. */
   uint64_t h = KQSVD_FNV_INIT;
   /* The GPU folds whole reads, so there the read size counts too. */
-  const int64_t key[] = {1, P, c->cfg.qr_block, c->dims.layers, c->dims.heads, c->dims.kv_heads, c->d,
+  const int64_t key[] = {1,
+                         P,
+                         c->cfg.qr_block,
+                         c->dims.layers,
+                         c->dims.heads,
+                         c->dims.kv_heads,
+                         c->d,
                          c->device >= 0 ? c->io_rows : -1};
   h = kqsvd_fnv1a(h, key, sizeof key);
   /* Only other methods change the hash, so TSQR checkpoints of earlier
@@ -157,8 +168,9 @@ static kqsvd_status_t plan(calib_t *c) {
     h = kqsvd_fnv1a(h, &c->shard_rows[s], sizeof c->shard_rows[s]);
   }
   c->fingerprint = h;
-  snprintf(c->about, sizeof c->about, "%d shards, %lld tokens, %d ranks, --qr %s, --qr-block %lld%s",
-           c->cfg.nshards, (long long)c->tokens, P, kqsvd_calib_qr_name(c->cfg.qr), (long long)c->cfg.qr_block,
+  snprintf(c->about, sizeof c->about,
+           "%d shards, %lld tokens, %d ranks, --qr %s, --qr-block %lld%s", c->cfg.nshards,
+           (long long)c->tokens, P, kqsvd_calib_qr_name(c->cfg.qr), (long long)c->cfg.qr_block,
            c->device >= 0 ? ", on GPUs" : "");
 done:
   return st;
@@ -171,7 +183,8 @@ static kqsvd_status_t factor_wo(calib_t *c) {
   kqsvd_status_t st = KQSVD_OK;
   const int64_t d = c->hd, m = c->m, D = c->dims.hidden;
   const kqsvd_dtype_t t = kqsvd_model_dtype(c->model);
-  const size_t raw_bytes = (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)d * c->elem_max;
+  const size_t raw_bytes =
+      (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)d * c->elem_max;
   /* Each read yields chunk * m rows of d; a multiple of --qr-block keeps the
    * Householder blocking, hence the result, independent of the read size. */
   int64_t a = m, b = c->cfg.qr_block;
@@ -220,20 +233,23 @@ static void announce(const calib_t *c) {
   char tok[32];
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   if (c->ctx.size == 1 && cores > 1)
-    kqsvd_observe(c->obs, KQSVD_LOG_INFO, "kqsvd calibrate: one rank on a %ld-core machine; "
-                  "'mpirun -np %ld kqsvd calibrate ...' uses them all\n", cores, cores);
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO,
+                  "kqsvd calibrate: one rank on a %ld-core machine; "
+                  "'mpirun -np %ld kqsvd calibrate ...' uses them all\n",
+                  cores, cores);
   kqsvd_fmt_count((double)c->tokens, tok, sizeof tok);
   kqsvd_observe(c->obs, KQSVD_LOG_INFO,
-          "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
-          "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
-          c->cfg.nshards, c->cfg.nshards == 1 ? "" : "s", tok, (long long)c->sequences,
-          c->sequences == 1 ? "" : "s", (long long)c->dims.layers,
-          (long long)(c->dims.kv_heads * c->G), (long long)c->m, c->m == 1 ? "y" : "ies",
-          (long long)c->hd, c->ctx.size, c->ctx.size == 1 ? "" : "s", (long long)c->io_rows);
+                "kqsvd calibrate: %d shard%s, %s tokens in %lld sequence%s; %lld layers x %lld KV "
+                "heads x %lld quer%s each, d = %lld; %d rank%s, %lld rows per read\n",
+                c->cfg.nshards, c->cfg.nshards == 1 ? "" : "s", tok, (long long)c->sequences,
+                c->sequences == 1 ? "" : "s", (long long)c->dims.layers,
+                (long long)(c->dims.kv_heads * c->G), (long long)c->m, c->m == 1 ? "y" : "ies",
+                (long long)c->hd, c->ctx.size, c->ctx.size == 1 ? "" : "s", (long long)c->io_rows);
   if (c->G > 1)
     kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: head groups of %lld KV heads: %lld (layer, group) problems "
-                  "%lld wide\n", (long long)c->G, (long long)c->nitems, (long long)c->d);
+                  "%lld wide\n",
+                  (long long)c->G, (long long)c->nitems, (long long)c->d);
   if (c->device >= 0)
     kqsvd_observe(c->obs, KQSVD_LOG_INFO,
                   "kqsvd calibrate: the QR stage runs on GPUs (rank 0: device %d)\n", c->device);
@@ -267,10 +283,17 @@ static kqsvd_status_t report(const calib_t *c) {
   if (!root) goto done;
   char policy[64];
   kqsvd_rank_policy_format(&c->cfg.ranks, policy, sizeof policy);
-  const kqsvd_calib_report_t r = {
-      c->cfg.out_path, policy, c->dims.layers, c->d, c->rank_k, c->rank_v,
-      c->cfg.ranks.kind == KQSVD_RANKS_BUDGET, c->cfg.beta, wall,
-      c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9), c->cfg.timings ? &tm : NULL};
+  const kqsvd_calib_report_t r = {c->cfg.out_path,
+                                  policy,
+                                  c->dims.layers,
+                                  c->d,
+                                  c->rank_k,
+                                  c->rank_v,
+                                  c->cfg.ranks.kind == KQSVD_RANKS_BUDGET,
+                                  c->cfg.beta,
+                                  wall,
+                                  c->streamed / (c->t_stream > 0 ? c->t_stream : 1e-9),
+                                  c->cfg.timings ? &tm : NULL};
   kqsvd_observe_calibrated(c->obs, &r);
 done:
   return st;
@@ -283,7 +306,9 @@ static kqsvd_status_t choose_device(calib_t *c) {
   int lrank = 0;
   /* --device cpu does not even ask the driver. */
   const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr == KQSVD_CALIB_QR_TSQR &&
-                   c->cfg.head_groups == 1 ? calib_gpu_devices() : 0;
+                           c->cfg.head_groups == 1
+                       ? calib_gpu_devices()
+                       : 0;
   KQSVD_MPI(MPI_Comm_split_type(c->ctx.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   KQSVD_MPI(MPI_Comm_rank(node, &lrank));
   c->device = -1;
@@ -336,8 +361,9 @@ kqsvd_status_t calib_model(calib_t *c) {
     }
   }
   if (ctx->rank == 0) announce(c);
-  KQSVD_MALLOC(c->raw, (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)c->hd *
-                           c->elem_max, "read buffer");
+  KQSVD_MALLOC(c->raw,
+               (size_t)(c->group + 2 * c->G) * (size_t)c->io_rows * (size_t)c->hd * c->elem_max,
+               "read buffer");
   if (c->G > 1)
     KQSVD_MALLOC(c->joint, (size_t)c->cfg.qr_block * (size_t)c->d * c->elem_max, "group rows");
   KQSVD_CALL(kqsvd_mpi_agree(ctx->comm, make_accumulator(c)));

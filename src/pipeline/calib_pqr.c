@@ -14,15 +14,16 @@
 
 int64_t calib_rank_rows(const calib_t *c, int p) {
   int64_t n = 0;
-  for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++) n += c->segs[k].row1 - c->segs[k].row0;
+  for (int64_t k = c->seg_first[p]; k < c->seg_first[p + 1]; k++)
+    n += c->segs[k].row1 - c->segs[k].row0;
   return n;
 }
 
 typedef struct {
   calib_t *c;
-  kqsvd_shard_t **sh;  /* one per local segment, opened independently */
+  kqsvd_shard_t **sh; /* one per local segment, opened independently */
   const kqsvd_segment_t *segs;
-  int64_t nseg, rows;  /* local segments and their rows */
+  int64_t nseg, rows; /* local segments and their rows */
   kqsvd_pqr_t *pqr;
   kqsvd_monitor_t *mon;
   int64_t work;
@@ -86,7 +87,8 @@ static kqsvd_status_t factor_all(pqr_stream_t *s) {
       const kqsvd_status_t local = load(s, i, tens[k], &stop);
       /* The others stop reading at their next block instead of finishing. */
       if (local != KQSVD_OK) kqsvd_monitor_raise(s->mon);
-      KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, stop && local == KQSVD_OK ? KQSVD_ERR_REMOTE : local));
+      KQSVD_CALL(
+          kqsvd_mpi_agree(c->ctx.comm, stop && local == KQSVD_OK ? KQSVD_ERR_REMOTE : local));
       const double t0 = kqsvd_now();
       KQSVD_CALL(kqsvd_mpi_agree(c->ctx.comm, kqsvd_pqr_factor(s->pqr, heads[k] * s->rows, R)));
       c->t_fold += kqsvd_now() - t0;

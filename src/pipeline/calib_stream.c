@@ -29,8 +29,8 @@ typedef struct {
   int64_t nseg, work; /* local segments; work units done */
   double last_save;
   int saves;
-  int signal;         /* the signal that stopped this rank (0: none) */
-  int delay_ms;       /* test hook: KQSVD_TEST_READ_DELAY_MS per read */
+  int signal;   /* the signal that stopped this rank (0: none) */
+  int delay_ms; /* test hook: KQSVD_TEST_READ_DELAY_MS per read */
 } stream_t;
 
 /* Opens every shard this rank shares with others, together with exactly
@@ -77,16 +77,16 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
   if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
   c->state = kqsvd_acc_state(c->acc); /* the item just finished, packed */
   if (item == c->nitems) pos.segment = seg + 1, pos.item = 0;
-  KQSVD_CALL(kqsvd_checkpoint_save(c->cfg.ckpt_dir, c->ctx.rank, c->ctx.size, c->fingerprint,
-                                   c->about, pos,
-                                   c->nitems * CAL_NR * (int64_t)kqsvd_tri_size((int)c->d),
-                                   c->state));
+  KQSVD_CALL(kqsvd_checkpoint_save(
+      c->cfg.ckpt_dir, c->ctx.rank, c->ctx.size, c->fingerprint, c->about, pos,
+      c->nitems * CAL_NR * (int64_t)kqsvd_tri_size((int)c->d), c->state));
   s->last_save = kqsvd_now();
   s->saves++;
   /* Test hook: die like `kill -9` right after the n-th checkpoint. */
   const char *kill_after = getenv("KQSVD_TEST_KILL_AFTER_CHECKPOINTS");
   const char *kill_rank = getenv("KQSVD_TEST_KILL_RANK");
-  if (kill_after && s->saves == atoi(kill_after) && c->ctx.rank == (kill_rank ? atoi(kill_rank) : 0))
+  if (kill_after && s->saves == atoi(kill_after) &&
+      c->ctx.rank == (kill_rank ? atoi(kill_rank) : 0))
     raise(SIGKILL);
 done:
   return st;
@@ -99,8 +99,8 @@ static const char *join_heads(calib_t *c, const char *blocks, size_t esz, int64_
   const size_t row = (size_t)c->hd * esz;
   for (int64_t i = 0; i < nj; i++)
     for (int64_t h = 0; h < c->G; h++)
-      memcpy(c->joint + ((size_t)(i * c->G + h)) * row,
-             blocks + ((size_t)(h * n + j0 + i)) * row, row);
+      memcpy(c->joint + ((size_t)(i * c->G + h)) * row, blocks + ((size_t)(h * n + j0 + i)) * row,
+             row);
   return c->joint;
 }
 
@@ -133,8 +133,8 @@ static kqsvd_status_t fold(stream_t *s, const kqsvd_shard_t *sh, int64_t item, i
       if (bad >= 0) kqsvd_error_clear(); /* named below, with the file and the shard's row */
       KQSVD_CHECK(bad < 0 || q || G == 1, KQSVD_ERR_DATA,
                   "%s: dataset '%s': NaN or Inf at layer %lld, heads %lld..%lld, row %lld",
-                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer,
-                  (long long)g0, (long long)(g0 + G - 1), (long long)(r0 + j0 + bad));
+                  kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer, (long long)g0,
+                  (long long)(g0 + G - 1), (long long)(r0 + j0 + bad));
       KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
                   "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
                   kqsvd_shard_path(sh), kqsvd_tensor_name(tens[t]), (long long)layer,
@@ -176,8 +176,7 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
     /* Sub-blocks in row order, K then each query head then V: the order
      * of updates of each factor does not depend on io_rows.  The GPU takes
      * the whole block at once. */
-    if (c->gpu)
-      KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
+    if (c->gpu) KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
     for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->cfg.qr_block)
       KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->cfg.qr_block ? n - j0 : c->cfg.qr_block));
     s->work += n * (mq + 2);
@@ -229,12 +228,15 @@ static kqsvd_status_t stream_segments(stream_t *s) {
   if (stop && c->cfg.ckpt_dir && !c->gpu && k < s->nseg) KQSVD_CALL(save_checkpoint(s, k, i));
   if (stop && s->signal)
     KQSVD_FAIL(KQSVD_ERR_INTERRUPTED, "interrupted by %s; %s%s%s", strsignal(s->signal),
-               c->cfg.ckpt_dir ? "checkpoint saved in " : "no --checkpoint was given, so nothing "
-                                                      "is kept",
+               c->cfg.ckpt_dir ? "checkpoint saved in "
+                               : "no --checkpoint was given, so nothing "
+                                 "is kept",
                c->cfg.ckpt_dir ? c->cfg.ckpt_dir : "",
                c->cfg.ckpt_dir ? ": run the same command again to resume" : "");
-  if (stop) st = KQSVD_ERR_REMOTE; /* the failing rank reports */
-  else if (c->gpu) KQSVD_CALL(calib_gpu_sync(c, 1));
+  if (stop)
+    st = KQSVD_ERR_REMOTE; /* the failing rank reports */
+  else if (c->gpu)
+    KQSVD_CALL(calib_gpu_sync(c, 1));
 done:
   kqsvd_shard_close(&own);
   return st;
@@ -264,9 +266,9 @@ kqsvd_status_t calib_stream(calib_t *c) {
   if (c->cfg.ckpt_dir) {
     local = kqsvd_checkpoint_load(c->cfg.ckpt_dir, c->ctx.rank, c->ctx.size, c->fingerprint, nvals,
                                   c->state, &c->pos, &found);
-    if (local == KQSVD_OK && (c->pos.segment < 0 || c->pos.segment > s.nseg ||
-                              c->pos.item < 0 || c->pos.item >= c->nitems ||
-                              (c->pos.segment == s.nseg && c->pos.item != 0)))
+    if (local == KQSVD_OK &&
+        (c->pos.segment < 0 || c->pos.segment > s.nseg || c->pos.item < 0 ||
+         c->pos.item >= c->nitems || (c->pos.segment == s.nseg && c->pos.item != 0)))
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
                               "checkpoint in %s does not fit this run's plan", c->cfg.ckpt_dir);
     KQSVD_CALL(kqsvd_mpi_agree(comm, local));
@@ -290,9 +292,10 @@ kqsvd_status_t calib_stream(calib_t *c) {
   KQSVD_MPI(MPI_Allreduce(&found, &resumed, 1, MPI_INT, MPI_SUM, comm));
   const int64_t total = c->tokens * c->nitems * (c->group + 2);
   if (c->ctx.rank == 0 && resumed)
-    kqsvd_observe(c->obs, KQSVD_LOG_INFO, "kqsvd calibrate: resuming %d of %d ranks from "
-                  "checkpoints in %s, %.1f%% already done\n", resumed, c->ctx.size, c->cfg.ckpt_dir,
-                  100.0 * (double)base / (double)total);
+    kqsvd_observe(c->obs, KQSVD_LOG_INFO,
+                  "kqsvd calibrate: resuming %d of %d ranks from "
+                  "checkpoints in %s, %.1f%% already done\n",
+                  resumed, c->ctx.size, c->cfg.ckpt_dir, 100.0 * (double)base / (double)total);
   kqsvd_progress_fn show;
   void *show_ctx;
   double every;

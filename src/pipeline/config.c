@@ -9,9 +9,7 @@
 static const char *const qr_names[] = {"tsqr", "gram", "scalapack"};
 static const char *const device_names[] = {"auto", "cpu", "cuda"};
 
-const char *kqsvd_calib_qr_name(kqsvd_calib_qr_t q) {
-  return (unsigned)q < 3 ? qr_names[q] : "?";
-}
+const char *kqsvd_calib_qr_name(kqsvd_calib_qr_t q) { return (unsigned)q < 3 ? qr_names[q] : "?"; }
 
 /* The index of `s` among the n names, else a usage error listing them
  * (`expected`) and naming `opt`. */

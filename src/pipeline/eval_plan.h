@@ -7,8 +7,8 @@
 #include "kqsvd_cache.h"
 #include "kqsvd_eval.h"
 #include "kqsvd_mpi.h"
-#include "kqsvd_proj.h"
 #include "kqsvd_pipeline.h"
+#include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 
 typedef struct evaluation {

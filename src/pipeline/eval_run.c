@@ -59,8 +59,8 @@ static kqsvd_status_t load_layer(run_t *r, int64_t l) {
   for (int m = 0; m < KQSVD_NMETHODS; m++)
     for (int k = 0; k < 4; k++) {
       double *p = r->proj + ((size_t)m * 4 + (size_t)k) * per;
-      KQSVD_CALL(kqsvd_proj_read(e->proj, kqsvd_method_name((kqsvd_method_t)m), g_proj_names[k],
-                                 l, p));
+      KQSVD_CALL(
+          kqsvd_proj_read(e->proj, kqsvd_method_name((kqsvd_method_t)m), g_proj_names[k], l, p));
       r->layer.proj[m][k] = p;
     }
   const kqsvd_dtype_t t = kqsvd_model_dtype(e->model);
@@ -102,8 +102,10 @@ static kqsvd_status_t read_rows(run_t *r, kqsvd_tensor_t t, int64_t layer, int64
   kqsvd_status_t st = KQSVD_OK;
   const int64_t d = r->e->hd;
   KQSVD_CALL(kqsvd_shard_read(r->sh, t, layer, head0, nheads, row0, nrows, r->raw));
-  const int64_t bad = kqsvd_convert_to_f64(kqsvd_shard_dtype(r->sh, t), r->raw, nheads * nrows * d, dst);
-  KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA, "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
+  const int64_t bad =
+      kqsvd_convert_to_f64(kqsvd_shard_dtype(r->sh, t), r->raw, nheads * nrows * d, dst);
+  KQSVD_CHECK(bad < 0, KQSVD_ERR_DATA,
+              "%s: dataset '%s': NaN or Inf at layer %lld, head %lld, row %lld",
               kqsvd_shard_path(r->sh), kqsvd_tensor_name(t), (long long)layer,
               (long long)(head0 + bad / (nrows * d)), (long long)(row0 + (bad / d) % nrows));
 done:
@@ -171,7 +173,8 @@ static void close_sequence(run_t *r, int64_t l, int64_t q, int whole, const kqsv
   if (whole) {
     double *a = r->acc + (size_t)l * KQSVD_NMETHODS * KQSVD_NMETRICS;
     for (int m = 0; m < KQSVD_NMETHODS; m++)
-      for (int k = 0; k < KQSVD_NMETRICS; k++) a[m * KQSVD_NMETRICS + k] += kqsvd_eval_ratio(s, m, k);
+      for (int k = 0; k < KQSVD_NMETRICS; k++)
+        a[m * KQSVD_NMETRICS + k] += kqsvd_eval_ratio(s, m, k);
   } else {
     r->part[r->npart].gid = (double)(l * r->e->nseq + q);
     r->part[r->npart].s = *s;
@@ -196,7 +199,8 @@ static kqsvd_status_t run_units(run_t *r, double scale, int *stop) {
       for (int64_t k = 0; k < nb; k++, u++) {
         if (u < e->u0 || u >= e->u1 || *stop) continue;
         const int64_t row0 = k * e->block_rows;
-        const int64_t n = e->seq_len[q] - row0 < e->block_rows ? e->seq_len[q] - row0 : e->block_rows;
+        const int64_t n =
+            e->seq_len[q] - row0 < e->block_rows ? e->seq_len[q] - row0 : e->block_rows;
         KQSVD_CALL(run_unit(r, l, q, row0, n, &sums));
         done_blocks++;
         r->work += llround(eval_unit_cost(e, e->seq_len[q], k) * scale);

@@ -25,8 +25,9 @@ static kqsvd_status_t validate_inputs(evaluation_t *e) {
     if (e->dims.kv_heads % e->G != 0)
       local = kqsvd_error_set(KQSVD_ERR_INPUT, __FILE__, __LINE__, __func__,
                               "%s: attribute 'head_groups' = %lld does not divide the %lld KV "
-                              "heads of %s", e->cfg.proj_path, (long long)e->G,
-                              (long long)e->dims.kv_heads, e->cfg.model_path);
+                              "heads of %s",
+                              e->cfg.proj_path, (long long)e->G, (long long)e->dims.kv_heads,
+                              e->cfg.model_path);
     kqsvd_dims_t view = e->dims;
     view.kv_heads /= e->G;
     view.head_dim *= e->G;
@@ -90,8 +91,8 @@ static kqsvd_status_t choose_ranks(evaluation_t *e) {
   const size_t n = (size_t)KQSVD_NMETHODS * (size_t)e->dims.layers;
   KQSVD_MALLOC(e->rank_k, n, "ranks");
   KQSVD_MALLOC(e->rank_v, n, "ranks");
-  KQSVD_CALL(kqsvd_proj_choose_ranks(e->proj, e->cfg.ranks, e->rank_k,
-                                     e->rank_v, e->policy, sizeof e->policy));
+  KQSVD_CALL(kqsvd_proj_choose_ranks(e->proj, e->cfg.ranks, e->rank_k, e->rank_v, e->policy,
+                                     sizeof e->policy));
   if (!e->cfg.ranks)
     KQSVD_CALL(kqsvd_proj_choose_head_ranks(e->proj, &e->head_k, &e->head_v, e->has_heads));
 done:
@@ -103,19 +104,22 @@ done:
 static kqsvd_status_t plan(evaluation_t *e) {
   kqsvd_status_t st = KQSVD_OK;
   const double mib = 1048576.0, d = (double)e->d, hd = (double)(e->dims.heads * e->d);
-  const double fixed = 8.0 * ((double)e->dims.hidden * hd + 12.0 * (double)e->dims.kv_heads * d * d +
-                              2.0 * (double)e->max_T * d) +
-                       64.0 * mib; /* libraries */
+  const double fixed =
+      8.0 * ((double)e->dims.hidden * hd + 12.0 * (double)e->dims.kv_heads * d * d +
+             2.0 * (double)e->max_T * d) +
+      64.0 * mib; /* libraries */
   if (e->block_rows > e->max_T) e->block_rows = e->max_T;
   for (;;) {
     const double b = (double)e->block_rows;
-    const double raw = (double)e->elem_max * fmax(fmax((double)e->max_T * d, (double)e->group * b * d), hd);
+    const double raw =
+        (double)e->elem_max * fmax(fmax((double)e->max_T * d, (double)e->group * b * d), hd);
     /* Under head groups, the rows as read, as float64, before joining. */
     const double heads = e->G > 1 ? raw / (double)e->elem_max * 8.0 : 0.0;
     e->mem_need = fixed + raw + heads + 8.0 * (double)e->group * b * d +
                   kqsvd_eval_ws_bytes((int)e->dims.heads, (int)e->d, (int)e->dims.hidden, e->max_T,
                                       e->block_rows);
-    if (e->mem_need <= (double)e->cfg.mem_mib * mib || e->cfg.block_set || e->block_rows <= 16) break;
+    if (e->mem_need <= (double)e->cfg.mem_mib * mib || e->cfg.block_set || e->block_rows <= 16)
+      break;
     e->block_rows /= 2;
   }
   KQSVD_CHECK(e->mem_need <= (double)e->cfg.mem_mib * mib, KQSVD_ERR_USAGE,

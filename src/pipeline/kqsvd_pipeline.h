@@ -53,10 +53,10 @@ typedef struct kqsvd_calib_config {
   const char *model_path, *out_path, *manifest_path;
   char **shards;
   int nshards;
-  const char *ckpt_dir;       /* NULL: no checkpoints */
-  double ckpt_every;          /* seconds between checkpoints within a shard */
-  kqsvd_rank_policy_t ranks;  /* how rank_k and rank_v are chosen */
-  double beta;                /* eigen's key/query unbalance */
+  const char *ckpt_dir;        /* NULL: no checkpoints */
+  double ckpt_every;           /* seconds between checkpoints within a shard */
+  kqsvd_rank_policy_t ranks;   /* how rank_k and rank_v are chosen */
+  double beta;                 /* eigen's key/query unbalance */
   int64_t qr_block, read_rows; /* read_rows 0: as --mem-limit allows */
   int64_t head_groups;         /* G KV heads solved as one, G d wide [1: per head] */
   int64_t mem_mib;

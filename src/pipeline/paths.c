@@ -16,9 +16,12 @@
 static void folder_of(const char *path, char *dir, size_t n) {
   snprintf(dir, n, "%s", path);
   char *slash = strrchr(dir, '/');
-  if (!slash) snprintf(dir, n, ".");
-  else if (slash == dir) dir[1] = '\0';
-  else *slash = '\0';
+  if (!slash)
+    snprintf(dir, n, ".");
+  else if (slash == dir)
+    dir[1] = '\0';
+  else
+    *slash = '\0';
 }
 
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
@@ -41,12 +44,12 @@ kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) 
                 "%s: the path holds a control character (byte 0x%02x)", opt,
                 (unsigned)(unsigned char)*c);
   folder_of(path, dir, sizeof dir);
-  KQSVD_CHECK(stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
-              "%s %s is a folder", opt, path);
+  KQSVD_CHECK(stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE, "%s %s is a folder",
+              opt, path);
   KQSVD_CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
               "%s %s: folder %s does not exist", opt, path, dir);
-  KQSVD_CHECK(access(dir, W_OK) == 0, KQSVD_ERR_USAGE, "%s %s: folder %s is not writable (%s)",
-              opt, path, dir, strerror(errno));
+  KQSVD_CHECK(access(dir, W_OK) == 0, KQSVD_ERR_USAGE, "%s %s: folder %s is not writable (%s)", opt,
+              path, dir, strerror(errno));
   /* A calibration takes hours: replacing one needs saying so. */
   KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
               "%s %s already exists; give --force to replace it", opt, path);
@@ -64,8 +67,7 @@ static kqsvd_status_t check_files(const char *out_opt, const char *out, const ch
     struct stat a;
     if (stat(in[i], &a) != 0) continue;
     KQSVD_CHECK(!out_exists || a.st_dev != o.st_dev || a.st_ino != o.st_ino, KQSVD_ERR_USAGE,
-                "%s %s is also an input (%s): the output would replace it", out_opt, out,
-                roles[i]);
+                "%s %s is also an input (%s): the output would replace it", out_opt, out, roles[i]);
     for (int j = 0; j < i; j++) {
       struct stat b;
       KQSVD_CHECK(stat(in[j], &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino,
@@ -107,8 +109,7 @@ kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
   char real_dir[PATH_MAX], out_dir[PATH_MAX], real_out[PATH_MAX], probe[PATH_MAX + 64];
   int fd = -1;
   KQSVD_CHECK(!out || strcmp(dir, out) != 0, KQSVD_ERR_USAGE,
-              "--checkpoint %s is the --out path; give the checkpoints a folder of their own",
-              dir);
+              "--checkpoint %s is the --out path; give the checkpoints a folder of their own", dir);
   KQSVD_CHECK(stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
               "--checkpoint %s exists and is not a folder", dir);
   KQSVD_CHECK(kqsvd_mkdir_p(dir) == 0, KQSVD_ERR_USAGE, "--checkpoint %s: cannot create it (%s)",

@@ -27,7 +27,7 @@ struct kqsvd_result {
   int64_t nitems, tokens, block_rows, head_groups;
   double beta;
   char policy[64];
-  double eps; /* NaN unless the policy is eps:E */
+  double eps;                        /* NaN unless the policy is eps:E */
   double *mat[KQSVD_NMETHODS][NMAT]; /* [nitems][d][d] */
   double *sig[KQSVD_NMETHODS][2];    /* [nitems][d]: sigma_k, sigma_v */
   double *spec[NSPEC];               /* [nitems][d] */
@@ -59,8 +59,7 @@ static kqsvd_status_t result_alloc(const kqsvd_shape_t *shape, kqsvd_result_t **
   r->nitems = shape->layers * shape->kv_heads;
   const size_t dd = (size_t)r->d * (size_t)r->d, n = (size_t)r->nitems;
   const size_t per_method = NMAT * dd + 2 * (size_t)r->d;
-  KQSVD_MALLOC(r->storage, n * (KQSVD_NMETHODS * per_method + NSPEC * (size_t)r->d),
-               "projections");
+  KQSVD_MALLOC(r->storage, n * (KQSVD_NMETHODS * per_method + NSPEC * (size_t)r->d), "projections");
   double *p = r->storage;
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     for (int k = 0; k < NMAT; k++) r->mat[m][k] = p, p += n * dd;
@@ -82,7 +81,8 @@ static void store(kqsvd_result_t *r, int64_t i, const kqsvd_solution_t *sol) {
   for (int m = 0; m < KQSVD_NMETHODS; m++) {
     const kqsvd_projection_t *p = &sol->method[m];
     const double *src[NMAT] = {p->key_down, p->query_down, p->value_down, p->value_up};
-    for (int k = 0; k < NMAT; k++) memcpy(r->mat[m][k] + (size_t)i * dd, src[k], dd * sizeof(double));
+    for (int k = 0; k < NMAT; k++)
+      memcpy(r->mat[m][k] + (size_t)i * dd, src[k], dd * sizeof(double));
     memcpy(r->sig[m][0] + (size_t)i * (size_t)r->d, p->sigma_k, vec);
     memcpy(r->sig[m][1] + (size_t)i * (size_t)r->d, p->sigma_v, vec);
   }
@@ -115,8 +115,8 @@ kqsvd_status_t kqsvd_acc_finish(const kqsvd_acc_t *acc, const kqsvd_finish_optio
   for (int64_t l = 0; l < s->layers; l++)
     KQSVD_CHECK(kqsvd_acc_oproj_rows(acc, l) == s->hidden, KQSVD_ERR_USAGE,
                 "kqsvd_acc_finish: o_proj of layer %lld has %lld of its %lld rows; give every "
-                "row with kqsvd_acc_absorb_oproj", (long long)l,
-                (long long)kqsvd_acc_oproj_rows(acc, l), (long long)s->hidden);
+                "row with kqsvd_acc_absorb_oproj",
+                (long long)l, (long long)kqsvd_acc_oproj_rows(acc, l), (long long)s->hidden);
   KQSVD_CALL(result_alloc(s, &r));
   r->tokens = kqsvd_acc_tokens(acc);
   r->beta = o.beta;
@@ -194,8 +194,7 @@ static void view(const kqsvd_result_t *r, int64_t i, kqsvd_solution_t *sol) {
     p->sigma_k = r->sig[m][0] + (size_t)i * v;
     p->sigma_v = r->sig[m][1] + (size_t)i * v;
   }
-  double **spec[NSPEC] = {&sol->spec_K, &sol->spec_Q, &sol->spec_V, &sol->spec_KQt,
-                          &sol->spec_VWo};
+  double **spec[NSPEC] = {&sol->spec_K, &sol->spec_Q, &sol->spec_V, &sol->spec_KQt, &sol->spec_VWo};
   for (int k = 0; k < NSPEC; k++) *spec[k] = r->spec[k] + (size_t)i * v;
 }
 

@@ -15,12 +15,12 @@
 #include <unistd.h>
 
 #include "../unit/check.h"
-#include "mpi_check.h"
 #include "kqsvd/kqsvd.h"
 #include "kqsvd_acc.h"
 #include "kqsvd_convert.h"
 #include "kqsvd_error.h"
 #include "kqsvd_linalg.h"
+#include "mpi_check.h"
 
 enum { L = 2, H = 2, G = 3, D = 8, HID = 20, T = 701 };
 
@@ -89,7 +89,8 @@ static void grouped(int rank, int size, const char *ckpt_of_ungrouped) {
     }
   }
   CHECK(kqsvd_acc_absorb(acc, KQSVD_KEYS, 0, 1, 0, rows, KQSVD_F64, 1, W) == KQSVD_ERR_USAGE &&
-        strstr(kqsvd_last_error(), "first head"), "a group's second head: %s", kqsvd_last_error());
+            strstr(kqsvd_last_error(), "first head"),
+        "a group's second head: %s", kqsvd_last_error());
   kqsvd_clear_error();
   CHECK_OK(kqsvd_acc_reduce(acc, MPI_COMM_WORLD, 0));
   if (rank == 0) {
@@ -106,7 +107,8 @@ static void grouped(int rank, int size, const char *ckpt_of_ungrouped) {
       for (int i = 0; i < W * W; i++) nrm = fmax(nrm, fabs(ref[i]));
       for (int i = 0; i < W; i++) {
         const double sg = got[i * W + i] < 0 ? -1.0 : 1.0;
-        for (int j = 0; j < W; j++) worst = fmax(worst, fabs(sg * got[i * W + j] - ref[j * W + i]) / nrm);
+        for (int j = 0; j < W; j++)
+          worst = fmax(worst, fabs(sg * got[i * W + j] - ref[j * W + i]) / nrm);
       }
       const size_t tri = kqsvd_tri_size(W);
       kqsvd_tri_unpack(W, kqsvd_acc_state(acc) + ((size_t)l * 3 + 1) * tri, got);
@@ -125,7 +127,8 @@ static void grouped(int rank, int size, const char *ckpt_of_ungrouped) {
   CHECK_OK(kqsvd_acc_init(&shape, &opt, &back));
   CHECK_OK(kqsvd_acc_load(back, path));
   CHECK(memcmp(kqsvd_acc_state(acc), kqsvd_acc_state(back),
-               sizeof(double) * (size_t)kqsvd_acc_state_doubles(acc)) == 0, "grouped state loaded");
+               sizeof(double) * (size_t)kqsvd_acc_state_doubles(acc)) == 0,
+        "grouped state loaded");
   CHECK(kqsvd_acc_load(back, ckpt_of_ungrouped) == KQSVD_ERR_INPUT, "per-head checkpoint refused");
   kqsvd_clear_error();
   remove(path);
@@ -213,7 +216,8 @@ int main(int argc, char **argv) {
   CHECK_OK(kqsvd_acc_init(&shape, &opt, &back));
   CHECK_OK(kqsvd_acc_load(back, path));
   CHECK(memcmp(kqsvd_acc_state(acc), kqsvd_acc_state(back),
-               sizeof(double) * (size_t)kqsvd_acc_state_doubles(acc)) == 0, "loaded state");
+               sizeof(double) * (size_t)kqsvd_acc_state_doubles(acc)) == 0,
+        "loaded state");
   CHECK(kqsvd_acc_tokens(back) == kqsvd_acc_tokens(acc), "loaded tokens");
 
   grouped(rank, size, path);
@@ -281,7 +285,8 @@ int main(int argc, char **argv) {
         "a refused call leaves the factors unchanged");
   kqsvd_clear_error();
   CHECK(kqsvd_acc_absorb(back, KQSVD_QUERIES, 0, 0, G, nan_rows, KQSVD_F64, 1, D) ==
-        KQSVD_ERR_USAGE, "query index");
+            KQSVD_ERR_USAGE,
+        "query index");
   kqsvd_clear_error();
   kqsvd_shape_t other = {L + 1, H, G, D, HID};
   kqsvd_acc_t *wrong = NULL;

@@ -8,9 +8,9 @@
 #include <string.h>
 
 #include "../unit/check.h"
-#include "mpi_check.h"
 #include "kqsvd_linalg.h"
 #include "kqsvd_mpi.h"
+#include "mpi_check.h"
 
 enum { N = 2503, D = 16, ITEMS = 5, PER = 2 };
 
@@ -58,7 +58,8 @@ int main(int argc, char **argv) {
       kqsvd_tri_unpack(D, state + (size_t)(it * PER + w) * tri, got);
       kqsvd_r_fix_signs(D, ref);
       kqsvd_r_fix_signs(D, got);
-      for (int k = 0; k < D * D; k++) num = fmax(num, fabs(got[k] - ref[k])), den = fmax(den, fabs(ref[k]));
+      for (int k = 0; k < D * D; k++)
+        num = fmax(num, fabs(got[k] - ref[k])), den = fmax(den, fabs(ref[k]));
       CHECK(num <= 1e-12 * den, "np=%d item %lld/%d: TSQR R differs from dgeqrf by %.3g", size,
             (long long)it, w, num / den);
       free(A);
@@ -73,7 +74,8 @@ int main(int argc, char **argv) {
     local = kqsvd_error_set(KQSVD_ERR_DATA, __FILE__, __LINE__, __func__, "injected failure");
     CHECK_OK(kqsvd_monitor_raise(mon));
   } else {
-    for (int spins = 0; !stop && spins < 2000000; spins++) CHECK_OK(kqsvd_monitor_update(mon, spins, &stop));
+    for (int spins = 0; !stop && spins < 2000000; spins++)
+      CHECK_OK(kqsvd_monitor_update(mon, spins, &stop));
     CHECK(stop || size == 1, "rank %d never saw the cancellation", rank);
     if (stop) local = KQSVD_ERR_REMOTE;
   }

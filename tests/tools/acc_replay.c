@@ -39,8 +39,8 @@ static kqsvd_status_t replay(int argc, char **argv) {
     /* One element size for the three tensors: calibrate's inputs share it. */
     const size_t esz = kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
     KQSVD_CHECK(esz == kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_QUERIES)) &&
-                esz == kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES)), KQSVD_ERR_USAGE,
-                "acc_replay: mixed element sizes");
+                    esz == kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_VALUES)),
+                KQSVD_ERR_USAGE, "acc_replay: mixed element sizes");
     KQSVD_MALLOC(buf, (size_t)((m + 2) * T * d) * esz, "rows");
     for (int64_t l = 0; l < shape.layers; l++)
       for (int64_t g = 0; g < shape.kv_heads; g++) {
@@ -51,7 +51,9 @@ static kqsvd_status_t replay(int argc, char **argv) {
         for (int t = 0; t < 3; t++) {
           const int64_t nh = ts[t] == KQSVD_QUERIES ? m : 1;
           KQSVD_CALL(kqsvd_shard_read(sh, ts[t], l, ts[t] == KQSVD_QUERIES ? g * m : g, nh, 0, T,
-                                      buf + (size_t)(t == 0 ? 0 : t == 1 ? T * d : (m + 1) * T * d) *
+                                      buf + (size_t)(t == 0   ? 0
+                                                     : t == 1 ? T * d
+                                                              : (m + 1) * T * d) *
                                                 esz));
         }
         for (int64_t j0 = 0; j0 < T; j0 += opt.block_rows) {

@@ -9,27 +9,27 @@
 
 static int g_failures = 0, g_checks = 0;
 
-#define CHECK(cond, ...)                                                 \
-  do {                                                                   \
-    g_checks++;                                                          \
-    if (!(cond)) {                                                       \
-      g_failures++;                                                      \
+#define CHECK(cond, ...)                                                       \
+  do {                                                                         \
+    g_checks++;                                                                \
+    if (!(cond)) {                                                             \
+      g_failures++;                                                            \
       fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                      \
-      fputc('\n', stderr);                                               \
-    }                                                                    \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+    }                                                                          \
   } while (0)
 
 /* |a - b| <= tol * scale, reporting both values. */
-#define CHECK_CLOSE(a, b, tol, scale)                                           \
+#define CHECK_CLOSE(a, b, tol, scale)                                                       \
   CHECK(fabs((double)(a) - (double)(b)) <= (tol) * (scale), "%.17g vs %.17g (tol %g x %g)", \
         (double)(a), (double)(b), (double)(tol), (double)(scale))
 
-#define CHECK_OK(expr)                                                   \
-  do {                                                                   \
-    kqsvd_status_t s_ = (expr);                                          \
-    CHECK(s_ == KQSVD_OK, "%s", kqsvd_error_message());                  \
-    if (s_ != KQSVD_OK) kqsvd_error_clear();                             \
+#define CHECK_OK(expr)                                  \
+  do {                                                  \
+    kqsvd_status_t s_ = (expr);                         \
+    CHECK(s_ == KQSVD_OK, "%s", kqsvd_error_message()); \
+    if (s_ != KQSVD_OK) kqsvd_error_clear();            \
   } while (0)
 
 static inline int check_exit(const char *name) {

@@ -41,8 +41,8 @@ int main(int argc, char **argv) {
       }
       const int64_t bad = kqsvd_convert_to_f64(type, raw, n, x);
       if (bad >= 0) {
-        printf("non-finite %s layer %lld element %lld\n", kqsvd_tensor_name(order[t]),
-               (long long)l, (long long)bad);
+        printf("non-finite %s layer %lld element %lld\n", kqsvd_tensor_name(order[t]), (long long)l,
+               (long long)bad);
         rc = 3;
       }
       fwrite(x, sizeof(double), (size_t)n, out);

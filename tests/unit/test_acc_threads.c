@@ -23,8 +23,8 @@ static int feed(int id, int roundtrip, double *R) {
   char path[128];
   float rows[T * D];
   unsigned long long s = 17ULL + (unsigned long long)id;
-  snprintf(path, sizeof path, "%s/kqsvd-threads-%d-%d.h5", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp",
-           (int)getpid(), id);
+  snprintf(path, sizeof path, "%s/kqsvd-threads-%d-%d.h5",
+           getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid(), id);
   if (kqsvd_acc_init(&SHAPE, NULL, &acc) != KQSVD_OK) return 1;
   for (int r = 0; r < ROUNDS; r++) {
     for (int i = 0; i < T * D; i++) rows[i] = (float)test_normal(&s);
@@ -64,9 +64,11 @@ int main(void) {
   kqsvd_acc_t *acc = NULL;
   float one[D] = {0};
   CHECK_OK(kqsvd_acc_init(&SHAPE, NULL, &acc));
-  CHECK(kqsvd_acc_absorb(acc, KQSVD_KEYS, 9, 0, 0, one, KQSVD_F32, 1, D) == KQSVD_ERR_USAGE, "layer");
+  CHECK(kqsvd_acc_absorb(acc, KQSVD_KEYS, 9, 0, 0, one, KQSVD_F32, 1, D) == KQSVD_ERR_USAGE,
+        "layer");
   CHECK(strstr(kqsvd_last_error(), "layer 9") != NULL, "%s", kqsvd_last_error());
-  CHECK(kqsvd_acc_absorb(acc, KQSVD_KEYS, 0, 0, 3, one, KQSVD_F32, 1, D) == KQSVD_ERR_USAGE, "query");
+  CHECK(kqsvd_acc_absorb(acc, KQSVD_KEYS, 0, 0, 3, one, KQSVD_F32, 1, D) == KQSVD_ERR_USAGE,
+        "query");
   CHECK(strstr(kqsvd_last_error(), "query 3") != NULL, "second failure, own message: %s",
         kqsvd_last_error());
   CHECK(kqsvd_acc_factor(acc, (kqsvd_tensor_t)7, 0, 0, g_R[0]) == KQSVD_ERR_USAGE, "tensor 7");

@@ -58,8 +58,10 @@ static void verify_readers(int64_t n, const int64_t *rows, int P) {
       int has = 0;
       for (int64_t k = first[p]; k < first[p + 1]; k++) has |= segs[k].shard == s;
       if (!has) continue;
-      CHECK(holders < nr && readers[holders] == p, "P=%d shard %lld: rank %d reads it but is not "
-            "listed", P, (long long)s, p);
+      CHECK(holders < nr && readers[holders] == p,
+            "P=%d shard %lld: rank %d reads it but is not "
+            "listed",
+            P, (long long)s, p);
       holders++;
     }
     CHECK(holders == nr, "P=%d shard %lld: %d readers listed, %d hold rows", P, (long long)s, nr,

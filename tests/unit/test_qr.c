@@ -50,8 +50,7 @@ static double tol_r(int d, int n) { return TOL_R * unit(d, n); }
 /* The worst error seen in each class of check, in units of eps (d + sqrt n). */
 enum { W_DGEQRF, W_MERGE, W_PATHS, W_RANK, W_COUNT };
 static const char *const g_worst_name[W_COUNT] = {"fold vs dgeqrf", "merges vs dgeqrf",
-                                                   "other sets vs this one",
-                                                   "rank-deficient sigma"};
+                                                  "other sets vs this one", "rank-deficient sigma"};
 static double g_worst[W_COUNT];
 static double seen(int what, double err, int d, int n) {
   g_worst[what] = fmax(g_worst[what], err / unit(d, n));
@@ -102,14 +101,13 @@ static int lower_nonzeros(int d, const double *R) {
 }
 
 /* R of X folded by kqsvd_qr_absorb in calls of `split` rows (0: one call). */
-static void fold(int d, int block, const void *X, kqsvd_dtype_t type, int n, int split,
-                 double *R) {
+static void fold(int d, int block, const void *X, kqsvd_dtype_t type, int n, int split, double *R) {
   kqsvd_qr_ws_t *ws = NULL;
   int64_t bad = 0;
   CHECK_OK(kqsvd_qr_ws_init(d, block, &ws));
   memset(R, 0, sizeof(double) * (size_t)d * d);
   const size_t row = (size_t)d * kqsvd_dtype_size(type);
-  for (int r0 = 0; r0 < n; r0 += split > 0 ? split : n) {
+  for (int r0 = 0; r0<n; r0 += split> 0 ? split : n) {
     const int m = split > 0 && n - r0 > split ? split : n - r0;
     CHECK_OK(kqsvd_qr_absorb(ws, R, (const char *)X + (size_t)r0 * row, type, m, &bad));
     CHECK(bad == -1, "d %d: no bad rows expected", d);
@@ -131,8 +129,8 @@ static void check_kernel_shapes(unsigned long long *seed) {
     for (size_t b = 0; b < sizeof blocks / sizeof blocks[0]; b++) {
       fold(d, blocks[b], X, KQSVD_F64, n, 611, R);
       const double diff = seen(W_DGEQRF, r_diff_d(d, R, Rref), d, n);
-      CHECK(diff <= tol_r(d, n), "d %d block %d: R differs from dgeqrf by %.3g" UNITS, d,
-            blocks[b], diff / unit(d, n));
+      CHECK(diff <= tol_r(d, n), "d %d block %d: R differs from dgeqrf by %.3g" UNITS, d, blocks[b],
+            diff / unit(d, n));
       CHECK(lower_nonzeros(d, R) == 0, "d %d block %d: strict lower part must stay zero", d,
             blocks[b]);
     }
@@ -265,7 +263,8 @@ static void check_bf16_transpose(unsigned long long *seed) {
     if (b + 1 < sizeof bad_at / sizeof bad_at[0]) *at = keep;
   }
   h[50 * d + 3] = 0x7f80; /* +Inf, with row 2's NaN still there */
-  CHECK(kqsvd_convert_transpose(KQSVD_BF16, h, rows, d, dst, ld) == 2, "bf16 transpose: first bad row");
+  CHECK(kqsvd_convert_transpose(KQSVD_BF16, h, rows, d, dst, ld) == 2,
+        "bf16 transpose: first bad row");
   free(h);
   free(dst);
 }
@@ -433,8 +432,8 @@ int main(void) {
   CHECK_OK(kqsvd_qr_ws_init(D, 8, &narrow));
   memcpy(top, R, sizeof R);
   CHECK_OK(kqsvd_qr_merge(narrow, top, R2));
-  CHECK(seen(W_MERGE, r_diff(top, Rref), D, N) <= tol_r(D, N),
-        "dtpqrt merge differs by %.3g" UNITS, r_diff(top, Rref) / unit(D, N));
+  CHECK(seen(W_MERGE, r_diff(top, Rref), D, N) <= tol_r(D, N), "dtpqrt merge differs by %.3g" UNITS,
+        r_diff(top, Rref) / unit(D, N));
   kqsvd_qr_ws_free(&narrow);
 
   /* Packing round trip. */

@@ -41,7 +41,11 @@ static void test_budget(void) {
         for (int j = 0; j < BD; j++) v[j] = fabs(test_normal(&seed)) * pow(0.5, j * (trial % 3));
         for (int a = 0; a < BD; a++) /* sort descending */
           for (int b = a + 1; b < BD; b++)
-            if (v[b] > v[a]) { const double t = v[a]; v[a] = v[b]; v[b] = t; }
+            if (v[b] > v[a]) {
+              const double t = v[a];
+              v[a] = v[b];
+              v[b] = t;
+            }
         if ((trial + k + h) % 7 == 0) memset(v, 0, sizeof(double) * BD);
         if ((trial + k + h) % 5 == 0) v[BD - 1] = v[BD - 2] = 0.0;
       }
@@ -61,7 +65,8 @@ static void test_budget(void) {
   }
   int32_t r[NS];
   const double *sig[NS] = {NULL, NULL, NULL, NULL};
-  CHECK(kqsvd_rank_budget(NS, BH, BD, sig, NS - 1, r) == KQSVD_ERR_USAGE, "budget below 1 per side");
+  CHECK(kqsvd_rank_budget(NS, BH, BD, sig, NS - 1, r) == KQSVD_ERR_USAGE,
+        "budget below 1 per side");
   kqsvd_error_clear();
 }
 
@@ -78,7 +83,7 @@ static void test_policies(void) {
   }
   kqsvd_rank_policy_format(&(kqsvd_rank_policy_t){KQSVD_RANKS_EPS, 0.1}, buf, sizeof buf);
   CHECK(strcmp(buf, "eps:0.1") == 0, "format gives %s", buf);
-  const char *bad[] = {"eps:0", "eps:1", "eps:", "fixed:0", "fixed:2.5", "budget:0",
+  const char *bad[] = {"eps:0",      "eps:1",   "eps:",     "fixed:0",  "fixed:2.5", "budget:0",
                        "budget:1.5", "ranks:3", "eps:0.1x", "fixed:-3", "eps:nan"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     CHECK(kqsvd_rank_policy_parse("--ranks", bad[i], &p) == KQSVD_ERR_USAGE, "%s accepted", bad[i]);

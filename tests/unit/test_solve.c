@@ -46,10 +46,11 @@ static double rel_err(const double *GL, const double *GR, const double *A, const
       for (int k = 0; k < r; k++) p += A[i * D + k] * B[j * D + k];
       E[i * D + j] = p - (i == j);
     }
-  kqsvd_gemm('N', 'N', D, D, D, 1.0, E, D, GL, D, 0.0, T1, D);  /* row-major GL E */
-  kqsvd_gemm('N', 'T', D, D, D, 1.0, T1, D, E, D, 0.0, T2, D);  /* E^T GL E */
+  kqsvd_gemm('N', 'N', D, D, D, 1.0, E, D, GL, D, 0.0, T1, D); /* row-major GL E */
+  kqsvd_gemm('N', 'T', D, D, D, 1.0, T1, D, E, D, 0.0, T2, D); /* E^T GL E */
   for (int i = 0; i < D; i++)
-    for (int j = 0; j < D; j++) num += T2[i * D + j] * GR[j * D + i], den += GL[i * D + j] * GR[j * D + i];
+    for (int j = 0; j < D; j++)
+      num += T2[i * D + j] * GR[j * D + i], den += GL[i * D + j] * GR[j * D + i];
   return den > 0 ? num / den : 0.0;
 }
 
@@ -77,7 +78,8 @@ static void make(data_t *x, unsigned long long seed, int rank_k) {
   for (int i = 0; i < M * HID * D; i++) x->WT[i] = test_normal(&seed) * (1 + (i % 7));
   if (rank_k < D) /* columns beyond rank_k repeat earlier ones */
     for (int i = 0; i < T; i++)
-      for (int j = rank_k; j < D; j++) x->K[i * D + j] = x->K[i * D + j % (rank_k ? rank_k : 1)] * (rank_k > 0);
+      for (int j = rank_k; j < D; j++)
+        x->K[i * D + j] = x->K[i * D + j % (rank_k ? rank_k : 1)] * (rank_k > 0);
 }
 
 static int finite(const kqsvd_solution_t *s) {
@@ -266,16 +268,18 @@ int main(void) {
       CHECK_OK(kqsvd_solve(D, RK, RQ, RV, RW, 1.0, pass ? &b : &a));
     }
     for (int m = 0; m < KQSVD_NMETHODS; m++) {
-      const double *pa[4] = {a.method[m].key_down, a.method[m].query_down,
-                             a.method[m].value_down, a.method[m].value_up};
-      const double *pb[4] = {b.method[m].key_down, b.method[m].query_down,
-                             b.method[m].value_down, b.method[m].value_up};
+      const double *pa[4] = {a.method[m].key_down, a.method[m].query_down, a.method[m].value_down,
+                             a.method[m].value_up};
+      const double *pb[4] = {b.method[m].key_down, b.method[m].query_down, b.method[m].value_down,
+                             b.method[m].value_up};
       for (int k = 0; k < 4; k++) {
         double dmax = 0, scale = 0;
         for (int i = 0; i < D * D; i++)
           dmax = fmax(dmax, fabs(pa[k][i] - pb[k][i])), scale = fmax(scale, fabs(pa[k][i]));
-        CHECK(dmax <= 1e-9 * (scale > 0 ? scale : 1), "%s matrix %d: %d rows in another order "
-              "moved it by %g", kqsvd_method_name((kqsvd_method_t)m), k, (int)N, dmax);
+        CHECK(dmax <= 1e-9 * (scale > 0 ? scale : 1),
+              "%s matrix %d: %d rows in another order "
+              "moved it by %g",
+              kqsvd_method_name((kqsvd_method_t)m), k, (int)N, dmax);
       }
     }
     kqsvd_solution_free(&a);
