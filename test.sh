@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 # slurm-wlm and munge let the cluster test start a private single-node SLURM
-# when none is running (as root).
-KQSVD_EXTRA_PACKAGES="slurm-wlm munge ${KQSVD_EXTRA_PACKAGES:-}" \
+# when none is running (as root); clang-format 14 is lint_c's (tests/lint.sh).
+KQSVD_EXTRA_PACKAGES="slurm-wlm munge clang-format ${KQSVD_EXTRA_PACKAGES:-}" \
   KQSVD_CMAKE_ARGS="-DKQSVD_WERROR=ON ${KQSVD_CMAKE_ARGS:-}" scripts/bootstrap.sh
 . scripts/env.sh
 scripts/hf-env.sh  # the exporter's environment (.venv), for the real-model tests
