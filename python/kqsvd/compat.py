@@ -2,8 +2,6 @@
 touches a model, so that another version gives one clear error instead of
 an AttributeError from inside transformers.  pyproject.toml declares the
 same range (python/tests check that they agree)."""
-import os
-
 from .errors import KqsvdError
 
 # Inclusive floor, exclusive bound: what scripts/hf-env.sh installs is inside.
@@ -40,11 +38,3 @@ def check_transformers(version=None):
         raise KqsvdError(f"transformers {version} is installed, but kqsvd supports "
                          f"transformers>={low},<{high}; scripts/hf-env.sh prepares a "
                          "matching environment")
-
-
-def checkout_build():
-    """The build/ folder of the repository checkout this package lives in
-    (python/kqsvd), where ./test.sh puts the kqsvd executable and
-    libkqsvd.so."""
-    package = os.path.dirname(os.path.realpath(__file__))
-    return os.path.join(os.path.dirname(os.path.dirname(package)), "build")

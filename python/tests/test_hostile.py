@@ -470,7 +470,7 @@ class Hostile(unittest.TestCase):
         finally:
             transformers.__version__ = real
         # pyproject.toml declares the same range.
-        with open(os.path.join(os.path.dirname(kqsvd.__file__), "..", "pyproject.toml")) as f:
+        with open(os.path.join(os.path.dirname(kqsvd.__file__), "..", "..", "pyproject.toml")) as f:
             declared = re.search(r'"transformers>=([0-9.]+),<([0-9.]+)"', f.read())
         self.assertEqual(declared.groups(), TRANSFORMERS)
 

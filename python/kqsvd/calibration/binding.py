@@ -20,16 +20,14 @@ passed by pointer with its row stride, without a copy.  A failing C call
 raises KqsvdError (UsageError for a bad argument) carrying the C library's
 message.
 
-The library is found at $KQSVD_LIBRARY, else in the repository's build/
-folder (this package sits in python/kqsvd), else beside an installed
-kqsvd (lib/ of the prefix of the `kqsvd` on PATH), else wherever the
-dynamic linker looks."""
+The library is found at $KQSVD_LIBRARY, else in the wheel's _native
+folder, else in the repository's build/ folder (this package sits in
+python/kqsvd), else beside an installed kqsvd (lib/ of the prefix of the
+`kqsvd` on PATH), else wherever the dynamic linker looks (kqsvd.native)."""
 import ctypes
-import ctypes.util
 import os
-import shutil
 
-from ..compat import checkout_build
+from .. import native
 from ..errors import KqsvdError, UsageError
 
 TENSORS = {"keys": 0, "values": 1, "queries": 2}
@@ -60,22 +58,6 @@ class _WriteOptions(ctypes.Structure):
                 ("force", ctypes.c_int), ("inputs_hash", ctypes.c_char_p), ("rope", ctypes.c_char_p)]
 
 
-def _candidates():
-    env = os.environ.get("KQSVD_LIBRARY")
-    if env:
-        yield env
-        return
-    yield os.path.join(checkout_build(), "libkqsvd.so")
-    exe = shutil.which("kqsvd")
-    if exe:
-        prefix = os.path.dirname(os.path.dirname(os.path.realpath(exe)))
-        for lib in ("lib", "lib64", os.path.join("lib", "x86_64-linux-gnu")):
-            yield os.path.join(prefix, lib, "libkqsvd.so")
-    found = ctypes.util.find_library("kqsvd")
-    if found:
-        yield found
-
-
 _LIB = None
 
 
@@ -85,7 +67,7 @@ def library():
     if _LIB is not None:
         return _LIB
     tried = []
-    for path in _candidates():
+    for path in native.library_candidates():
         if os.path.sep in path and not os.path.exists(path):
             tried.append(path)
             continue
@@ -93,6 +75,9 @@ def library():
             lib = ctypes.CDLL(path)
             break
         except OSError as e:
+            missing = native.missing_library(e)
+            if missing:
+                raise KqsvdError(missing) from None
             tried.append(f"{path} ({e})")
     else:
         raise KqsvdError("libkqsvd.so not found (tried " + ", ".join(tried or ["the linker's path"]) +

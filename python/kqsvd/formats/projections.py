@@ -15,6 +15,7 @@ from typing import List
 import numpy as np
 
 from . import h5io
+from .. import native
 from .quant import read_bits, write_bits
 from ..errors import KqsvdError, UsageError
 
@@ -112,30 +113,13 @@ def head_groups_of(f, path, head_dim):
     return int(G)
 
 
-def kqsvd_binary():
-    """The kqsvd executable: $KQSVD_BIN, else the repository's build/kqsvd
-    (this package lives in python/kqsvd of the repository), else kqsvd on PATH."""
-    env = os.environ.get("KQSVD_BIN")
-    if env:
-        return env
-    from ..compat import checkout_build
-    built = os.path.join(checkout_build(), "kqsvd")
-    if os.access(built, os.X_OK):
-        return os.path.normpath(built)
-    found = shutil.which("kqsvd")
-    if found:
-        return found
-    raise KqsvdError("the kqsvd executable was not found: build it (./test.sh or "
-                     "scripts/bootstrap.sh makes build/kqsvd), or set KQSVD_BIN")
-
-
 def policy_ranks(path, policy=None):
     """The ranks of a rank policy for every method, from `kqsvd ranks --json`:
     {"policy": str, "methods": {method: {"rank_k": [L], "rank_v": [L]}},
     "cache_kept": {method: float}, ...}.  policy None: the stored ranks.
     Raises UsageError for a policy the tool refuses (unknown, a rank above
     head_dim), KqsvdError for a bad file."""
-    cmd = [kqsvd_binary(), "ranks", "--proj", path, "--json"]
+    cmd = [native.binary(), "ranks", "--proj", path, "--json"]
     if policy is not None:
         cmd += ["--ranks", policy]
     try:
