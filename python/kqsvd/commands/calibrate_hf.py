@@ -322,13 +322,10 @@ def run(args):
 
 
 def parse(argv):
-    from .cli import ArgumentParser, count, finite, nonnegative, positive
+    from .cli import ArgumentParser, count, finite, nonnegative, positive, window_options
     ap = ArgumentParser(prog=PROG, description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
-    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
-    ap.add_argument("--seq-len", type=count(1), required=True)
-    ap.add_argument("--num-seqs", type=count(1), required=True)
+    window_options(ap)
     ap.add_argument("--out", required=True, help="projections file to write")
     ap.add_argument("--ranks", help="rank policy as kqsvd calibrate takes it [eps:0.1]")
     ap.add_argument("--eps", type=finite, help="same as --ranks eps:E")

@@ -65,6 +65,15 @@ def count(least):
     return parse
 
 
+def window_options(ap):
+    """The options that cut a model's windows from a text, for the commands
+    that run a model on --num-seqs windows of --seq-len tokens."""
+    ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")
+    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
+    ap.add_argument("--seq-len", type=count(1), required=True)
+    ap.add_argument("--num-seqs", type=count(1), required=True)
+
+
 def launched_rank():
     """This process's rank when an MPI launcher started it, else 0: read
     from the launcher's environment, so that errors found before MPI is

@@ -9,7 +9,7 @@ import time
 
 from ..calibration.capture import KEYS
 from ..errors import KqsvdError, UsageError
-from .cli import ArgumentParser, count, run_command
+from .cli import ArgumentParser, count, run_command, window_options
 
 HELP = """Exports a Hugging Face model's attention caches in the kqsvd data contract
 (docs/formats.md): DIR/model.h5 (each layer's output projection)
@@ -114,10 +114,7 @@ def parse(argv, prog):
     from ..models.load import DEVICES, check_device
     ap = ArgumentParser(prog=prog, description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="local folder, GGUF file or id (offline)")
-    ap.add_argument("--text", required=True, help="UTF-8 text to cut the sequences from")
-    ap.add_argument("--seq-len", type=count(1), required=True)
-    ap.add_argument("--num-seqs", type=count(1), required=True)
+    window_options(ap)
     ap.add_argument("--split", choices=("train", "validation"), required=True)
     ap.add_argument("--shard-seqs", type=count(1), default=8, help="sequences per shard [8]")
     ap.add_argument("--dtype", choices=("bf16", "f16", "f32", "f64"), default="bf16",
