@@ -96,13 +96,16 @@ install(FILES ${PROJECT_BINARY_DIR}/kqsvd.pc ${PROJECT_BINARY_DIR}/kqsvd-static.
 
 # The Python wheel (pyproject.toml, scikit-build-core, which installs this
 # component alone): the executable, its CUDA module and libkqsvd.so in the
-# package's _native folder, where kqsvd.native finds them.
-# One file per library (a wheel is a zip: links would become copies);
-# libkqsvd.so is loaded by path, never linked against, so its name can drop
-# the version.
-install(TARGETS kqsvd RUNTIME DESTINATION kqsvd/_native COMPONENT python)
-install(FILES $<TARGET_FILE:kqsvd_shared> DESTINATION kqsvd/_native RENAME libkqsvd.so
-        COMPONENT python)
-if(TARGET kqsvd_gpu)
-  install(TARGETS kqsvd_gpu LIBRARY DESTINATION kqsvd/_native COMPONENT python)
+# package's _native folder, where kqsvd.native finds them.  Only under
+# scikit-build-core (SKBUILD): a plain cmake --install keeps the layout above.
+if(SKBUILD)
+  # One file per library (a wheel is a zip: links would become copies);
+  # libkqsvd.so is loaded by path, never linked against, so its name can drop
+  # the version.
+  install(TARGETS kqsvd RUNTIME DESTINATION kqsvd/_native COMPONENT python)
+  install(FILES $<TARGET_FILE:kqsvd_shared> DESTINATION kqsvd/_native RENAME libkqsvd.so
+          COMPONENT python)
+  if(TARGET kqsvd_gpu)
+    install(TARGETS kqsvd_gpu LIBRARY DESTINATION kqsvd/_native COMPONENT python)
+  endif()
 endif()
