@@ -18,10 +18,23 @@ from ..errors import KqsvdError, UsageError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with its errors as UsageError: one line, no usage dump."""
+    """argparse with its errors as UsageError: one line, no usage dump.
+    Run as one of the wheel's console scripts (kqsvd-quality, ...), the
+    usage names that script rather than the `python -m` form."""
+
+    def __init__(self, *args, **kwargs):
+        if _script():
+            kwargs["prog"] = _script()
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(f"{message} (see --help)")
+
+
+def _script():
+    """The console script running (kqsvd-quality, ...), or None."""
+    script = os.path.basename(sys.argv[0] if sys.argv else "")
+    return script if script.startswith("kqsvd-") else None
 
 
 def _number(kind, text, ok, what):
@@ -91,6 +104,8 @@ def run_command(prog, body, every_rank=False):
     SIGTERM and Ctrl-C exit 130 with nothing written.
     Under MPI only rank 0 prints, unless every_rank (for errors that one
     rank alone raises, as calibrate_hf's agree() arranges)."""
+    prog = _script() or prog
+
     def say(msg):
         if every_rank or launched_rank() == 0:
             print(f"{prog}: {msg}", file=sys.stderr, flush=True)
