@@ -67,6 +67,29 @@ def library_candidates():
         yield found
 
 
+def load_library(required=True):
+    """libkqsvd.so loaded (ctypes.CDLL) from the first candidate that
+    loads.  Raises KqsvdError when a system library it links is missing,
+    and when there is none (or returns None, when not required)."""
+    import ctypes
+    tried = []
+    for path in library_candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            missing = missing_library(e)
+            if missing:
+                raise KqsvdError(missing) from None
+            tried.append(f"{path} ({e})")
+    if not required:
+        return None
+    raise KqsvdError("libkqsvd.so not found (tried " + ", ".join(tried or ["the linker's path"]) +
+                     "); build it with scripts/bootstrap.sh or set KQSVD_LIBRARY")
+
+
 def missing_library(error):
     """The loader's message (OSError) as one line naming the system library
     that is missing and its Debian package, or None when it is not that."""
@@ -95,14 +118,7 @@ def main():
     system library is one line, exit 1."""
     try:
         exe = binary()
-        import ctypes
-        for path in library_candidates():  # the executable links what libkqsvd.so links
-            if os.path.exists(path):
-                try:
-                    ctypes.CDLL(path)
-                except OSError as e:
-                    raise KqsvdError(missing_library(e) or f"{path}: {e}") from None
-                break
+        load_library(required=False)  # the executable links what libkqsvd.so links
     except KqsvdError as e:
         print(f"kqsvd: error: {e}", file=sys.stderr)
         return 1

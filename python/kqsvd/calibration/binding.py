@@ -66,22 +66,7 @@ def library():
     global _LIB
     if _LIB is not None:
         return _LIB
-    tried = []
-    for path in native.library_candidates():
-        if os.path.sep in path and not os.path.exists(path):
-            tried.append(path)
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-            break
-        except OSError as e:
-            missing = native.missing_library(e)
-            if missing:
-                raise KqsvdError(missing) from None
-            tried.append(f"{path} ({e})")
-    else:
-        raise KqsvdError("libkqsvd.so not found (tried " + ", ".join(tried or ["the linker's path"]) +
-                         "); build it with scripts/bootstrap.sh or set KQSVD_LIBRARY")
+    lib = native.load_library()
     P, I64, I, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     sigs = {
         "kqsvd_acc_options_default": (None, [ctypes.POINTER(_AccOptions)]),

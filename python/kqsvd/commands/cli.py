@@ -23,8 +23,7 @@ class ArgumentParser(argparse.ArgumentParser):
     usage names that script rather than the `python -m` form."""
 
     def __init__(self, *args, **kwargs):
-        if _script():
-            kwargs["prog"] = _script()
+        kwargs["prog"] = _script() or kwargs.get("prog")
         super().__init__(*args, **kwargs)
 
     def error(self, message):
