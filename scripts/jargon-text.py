@@ -12,6 +12,7 @@ paragraphs are joined into lines, the indexes (one short line each, no
 sentence) are dropped, and the text stops at the last whole paragraph
 under 1,000,000 bytes (the bundling limit)."""
 import gzip
+import os
 import re
 import sys
 
@@ -41,6 +42,8 @@ def keep(block, headwords):
 
 
 def main(src, dst):
+    if os.path.isdir(dst) or (os.path.exists(dst) and os.path.samefile(src, dst)):
+        sys.exit(f"jargon-text: {dst}: a folder or the input itself")
     with gzip.open(src, "rt", encoding="utf-8") as f:
         # the rendering puts no-break spaces in headings and around numbers
         lines = f.read().replace("\u00a0", " ").splitlines()
@@ -58,8 +61,10 @@ def main(src, dst):
         size += len(text.encode())
     while out[-1].startswith(":"):  # no headword without its entry at the end
         out.pop()
-    with open(dst, "w", encoding="utf-8") as f:
+    tmp = f"{dst}.{os.getpid()}.tmp"  # a whole file or none
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write("".join(out).rstrip("\n") + "\n")
+    os.replace(tmp, dst)
 
 
 if __name__ == "__main__":
