@@ -43,7 +43,7 @@ done
 mpirun -np 2 build/kqsvd calibrate --force --model "$data/train/model.h5" --out "$data/proj.h5" \
   --checkpoint "$data/checkpoint" "$data"/train/shard-*.h5
 mpirun -np 2 build/kqsvd evaluate --model "$data/validation/model.h5" --proj "$data/proj.h5" \
-  --json "$data/report.json" "$data"/validation/shard-*.h5
+  --json "$data/report.json" --force "$data"/validation/shard-*.h5
 # The unbalance study (Figure 2) on the same caches, then both figures.
 examples/sweep_beta.sh --betas 1,2,5,10 --np 2 --model "$data/train/model.h5" \
   --calib "$data/train/shard-*.h5" --valid "$data/validation/shard-*.h5" --out "$data/beta" > /dev/null

@@ -15,7 +15,7 @@ typedef struct evaluate_cmd {
   kqsvd_rank_policy_t ranks; /* cfg.ranks points here when --ranks is given */
   const char *json_path;
   kqsvd_run_opts_t run;
-  int help;
+  int force, help;
 } evaluate_cmd_t;
 
 static void evaluate_help(void) {
@@ -29,6 +29,7 @@ static void evaluate_help(void) {
          "  --model FILE        model file with o_proj (required)\n"
          "  --proj FILE         projections from kqsvd calibrate (required)\n"
          "  --json FILE         also write the report as JSON (docs/formats.md)\n"
+         "  --force             replace an existing --json FILE\n"
          "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
          "                        eps:E     the paper's rule with tolerance E\n"
          "                        fixed:R   rank R everywhere\n"
@@ -48,10 +49,11 @@ static void evaluate_help(void) {
 
 static kqsvd_status_t parse(kqsvd_cli_t *cli, evaluate_cmd_t *e, int argc, char **argv) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_PROJ, O_JSON, O_RANKS, O_BLOCK, O_ALLOW };
+  enum { O_MODEL = 256, O_PROJ, O_JSON, O_FORCE, O_RANKS, O_BLOCK, O_ALLOW };
   static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
                                            {"proj", required_argument, NULL, O_PROJ},
                                            {"json", required_argument, NULL, O_JSON},
+                                           {"force", no_argument, NULL, O_FORCE},
                                            {"ranks", required_argument, NULL, O_RANKS},
                                            {"block-rows", required_argument, NULL, O_BLOCK},
                                            {"allow-model-mismatch", no_argument, NULL, O_ALLOW},
@@ -70,6 +72,7 @@ static kqsvd_status_t parse(kqsvd_cli_t *cli, evaluate_cmd_t *e, int argc, char 
     case O_MODEL: e->cfg.model_path = optarg; break;
     case O_PROJ: e->cfg.proj_path = optarg; break;
     case O_JSON: e->json_path = optarg; break;
+    case O_FORCE: e->force = 1; break;
     case O_RANKS:
       KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &e->ranks));
       e->cfg.ranks = &e->ranks;
@@ -98,8 +101,8 @@ static kqsvd_status_t parse(kqsvd_cli_t *cli, evaluate_cmd_t *e, int argc, char 
     KQSVD_CALL(kqsvd_check_file_args("--json", e->json_path, 2, named, opts, e->cfg.shards,
                                      e->cfg.nshards));
   }
-  /* A report is quick to remake: it is replaced without --force. */
-  if (e->json_path) KQSVD_CALL(kqsvd_check_output("--json", e->json_path, 1));
+  /* Quick to remake, but an output is never replaced unasked. */
+  if (e->json_path) KQSVD_CALL(kqsvd_check_output("--json", e->json_path, e->force));
   e->cfg.mem_mib = e->run.mem_mib;
 done:
   return st;

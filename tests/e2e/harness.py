@@ -3,9 +3,11 @@ when asked), making sets, loading outputs.  Configured by the environment
 that tests/CMakeLists.txt sets: KQSVD, KQSVD_MPIEXEC, KQSVD_MPIEXEC_FLAGS,
 KQSVD_MPIEXEC_PREFLAGS, KQSVD_TEST_READ, KQSVD_WORK."""
 import glob
+import hashlib
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 
@@ -99,3 +101,30 @@ def max_rel_diff(a, b):
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+def digests(paths):
+    return {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths}
+
+
+def refused_output(name, args, opt, path, inputs, *words, code=2):
+    """kqsvd ARGS (one process) refuses output `path` of option `opt`: exit
+    `code` and one stderr line naming both and `words`, and nothing changed:
+    no new name in path's folder, what was at path still of its kind, the
+    inputs byte for byte."""
+    folder = os.path.dirname(path) or "."
+    before, sums = sorted(os.listdir(folder)), digests(inputs)
+    kinds = {p: os.stat(p).st_mode for p in (path,) if os.path.exists(p)}
+    p = run(args, expect=None)
+    lines = p.stderr.strip().splitlines()
+    check(p.returncode == code and len(lines) == 1 and "Traceback" not in p.stderr and
+          all(w in lines[0] for w in (f"{opt} {path}", *words)),
+          f"{name}: expected exit {code} and one line naming {opt} {path} {words}, got exit "
+          f"{p.returncode}: {p.stderr[:600]}")
+    check(sorted(os.listdir(folder)) == before, f"{name}: {folder} changed: "
+          f"{sorted(set(os.listdir(folder)) ^ set(before))}")
+    for q, mode in kinds.items():
+        check(stat.S_IFMT(os.stat(q).st_mode) == stat.S_IFMT(mode), f"{name}: {q} was replaced")
+    check(digests(inputs) == sums, f"{name}: an input changed")
+    print(f"{name}: {lines[0] if lines else p.stderr}", flush=True)
+    return p

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 
 from eval_reference import METHODS, METRICS, compare, evaluate as ref_evaluate, report_ranks
-from harness import calibrate, check, finish, run, synth, workdir
+from harness import calibrate, check, finish, refused_output, run, synth, workdir
 from reference import rank_rule
 
 SIZES = dict(layers=2, head_dim=8, seq_len=40, min_seq_len=9)
@@ -263,6 +263,17 @@ def eval_bad_input():
         left = [f for f in os.listdir(wd) if f.startswith("report.json")]
         check(not left, f"{name}: left {left} behind")
         print(f"{name}: {err.strip().splitlines()[0][:140]}", flush=True)
+    # A report is replaced only with --force.
+    ev = ["evaluate", "--progress", "off", "--model", model, "--proj", proj]
+    inputs = [model, proj, *val]
+    with open(rep, "w") as f:
+        f.write("an earlier report\n")
+    refused_output("--json over a report", [*ev, "--json", rep, *val], "--json", rep, inputs,
+                   "already exists; give --force to replace it")
+    check(open(rep).read() == "an earlier report\n", "a report replaced without --force")
+    p = run([*ev, "--json", rep, "--force", *val])
+    check(f"wrote {rep}" in p.stdout and json.load(open(rep))["proj"] == proj,
+          f"--json over a report with --force: {p.stdout[-300:]}")
     finish("eval_bad_input")
 
 

@@ -52,10 +52,10 @@ def check_output(name, out, proj, policy):
 
 def evaluate_ranks(model, proj, val, wd, policy=None):
     """The ranks and policy of `kqsvd evaluate [--ranks POLICY] --json`."""
-    rep = os.path.join(wd, "report.json")
+    rep = os.path.join(wd, "report.json")  # the last call's, replaced
     extra = ["--ranks", policy] if policy else []
-    run(["evaluate", "--progress", "off", "--model", model, "--proj", proj, "--json", rep] +
-        extra + val, np_=2)
+    run(["evaluate", "--progress", "off", "--model", model, "--proj", proj, "--json", rep,
+         "--force"] + extra + val, np_=2)
     with open(rep) as f:
         r = json.load(f)
     return {m: tuple(map(list, zip(*report_ranks(r)[m]))) for m in METHODS}, r["rank_policy"]
