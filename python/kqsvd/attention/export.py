@@ -28,7 +28,9 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
     matrices are its group view's (docs/formats.md 5.3).  The metadata holds the
     method, the policy, the ranks (per layer, and per layer and KV head:
     a head's columns past its own rank are zero), whether B and B_v are
-    tuned (kqsvd.quality.tune) and the model's sizes (JSON strings).
+    tuned (kqsvd.quality.tune) and the model's sizes (JSON strings), and
+    for a quantized latent (quality-bits:F) each head's bits and the
+    quantization scheme.
     path is checked before any work: not the projections file itself (by
     device and inode), not a folder or a device, in a folder that exists
     and takes a new file; an existing file is replaced only with force.
@@ -75,5 +77,10 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
             "sizes": json.dumps({k: getattr(p, k) for k in ("num_layers", "num_heads",
                                  "num_kv_heads", "head_dim", "hidden_size")}),
             "head_groups": str(p.head_groups)}
+    if p.bits_k is not None:  # a quantized latent: its size and its reading depend on these
+        import dataclasses
+        meta.update(bits_k_heads=json.dumps(p.bits_k.tolist()),
+                    bits_v_heads=json.dumps(p.bits_v.tolist()),
+                    quant=json.dumps(dataclasses.asdict(p.quant)))
     write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
     return path

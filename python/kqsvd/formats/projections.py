@@ -16,7 +16,7 @@ import numpy as np
 
 from . import h5io
 from .. import native
-from .quant import read_bits, write_bits
+from .quant import drop_bits, read_bits, write_bits
 from ..errors import KqsvdError, UsageError
 
 METHODS = ("kqsvd", "ksvd", "eigen")
@@ -322,8 +322,9 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
     kqsvd.quality.tune.tune at these ranks; their query_down and value_up columns
     replace the file's, and the group records how they were trained
     (section 5.3, "Tuned up-projections").  bits: {method: (bits_k [L, Hkv],
-    bits_v [L, Hkv])} stored with the quantization scheme (formats.quant).
-    dst must not be src (by device
+    bits_v [L, Hkv])} stored with the quantization scheme (formats.quant);
+    a method given new ranks without bits loses the bits `src` has for it,
+    which were chosen for its stored ranks.  dst must not be src (by device
     and inode), a folder or a device; an existing dst is replaced only
     with force.  Written under a temporary name and renamed."""
     import h5py
@@ -360,6 +361,7 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
                 _write_tuned(f[m], p, info, *checked[m])
             for m, (bk, bv) in (bits or {}).items():
                 write_bits(f, m, bk, bv, scheme)
+            drop_bits(f, [m for m in checked if m not in (bits or {})])
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst

@@ -12,6 +12,10 @@ from ..errors import UsageError
 
 BITS = (2, 3, 4, 8)
 AXES = ("channel", "token")
+# Past these a scheme is a typo, and taken literally it sizes buffers by
+# them (a group of 10^12 values asked for hundreds of terabytes).
+GROUP_MAX = 4096
+RESIDUAL_MAX = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +32,17 @@ class QuantScheme:
     rotate: bool = False
 
     def check(self, what="the quantization scheme"):
-        if self.group < 1 or self.residual < 0 or self.key_axis not in AXES or \
-                self.value_axis not in AXES:
-            raise UsageError(f"{what}: group {self.group}, residual {self.residual}, key axis "
-                             f"{self.key_axis}, value axis {self.value_axis}: expected group >= 1,"
-                             f" residual >= 0, axes among {', '.join(AXES)}")
+        """self, or UsageError naming `what` for a field out of range."""
+        for name, low, high in (("group", 1, GROUP_MAX), ("residual", 0, RESIDUAL_MAX)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not low <= v <= high:
+                raise UsageError(f"{what}: {name} {v!r} must be a whole number in {low}..{high}")
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in AXES:
+                raise UsageError(f"{what}: {name.replace('_', ' ')} {getattr(self, name)!r} must "
+                                 f"be one of {', '.join(AXES)}")
+        if not isinstance(self.rotate, (bool, np.bool_)):
+            raise UsageError(f"{what}: rotate {self.rotate!r} must be true or false")
         return self
 
 
@@ -99,18 +109,46 @@ def read_bits(f, path, method, L, H):
             raise KqsvdError(f"{path}: dataset '{n}' must be [{L}, {H}] whole numbers among "
                              f"0, {', '.join(map(str, BITS))}")
         bits.append(b.astype(np.int64))
-    kw = {}
-    for attr, key in SCHEME_ATTRS.items():
-        if attr not in f.attrs:
-            raise KqsvdError(f"{path}: attribute '{attr}' is missing (the file has bits)")
-        v = f.attrs[attr]
-        kw[key] = v.decode() if isinstance(v, bytes) else v.item() if hasattr(v, "item") else v
-    kw["rotate"] = bool(kw["rotate"])
+    kw = {attr: _scheme_attr(f, path, attr) for attr in SCHEME_ATTRS}
+    kw = {SCHEME_ATTRS[a]: v for a, v in kw.items()}
     try:
         scheme = QuantScheme(**kw).check(f"{path}: attributes quant_*")
     except UsageError as e:
         raise KqsvdError(str(e)) from None
     return bits[0], bits[1], scheme
+
+
+def _scheme_attr(f, path, attr):
+    """One quant_* root attribute as QuantScheme takes it: a scalar whole
+    number in range (quant_group, quant_residual), 0 or 1 (quant_rotate),
+    or one of AXES (the axes); KqsvdError naming the file and attribute
+    otherwise.  Checked here because a bad value would otherwise surface
+    at the first forward pass, as a TypeError or an allocation of
+    terabytes."""
+    from ..errors import KqsvdError
+    if attr not in f.attrs:
+        raise KqsvdError(f"{path}: attribute '{attr}' is missing (the file has bits)")
+    v = f.attrs[attr]
+    if attr.endswith("_axis"):
+        if isinstance(v, np.ndarray) and v.shape == ():
+            v = v.item()
+        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        if not isinstance(v, str) or v not in AXES:
+            raise KqsvdError(f"{path}: attribute '{attr}' is {_short(v)}, expected one of "
+                             f"{', '.join(repr(a) for a in AXES)}")
+        return v
+    low, high = {"quant_group": (1, GROUP_MAX), "quant_residual": (0, RESIDUAL_MAX),
+                 "quant_rotate": (0, 1)}[attr]
+    whole = isinstance(v, np.integer) and not isinstance(v, np.bool_)
+    if not whole or not low <= int(v) <= high:
+        raise KqsvdError(f"{path}: attribute '{attr}' is {_short(v)}, expected one whole number "
+                         f"in {low}..{high}")
+    return bool(v) if attr == "quant_rotate" else int(v)
+
+
+def _short(v):
+    text = repr(v.tolist() if isinstance(v, np.ndarray) else v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def write_bits(f, method, bits_k, bits_v, scheme):
@@ -123,3 +161,19 @@ def write_bits(f, method, bits_k, bits_v, scheme):
     for attr, key in SCHEME_ATTRS.items():
         v = getattr(scheme, key)
         f.attrs[attr] = np.int32(v) if isinstance(v, (bool, int)) else v
+
+
+def drop_bits(f, methods):
+    """Removes the bits of `methods` (an open file's groups), and the
+    scheme's attributes once no group has bits: bits are chosen for the
+    ranks they were stored with, and kept under other ranks they would
+    price and quantize a latent nobody fitted them for."""
+    import h5py
+    for m in methods:
+        for side in "kv":
+            if f"{m}/bits_{side}_heads" in f:
+                del f[m][f"bits_{side}_heads"]
+    if not any(isinstance(g, h5py.Group) and "bits_k_heads" in g for g in f.values()):
+        for attr in SCHEME_ATTRS:
+            if attr in f.attrs:
+                del f.attrs[attr]
