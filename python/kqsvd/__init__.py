@@ -8,7 +8,8 @@
     # here the model is exactly as it was; kqsvd.compress(model, proj)
     # installs the projections until kqsvd.compress(model, None)
 
-numpy and h5py suffice for load_projections; compress and
+numpy and h5py suffice for load_projections and kqsvd.Calibrator (the C
+library's accumulator: docs/guide/c-library.md); compress and
 export_safetensors need torch (and transformers' models)."""
 from .errors import KqsvdError, UsageError
 from .formats.projections import METHODS, Projections, load_projections, policy_ranks, save_ranks
@@ -16,7 +17,7 @@ from .formats.projections import METHODS, Projections, load_projections, policy_
 __version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
            "policy_ranks", "save_ranks", "compress", "compressed", "fold_o_proj", "cache_bytes",
-           "probe_errors", "latent_cache", "export_safetensors", "read_dataset"]
+           "probe_errors", "latent_cache", "export_safetensors", "read_dataset", "Calibrator"]
 
 
 def __getattr__(name):  # torch-dependent parts load on first use
@@ -27,6 +28,9 @@ def __getattr__(name):  # torch-dependent parts load on first use
     if name == "export_safetensors":
         from .attention.export import export_safetensors
         return export_safetensors
+    if name == "Calibrator":  # ctypes over libkqsvd.so, loaded at its first use
+        from .calibration.binding import Calibrator
+        return Calibrator
     if name == "read_dataset":
         from .formats.h5io import read
         return read

@@ -138,31 +138,69 @@ def rows_of(x):
 
 class _Handle:
     """An opaque C handle, freed once by `_free` (a kqsvd_*_free taking its
-    address), on close() or when collected."""
-    _free = None
+    address), on close() or when collected.  The free function and ctypes'
+    helpers are bound when the handle is made: a handle collected at
+    interpreter exit must not reach module globals, which may already be
+    torn down (None) by then."""
     _h = None
+    _release = None
+
+    def _own(self, handle, free):
+        self._h = handle
+        self._release = (getattr(library(), free), ctypes.c_void_p, ctypes.byref)
 
     def __del__(self):
         self.close()
 
     def close(self):
-        if self._h:
-            h = ctypes.c_void_p(self._h)
-            getattr(library(), self._free)(ctypes.byref(h))
-            self._h = None
+        if self._h and self._release:
+            free, ptr, byref = self._release
+            free(byref(ptr(self._h)))
+        self._h = None
+
+
+# Past this a count or index would wrap in the C library's int64 (2**70
+# became 0 there); no model has anything near it.
+_MOST = 1 << 62
+
+
+def _whole(name, v, low=0, high=_MOST):
+    """v as an int when it is a whole number (not a bool) in low..high;
+    UsageError naming the argument otherwise."""
+    import numbers
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not low <= v <= high:
+        raise UsageError(f"{name} = {v!r}: expected a whole number in {low}..{high}")
+    return int(v)
+
+
+def _one_of(name, v, choices):
+    if not isinstance(v, str) or v not in choices:
+        raise UsageError(f"{name} = {v!r}: expected one of {', '.join(map(repr, choices))}")
+    return v
+
+
+def _path(name, v):
+    if not isinstance(v, (str, bytes, os.PathLike)):
+        raise UsageError(f"{name} = {v!r}: expected a file name")
+    return os.fsencode(v)
 
 
 class Result(_Handle):
     """Projections, spectra and ranks of the three methods (kqsvd_result_t);
     `shape` is that of its items (the group view under head_groups)."""
-    _free = "kqsvd_result_free"
 
     def __init__(self, handle, shape):
-        self._h, self.shape = handle, shape
+        self.shape = shape
+        self._own(handle, "kqsvd_result_free")
+
+    def _item(self, method, layer, kv_head):
+        s = self.shape
+        return (METHODS.index(_one_of("method", method, METHODS)),
+                _whole("layer", layer, 0, s.layers - 1), _whole("kv_head", kv_head, 0, s.kv_heads - 1))
 
     def ranks(self, method):
         """(rank_k, rank_v) lists over layers."""
-        m = METHODS.index(method)
+        m = METHODS.index(_one_of("method", method, METHODS))
         lib, L = library(), self.shape.layers
         rk, rv = lib.kqsvd_result_rank_k(self._h, m), lib.kqsvd_result_rank_v(self._h, m)
         return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
@@ -172,8 +210,10 @@ class Result(_Handle):
         "query_down", "value_down" or "value_up"."""
         import numpy as np
         d = self.shape.head_dim
-        k = ("key_down", "query_down", "value_down", "value_up").index(which)
-        p = library().kqsvd_result_matrix(self._h, METHODS.index(method), k, layer, kv_head)
+        names = ("key_down", "query_down", "value_down", "value_up")
+        k = names.index(_one_of("which", which, names))
+        m, layer, kv_head = self._item(method, layer, kv_head)
+        p = library().kqsvd_result_matrix(self._h, m, k, layer, kv_head)
         if not p:
             raise UsageError(f"no matrix {which} of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(d, d)).copy()
@@ -182,8 +222,8 @@ class Result(_Handle):
         """The d singular values ordering one item's key (values False) or
         value columns."""
         import numpy as np
-        p = library().kqsvd_result_sigma(self._h, METHODS.index(method), int(bool(values)),
-                                         layer, kv_head)
+        m, layer, kv_head = self._item(method, layer, kv_head)
+        p = library().kqsvd_result_sigma(self._h, m, int(bool(values)), layer, kv_head)
         if not p:
             raise UsageError(f"no spectrum of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(self.shape.head_dim,)).copy()
@@ -192,46 +232,85 @@ class Result(_Handle):
               rope=None):
         """proj.h5 (docs/formats.md section 3), under a temporary name;
         inputs_hash and rope ("pre" or "post"), when given, are stored as the
-        root attributes of those names."""
-        opt = _WriteOptions(model.encode(), tokens, causal, 1 if force else 0,
-                            inputs_hash.encode() if inputs_hash else None,
+        root attributes of those names.  The C library refuses a path that
+        is a folder, a device, a FIFO or a socket (also with force), or that
+        exists without force, and a folder it cannot create a file in."""
+        where = _path("path", path)
+        for name, v in (("model", model), ("inputs_hash", inputs_hash)):
+            if v is not None and not isinstance(v, str):
+                raise UsageError(f"{name} = {v!r}: expected a string")
+        if rope is not None:
+            _one_of("rope", rope, ("pre", "post"))
+        opt = _WriteOptions((model or "").encode(), _whole("tokens", tokens), 1 if causal else 0,
+                            1 if force else 0, inputs_hash.encode() if inputs_hash else None,
                             rope.encode() if rope else None)
-        _check(library().kqsvd_result_write(self._h, os.fsencode(path), ctypes.byref(opt)),
-               f"writing {path}")
+        _check(library().kqsvd_result_write(self._h, where, ctypes.byref(opt)),
+               f"writing {os.fsdecode(where)}")
 
 
 class Calibrator(_Handle):
     """A kqsvd accumulator for one model shape: float64 R factors of every
-    (layer, KV head)'s keys, stacked queries, values and W^O."""
-    _free = "kqsvd_acc_free"
+    (layer, KV head)'s keys, stacked queries, values and W^O.  Every
+    argument is checked before it reaches C: a bad one is a UsageError
+    naming it."""
 
     def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
                  mem_limit_mib=0.0, head_groups=1):
+        import math
         lib = library()
-        self.shape = _Shape(layers, kv_heads, group, head_dim, hidden)
-        self.head_groups = head_groups
+        sizes = {k: _whole(k, v, 1) for k, v in (("layers", layers), ("kv_heads", kv_heads),
+                                                 ("group", group), ("head_dim", head_dim),
+                                                 ("hidden", hidden))}
+        self.shape = _Shape(*sizes.values())
+        self.head_groups = _whole("head_groups", head_groups, 1, sizes["kv_heads"])
+        if sizes["kv_heads"] % self.head_groups:
+            raise UsageError(f"head_groups = {head_groups} does not divide kv_heads = {kv_heads}")
+        if isinstance(mem_limit_mib, bool) or not isinstance(mem_limit_mib, (int, float)) or \
+                not math.isfinite(mem_limit_mib) or mem_limit_mib < 0:
+            raise UsageError(f"mem_limit_mib = {mem_limit_mib!r}: expected a number, 0 or more")
         opt = _AccOptions()
         lib.kqsvd_acc_options_default(ctypes.byref(opt))
-        opt.block_rows, opt.mem_limit_mib = block_rows, float(mem_limit_mib)
-        opt.head_groups = head_groups
+        opt.block_rows = _whole("block_rows", block_rows, 1, 1 << 20)
+        opt.mem_limit_mib, opt.head_groups = float(mem_limit_mib), self.head_groups
         h = ctypes.c_void_p()
         _check(lib.kqsvd_acc_init(ctypes.byref(self.shape), ctypes.byref(opt), ctypes.byref(h)),
                "creating the accumulator")
-        self._h = h.value
+        self._own(h.value, "kqsvd_acc_free")
+
+    def _where(self, tensor, layer, kv_head):
+        """(tensor code, layer, kv_head) checked against the shape."""
+        s = self.shape
+        return (TENSORS[_one_of("tensor", tensor, tuple(TENSORS))],
+                _whole("layer", layer, 0, s.layers - 1), _whole("kv_head", kv_head, 0, s.kv_heads - 1))
 
     def absorb(self, tensor, layer, kv_head, rows, query=0):
         """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of
         KV head kv_head, or "queries" of its group's query head `query`.
         With head_groups G, keys and values are [T, G head_dim] rows of the
         group whose first KV head is kv_head."""
-        ptr, dt, n, stride, _keep = rows_of(rows)
-        _check(library().kqsvd_acc_absorb(self._h, TENSORS[tensor], layer, kv_head, query, ptr, dt,
-                                          n, stride), f"{tensor} of layer {layer}")
+        t, layer, kv_head = self._where(tensor, layer, kv_head)
+        query = _whole("query", query, 0, self.shape.group - 1)
+        ptr, dt, n, stride, keep = rows_of(rows)
+        width = self.shape.head_dim * (1 if tensor == "queries" else self.head_groups)
+        if keep.shape[1] != width:
+            raise UsageError(f"{tensor} rows of layer {layer} are {keep.shape[1]} wide; "
+                             f"expected {width}" + (f" ({self.head_groups} heads of head_dim "
+                                                    f"{self.shape.head_dim})"
+                                                    if width != self.shape.head_dim else
+                                                    " (head_dim)"))
+        _check(library().kqsvd_acc_absorb(self._h, t, layer, kv_head, query, ptr, dt, n, stride),
+               f"{tensor} of layer {layer}")
 
     def absorb_oproj(self, layer, weight):
         """Folds a layer's output projection weight [D, Hq d] (torch's
         nn.Linear layout)."""
-        ptr, dt, n, stride, _keep = rows_of(weight)
+        s = self.shape
+        layer = _whole("layer", layer, 0, s.layers - 1)
+        ptr, dt, n, stride, keep = rows_of(weight)
+        want = s.kv_heads * s.group * s.head_dim
+        if keep.shape[1] != want:
+            raise UsageError(f"o_proj of layer {layer} is {keep.shape[1]} wide; expected Hq d = "
+                             f"{want}")
         _check(library().kqsvd_acc_absorb_oproj(self._h, layer, ptr, dt, n, stride),
                f"o_proj of layer {layer}")
 
@@ -242,17 +321,18 @@ class Calibrator(_Handle):
         """The current d x d R factor (numpy, upper triangular); keys and
         values under head_groups G: the group's (G d) x (G d) one."""
         import numpy as np
+        t, layer, kv_head = self._where(tensor, layer, kv_head)
         d = self.shape.head_dim * (1 if tensor == "queries" else self.head_groups)
         R = np.zeros((d, d))
-        _check(library().kqsvd_acc_factor(self._h, TENSORS[tensor], layer, kv_head,
-                                          R.ctypes.data), f"factor of {tensor}")
+        _check(library().kqsvd_acc_factor(self._h, t, layer, kv_head, R.ctypes.data),
+               f"factor of {tensor}")
         return R
 
     def save(self, path):
-        _check(library().kqsvd_acc_save(self._h, os.fsencode(path)), f"saving {path}")
+        _check(library().kqsvd_acc_save(self._h, _path("path", path)), f"saving {path}")
 
     def load(self, path):
-        _check(library().kqsvd_acc_load(self._h, os.fsencode(path)), f"loading {path}")
+        _check(library().kqsvd_acc_load(self._h, _path("path", path)), f"loading {path}")
 
     def reduce(self, comm, root=0):
         """Collective over an mpi4py communicator: every process's factors
@@ -260,11 +340,19 @@ class Calibrator(_Handle):
         if comm is None or comm.Get_size() == 1:
             return
         from mpi4py import MPI
+        root = _whole("root", root, 0, comm.Get_size() - 1)
         _check(library().kqsvd_acc_reduce(self._h, ctypes.c_void_p(MPI._handleof(comm)), root),
                "reducing the factors")
 
     def finish(self, ranks="eps:0.1", beta=1.0):
         """The three methods' projections, spectra and ranks (a Result)."""
+        import math
+        if not isinstance(ranks, str):
+            raise UsageError(f"ranks = {ranks!r}: expected a policy string such as 'eps:0.1', "
+                             "'fixed:16' or 'budget:0.25'")
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or \
+                not math.isfinite(beta) or beta <= 0:
+            raise UsageError(f"beta = {beta!r}: expected a number above 0")
         opt = _FinishOptions(float(beta), ranks.encode())
         h = ctypes.c_void_p()
         _check(library().kqsvd_acc_finish(self._h, ctypes.byref(opt), ctypes.byref(h)),
