@@ -103,6 +103,16 @@ def missing_library(error):
             "docs/guide/install.md lists what it links")
 
 
+def tool():
+    """The kqsvd executable, once it is known to start: the system
+    libraries it links (those of libkqsvd.so) are there.  Raises
+    KqsvdError in one line naming what is missing, so that a command finds
+    out before it loads a model rather than when it first runs the tool."""
+    exe = binary()
+    load_library(required=False)
+    return exe
+
+
 def _is_script(path):
     """True for a Python console script (this package's `kqsvd`)."""
     try:
@@ -117,8 +127,7 @@ def main():
     arguments (the same process, so mpirun and signals see it).  A missing
     system library is one line, exit 1."""
     try:
-        exe = binary()
-        load_library(required=False)  # the executable links what libkqsvd.so links
+        exe = tool()
     except KqsvdError as e:
         print(f"kqsvd: error: {e}", file=sys.stderr)
         return 1

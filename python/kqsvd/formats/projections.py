@@ -119,7 +119,7 @@ def policy_ranks(path, policy=None):
     "cache_kept": {method: float}, ...}.  policy None: the stored ranks.
     Raises UsageError for a policy the tool refuses (unknown, a rank above
     head_dim), KqsvdError for a bad file."""
-    cmd = [native.binary(), "ranks", "--proj", path, "--json"]
+    cmd = [native.tool(), "ranks", "--proj", path, "--json"]
     if policy is not None:
         cmd += ["--ranks", policy]
     try:
@@ -127,6 +127,9 @@ def policy_ranks(path, policy=None):
     except OSError as e:
         raise KqsvdError(f"cannot run {cmd[0]}: {e}") from None
     if p.returncode != 0:
+        missing = native.missing_library(p.stderr)
+        if missing:  # the executable links a library libkqsvd.so does not
+            raise KqsvdError(missing)
         raise (UsageError if p.returncode == 2 else KqsvdError)(_tool_message(p))
     return json.loads(p.stdout)
 
