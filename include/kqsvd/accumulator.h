@@ -205,7 +205,7 @@ typedef struct kqsvd_write_options {
   const char *model; /* the root attribute `model` [""] */
   int64_t tokens;    /* the root attribute `tokens`; 0: kqsvd_acc_tokens [0] */
   int causal;        /* the attribute `causal`: 1 for decoders, 0 for encoders [1] */
-  int force;         /* replace an existing file [0: refuse] */
+  int force;         /* replace an existing regular file [0: refuse] */
   /* The root attribute `inputs_hash` (at most 63 characters): what the
    * caller made the result from, so that a later run can tell the file is
    * up to date and skip it (calibrate_hf --skip-done) [NULL: none]. */
@@ -222,8 +222,10 @@ KQSVD_API void kqsvd_write_options_default(kqsvd_write_options_t *opt);
 /* Writes `res` as a projections file (docs/formats.md, section 3), under a
  * temporary name renamed when complete.  opt NULL: the defaults.  Not
  * collective (serial HDF5; MPI need not be initialised).  Errors:
- * KQSVD_ERR_USAGE for an existing file without force, KQSVD_ERR_IO,
- * KQSVD_ERR_HDF5. */
+ * KQSVD_ERR_USAGE for an existing file without force, for a path that is a
+ * folder, a device, a FIFO or a socket (links followed; force or not), and
+ * for a folder no file can be created in or with no write bit (mode a-w,
+ * read-only for root too); KQSVD_ERR_IO, KQSVD_ERR_HDF5. */
 KQSVD_API kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *res, const char *path,
                                             const kqsvd_write_options_t *opt);
 KQSVD_API void kqsvd_result_free(kqsvd_result_t **res);

@@ -159,14 +159,21 @@ kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int n
  * (".tmp-" and a process id). */
 #define KQSVD_TMP_SUFFIX_MAX 16
 
+/* Checks that output `path` (given as option `opt`, NULL for none) can be
+ * made in place: if it exists, it is a regular file once links are
+ * followed (force or not: a device or FIFO is never replaced); its folder
+ * exists, has a write bit (root included) and a file can be created in it.
+ * Not collective.  Errors: KQSVD_ERR_USAGE naming `opt` and `path`. */
+kqsvd_status_t kqsvd_check_output_place(const char *opt, const char *path);
+
 /* Checks before any work that output `path` (given as option `opt`) can be
  * made: its name leaves room for the temporary suffix, it holds no control
- * character, its folder exists and is writable, it is not a folder, and it
- * does not exist unless `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
+ * character, kqsvd_check_output_place, and it does not exist unless
+ * `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force);
 
 /* Checks a --checkpoint folder before any work: not the output's path, not
- * a file, creatable and writable (a file is made and removed in it), and
+ * a file, creatable and writable (as kqsvd_check_output_place), and
  * not holding `out` (may be NULL), whose neighbours are deleted at the end.
  * Creates the folder.  Not collective.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out);

@@ -24,10 +24,53 @@ static void folder_of(const char *path, char *dir, size_t n) {
     *slash = '\0';
 }
 
-kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
+/* Whether a new file can be made in folder `dir`: tried, since access()
+ * says yes to root on a read-only mount; but a folder nobody may write to
+ * (mode a-w) is taken as read-only for root too, as its owner meant it.
+ * The rule of the Python commands (kqsvd/formats/files.py, _probe). */
+static kqsvd_status_t probe_folder(const char *name, const char *dir) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat sb;
-  char dir[PATH_MAX];
+  char probe[PATH_MAX + 32];
+  int fd = -1;
+  KQSVD_CHECK(stat(dir, &sb) == 0, KQSVD_ERR_USAGE, "%s: folder %s: %s", name, dir,
+              strerror(errno));
+  KQSVD_CHECK(sb.st_mode & 0222, KQSVD_ERR_USAGE, "%s: the folder %s is read-only (mode %04o)",
+              name, dir, (unsigned)(sb.st_mode & 07777));
+  snprintf(probe, sizeof probe, "%s/.kqsvd-probe-XXXXXX", dir);
+  fd = mkstemp(probe);
+  KQSVD_CHECK(fd >= 0, KQSVD_ERR_USAGE, "%s: cannot create a file in %s: %s", name, dir,
+              strerror(errno));
+done:
+  if (fd >= 0) {
+    close(fd);
+    unlink(probe);
+  }
+  return st;
+}
+
+kqsvd_status_t kqsvd_check_output_place(const char *opt, const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat sb;
+  char dir[PATH_MAX], name[PATH_MAX + 64];
+  snprintf(name, sizeof name, "%s%s%s", opt ? opt : "", opt ? " " : "", path);
+  folder_of(path, dir, sizeof dir);
+  if (stat(path, &sb) == 0) {
+    KQSVD_CHECK(!S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE, "%s is a folder", name);
+    /* rename() would put the output in place of a device such as
+     * /dev/null, or of a FIFO another program reads: never wanted. */
+    KQSVD_CHECK(S_ISREG(sb.st_mode), KQSVD_ERR_USAGE,
+                "%s is not a regular file (a device, FIFO or socket); give a file name", name);
+  }
+  KQSVD_CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
+              "%s: folder %s does not exist", name, dir);
+  KQSVD_CALL(probe_folder(name, dir));
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
+  kqsvd_status_t st = KQSVD_OK;
   const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
   /* Outputs are written as NAME.tmp-PID first: that name must fit too, or
    * the failure comes only after the whole run (deep inside MPI-IO). */
@@ -43,13 +86,7 @@ kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) 
     KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
                 "%s: the path holds a control character (byte 0x%02x)", opt,
                 (unsigned)(unsigned char)*c);
-  folder_of(path, dir, sizeof dir);
-  KQSVD_CHECK(stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE, "%s %s is a folder",
-              opt, path);
-  KQSVD_CHECK(stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
-              "%s %s: folder %s does not exist", opt, path, dir);
-  KQSVD_CHECK(access(dir, W_OK) == 0, KQSVD_ERR_USAGE, "%s %s: folder %s is not writable (%s)", opt,
-              path, dir, strerror(errno));
+  KQSVD_CALL(kqsvd_check_output_place(opt, path));
   /* A calibration takes hours: replacing one needs saying so. */
   KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
               "%s %s already exists; give --force to replace it", opt, path);
@@ -106,20 +143,16 @@ done:
 kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat sb;
-  char real_dir[PATH_MAX], out_dir[PATH_MAX], real_out[PATH_MAX], probe[PATH_MAX + 64];
-  int fd = -1;
+  char real_dir[PATH_MAX], out_dir[PATH_MAX], real_out[PATH_MAX], name[PATH_MAX + 16];
   KQSVD_CHECK(!out || strcmp(dir, out) != 0, KQSVD_ERR_USAGE,
               "--checkpoint %s is the --out path; give the checkpoints a folder of their own", dir);
   KQSVD_CHECK(stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
               "--checkpoint %s exists and is not a folder", dir);
   KQSVD_CHECK(kqsvd_mkdir_p(dir) == 0, KQSVD_ERR_USAGE, "--checkpoint %s: cannot create it (%s)",
               dir, strerror(errno));
-  /* Found now, not after the first segment has been streamed; access()
-   * would say yes to root on a read-only mount's folder. */
-  snprintf(probe, sizeof probe, "%s/.kqsvd-probe-%ld", dir, (long)getpid());
-  fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0600);
-  KQSVD_CHECK(fd >= 0 || errno == EEXIST, KQSVD_ERR_USAGE,
-              "--checkpoint %s: cannot write in it (%s)", dir, strerror(errno));
+  /* Found now, not after the first segment has been streamed. */
+  snprintf(name, sizeof name, "--checkpoint %s", dir);
+  KQSVD_CALL(probe_folder(name, dir));
   KQSVD_CHECK(realpath(dir, real_dir), KQSVD_ERR_USAGE, "--checkpoint %s: %s", dir,
               strerror(errno));
   if (out) {
@@ -134,9 +167,5 @@ kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
                 "--out %s lies inside the --checkpoint folder %s; write it elsewhere", out, dir);
   }
 done:
-  if (fd >= 0) {
-    close(fd);
-    unlink(probe);
-  }
   return st;
 }

@@ -15,6 +15,7 @@
 #include "kqsvd_gram.h"
 #include "kqsvd_h5guard.h"
 #include "kqsvd_linalg.h"
+#include "kqsvd_pipeline.h"
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 #include "kqsvd_solve.h"
@@ -218,6 +219,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   int locked = 0;
   KQSVD_CHECK(r && path && *path, KQSVD_ERR_USAGE, "kqsvd_result_write: res and path needed");
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "%.64s...: path too long", path);
+  KQSVD_CALL(kqsvd_check_output_place(NULL, path));
   KQSVD_CHECK(!(opt && opt->force) ? stat(path, &sb) != 0 : 1, KQSVD_ERR_USAGE,
               "%s exists; set force in kqsvd_write_options_t to replace it", path);
   const char *hash = opt && opt->inputs_hash && *opt->inputs_hash ? opt->inputs_hash : NULL;

@@ -103,6 +103,25 @@ def max_rel_diff(a, b):
     return worst, where
 
 
+def special_outputs(folder):
+    """Names an output must never replace, made in `folder` (a new one):
+    {path: S_IS* test of what stat() must still find there}.  A twin of
+    /dev/null (mknod needs root: left out otherwise, saying so), a FIFO, a
+    link to the twin."""
+    os.makedirs(folder)
+    fifo = os.path.join(folder, "fifo.h5")
+    os.mkfifo(fifo)
+    found = {fifo: stat.S_ISFIFO}
+    if os.geteuid() != 0:
+        print("special_outputs: no device node, mknod needs root", flush=True)
+        return found
+    node, link = os.path.join(folder, "null.h5"), os.path.join(folder, "link.h5")
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    os.symlink(node, link)
+    found.update({node: stat.S_ISCHR, link: stat.S_ISCHR})
+    return found
+
+
 def digests(paths):
     return {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths}
 
@@ -110,8 +129,8 @@ def digests(paths):
 def refused_output(name, args, opt, path, inputs, *words, code=2):
     """kqsvd ARGS (one process) refuses output `path` of option `opt`: exit
     `code` and one stderr line naming both and `words`, and nothing changed:
-    no new name in path's folder, what was at path still of its kind, the
-    inputs byte for byte."""
+    no new name in path's folder, the node still what it was (when
+    special_outputs made it), the inputs byte for byte."""
     folder = os.path.dirname(path) or "."
     before, sums = sorted(os.listdir(folder)), digests(inputs)
     kinds = {p: os.stat(p).st_mode for p in (path,) if os.path.exists(p)}

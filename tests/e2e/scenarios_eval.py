@@ -12,7 +12,8 @@ import h5py
 import numpy as np
 
 from eval_reference import METHODS, METRICS, compare, evaluate as ref_evaluate, report_ranks
-from harness import calibrate, check, finish, refused_output, run, synth, workdir
+from harness import (calibrate, check, finish, refused_output, run, special_outputs, synth,
+                     workdir)
 from reference import rank_rule
 
 SIZES = dict(layers=2, head_dim=8, seq_len=40, min_seq_len=9)
@@ -263,9 +264,26 @@ def eval_bad_input():
         left = [f for f in os.listdir(wd) if f.startswith("report.json")]
         check(not left, f"{name}: left {left} behind")
         print(f"{name}: {err.strip().splitlines()[0][:140]}", flush=True)
-    # A report is replaced only with --force.
+    # Reports: never over a device, a FIFO or a link to a device, nor in a
+    # folder nobody may write to, --force or not; over a report only with it.
     ev = ["evaluate", "--progress", "off", "--model", model, "--proj", proj]
     inputs = [model, proj, *val]
+    nodes = special_outputs(os.path.join(wd, "special"))
+    ro = os.path.join(wd, "ro")
+    os.makedirs(ro)
+    os.chmod(ro, 0o555)
+    for extra in ([], ["--force"]):
+        for path in nodes:
+            refused_output(f"--json {os.path.basename(path)} {' '.join(extra)}",
+                           [*ev, "--json", path, *extra, *val], "--json", path, inputs,
+                           "is not a regular file (a device, FIFO or socket)")
+        in_ro = os.path.join(ro, "r.json")
+        refused_output(f"--json in a mode-0555 folder {' '.join(extra)}",
+                       [*ev, "--json", in_ro, *extra, *val], "--json", in_ro, inputs,
+                       f"the folder {ro} is read-only (mode 0555)")
+    for path, is_kind in nodes.items():
+        check(is_kind(os.stat(path).st_mode), f"{path} is no longer what it was")
+    os.chmod(ro, 0o755)
     with open(rep, "w") as f:
         f.write("an earlier report\n")
     refused_output("--json over a report", [*ev, "--json", rep, *val], "--json", rep, inputs,

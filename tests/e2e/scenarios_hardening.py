@@ -8,7 +8,8 @@ import shutil
 import h5py
 import numpy as np
 
-from harness import calibrate, check, finish, load_proj, max_rel_diff, run, small_set, synth
+from harness import (calibrate, check, finish, load_proj, max_rel_diff, refused_output, run,
+                     small_set, special_outputs, synth)
 
 # d = 4 <= rows, so every factor has full rank and the projections are unique.
 TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=4, hidden=16)
@@ -84,6 +85,7 @@ def options():
                   expect=None)
     refused(p, "--checkpoint", under_file, code=2)
     check(not os.path.exists(os.path.join(wd, "x.h5")), "output written despite the refusal")
+    special_places(wd, model, shards)
     # A shell pattern that matched nothing arrives as itself.
     pattern = os.path.join(wd, "set", "nothing-*.h5")
     refused(calibrate(model, out, [pattern], extra=["--force"], expect=None), pattern,
@@ -105,6 +107,43 @@ def options():
         p = run([v])
         check(p.stdout.startswith("kqsvd "), f"kqsvd {v}: {p.stdout[:200]}")
     finish("options")
+
+
+def special_places(wd, model, shards):
+    """Outputs that are never replaced, --force or not: a device, a FIFO, a
+    link to a device (rename() would put a file in their place), and a file
+    in a folder nobody may write to (mode 0555, for root too)."""
+    nodes = special_outputs(os.path.join(wd, "special"))
+    ro = os.path.join(wd, "ro")
+    os.makedirs(ro)
+    os.chmod(ro, 0o555)
+    cal = ["calibrate", "--progress", "off", "--model", model]
+    for path in nodes:
+        for extra in ([], ["--force"], ["--head-groups", "2"], ["--force", "--head-groups", "2"]):
+            refused_output(f"--out {os.path.basename(path)} {' '.join(extra)}",
+                           [*cal, "--out", path, *extra, *shards], "--out", path,
+                           [model, *shards], "is not a regular file (a device, FIFO or socket)")
+    in_ro = os.path.join(ro, "proj.h5")
+    for extra in ([], ["--force"]):
+        refused_output(f"--out in a mode-0555 folder {' '.join(extra)}",
+                       [*cal, "--out", in_ro, *extra, *shards], "--out", in_ro, [model, *shards],
+                       f"the folder {ro} is read-only (mode 0555)")
+    # A manifest's outputs: its reader refuses such a line (exit 1, as every
+    # bad line); the folder is checked with the other outputs (exit 2).
+    manifest = os.path.join(wd, "special.txt")
+    glob_ = os.path.join(os.path.dirname(shards[0]), "shard-*.h5")
+    real = os.path.realpath(wd)
+    for path, code, words in [(p, 1, "is not a regular file") for p in nodes] + \
+            [(in_ro, 2, "is read-only (mode 0555)")]:
+        with open(manifest, "w") as f:
+            f.write(f"x {model} {path} {glob_}\n")
+        shown = os.path.join(real, os.path.relpath(path, wd))
+        refused_output(f"manifest OUTPUT_H5 {os.path.basename(path)}",
+                       ["calibrate", "--progress", "off", "--manifest", manifest], "OUTPUT_H5",
+                       shown, [model, *shards, manifest], words, code=code)
+    for path, is_kind in nodes.items():
+        check(is_kind(os.stat(path).st_mode), f"{path} is no longer what it was")
+    os.chmod(ro, 0o755)
 
 
 def skip_done():

@@ -1,0 +1,96 @@
+"""Outputs of the library call kqsvd_result_write (Result.write in the
+binding) that must never be replaced, force or not: a device node, a FIFO,
+a link to a device, and a file in a folder nobody may write to (mode 0555,
+read-only for root too).  Each case raises UsageError naming the path,
+leaves the node as it was and nothing else in its folder.  The device is a
+twin of /dev/null made with mknod, so making it needs root."""
+import os
+import stat
+import unittest
+
+import numpy as np
+from common import workdir
+
+import kqsvd
+from kqsvd.calibration.binding import Calibrator
+
+ROOT = os.geteuid() == 0
+
+
+def tiny_result():
+    """The result of a 1-layer, 1-head, d = 4 accumulator on random rows."""
+    rng = np.random.default_rng(5)
+    cal = Calibrator(layers=1, kv_heads=1, group=1, head_dim=4, hidden=4)
+    for tensor in ("keys", "queries", "values"):
+        cal.absorb(tensor, 0, 0, rng.standard_normal((8, 4)))
+    cal.absorb_oproj(0, rng.standard_normal((4, 4)))
+    return cal.finish("fixed:2")
+
+
+class HostileOutputs(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.result = tiny_result()
+
+    def setUp(self):
+        self.wd = workdir("hostile-outputs")
+
+    def refused(self, path, *words):
+        """write(path, force=True) raises UsageError naming path and words,
+        and the folder holds what it held before."""
+        folder = os.path.dirname(path)
+        before = sorted(os.listdir(folder))
+        with self.assertRaises(kqsvd.UsageError) as e:
+            self.result.write(path, force=True)
+        msg = str(e.exception)
+        self.assertEqual(len(msg.splitlines()), 1, msg)
+        for w in (path, *words):
+            self.assertIn(w, msg)
+        self.assertEqual(sorted(os.listdir(folder)), before, f"left behind after: {msg}")
+        return msg
+
+    @unittest.skipUnless(ROOT, "mknod of a character device needs root")
+    def test_device_node(self):
+        node = os.path.join(self.wd, "null")
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        self.refused(node, "not a regular file")
+        self.assertTrue(stat.S_ISCHR(os.stat(node).st_mode))
+        self.assertEqual(os.stat(node).st_rdev, os.makedev(1, 3))
+
+    @unittest.skipUnless(ROOT, "mknod of a character device needs root")
+    def test_link_to_device_node(self):
+        node, link = os.path.join(self.wd, "null"), os.path.join(self.wd, "proj.h5")
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        os.symlink(node, link)
+        self.refused(link, "not a regular file")
+        self.assertTrue(os.path.islink(link) and os.readlink(link) == node)
+        self.assertTrue(stat.S_ISCHR(os.stat(node).st_mode))
+
+    def test_fifo(self):
+        fifo = os.path.join(self.wd, "proj.h5")
+        os.mkfifo(fifo)
+        self.refused(fifo, "not a regular file")
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
+
+    def test_read_only_folder(self):
+        ro = os.path.join(self.wd, "ro")
+        os.makedirs(ro)
+        os.chmod(ro, 0o555)
+        try:
+            self.refused(os.path.join(ro, "proj.h5"), "read-only", "0555")
+        finally:
+            os.chmod(ro, 0o755)
+
+    def test_regular_file_still_replaced(self):
+        """The refusals above are not of every existing output."""
+        path = os.path.join(self.wd, "proj.h5")
+        with open(path, "w") as f:
+            f.write("old")
+        self.result.write(path, force=True)
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89HDF\r\n\x1a\n")
+        self.assertEqual(sorted(os.listdir(self.wd)), ["proj.h5"])
+
+
+if __name__ == "__main__":
+    unittest.main()
