@@ -1,5 +1,6 @@
 #include "kqsvd_report.h"
 #include "kqsvd_signal.h"
+#include "kqsvd_util.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -89,8 +90,7 @@ kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
   f = NULL;
   KQSVD_CHECK(!werr && cerr == 0, KQSVD_ERR_IO, "%s: cannot write the report: %s", path,
               strerror(errno ? errno : EIO));
-  KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
-              strerror(errno));
+  KQSVD_CALL(kqsvd_publish(tmp, path));
 done:
   if (f) fclose(f);
   if (st != KQSVD_OK) remove(tmp);

@@ -1,4 +1,5 @@
 #include "kqsvd_signal.h"
+#include "kqsvd_util.h"
 #include "kqsvd_writer.h"
 
 #include <errno.h>
@@ -162,8 +163,7 @@ kqsvd_status_t kqsvd_writer_commit(kqsvd_writer_t **wp) {
     goto done;
   }
   w->file = -1;
-  KQSVD_CHECK(rename(w->tmp, w->path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", w->tmp,
-              w->path, strerror(errno));
+  KQSVD_CALL(kqsvd_publish(w->tmp, w->path));
 done:
   if (st != KQSVD_OK) remove(w->tmp);
   kqsvd_signal_untrack(w->tmp);

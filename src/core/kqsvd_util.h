@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kqsvd_error.h"
+
 /* Monotonic wall clock in seconds. */
 double kqsvd_now(void);
 
@@ -26,6 +28,12 @@ void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
 /* Creates a folder and its missing parents, like `mkdir -p`; returns 0 or
  * -1 with errno set. */
 int kqsvd_mkdir_p(const char *path);
+
+/* Renames the finished temporary file `tmp` to `path`, unless `path` has
+ * become something rename() must not replace (a device, FIFO, socket or
+ * folder; a link is replaced itself, never followed).  Errors name `path`;
+ * the caller removes `tmp` on failure. */
+kqsvd_status_t kqsvd_publish(const char *tmp, const char *path);
 
 /* "1.23 k", "4.56 M" style rendering of a count into buf. */
 const char *kqsvd_fmt_count(double v, char *buf, size_t n);

@@ -86,4 +86,19 @@ int kqsvd_mkdir_p(const char *path) {
   return 0;
 }
 
+kqsvd_status_t kqsvd_publish(const char *tmp, const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat sb;
+  /* The output was checked before the run, but runs are long and the name
+   * may since have become, say, a device node, which rename() replaces. */
+  KQSVD_CHECK(lstat(path, &sb) != 0 || S_ISREG(sb.st_mode) || S_ISLNK(sb.st_mode), KQSVD_ERR_IO,
+              "%s is no longer a regular file (now a device, FIFO, socket or folder); it is left "
+              "as it is and the output is not written",
+              path);
+  KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
+              strerror(errno));
+done:
+  return st;
+}
+
 const char *kqsvd_version(void) { return KQSVD_VERSION; }

@@ -158,9 +158,7 @@ kqsvd_status_t calib_finish(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
   local = root ? kqsvd_proj_trim(tmp) : KQSVD_OK;
-  if (local == KQSVD_OK && root && rename(tmp, c->cfg.out_path) != 0)
-    local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
-                            "cannot rename %s to %s: %s", tmp, c->cfg.out_path, strerror(errno));
+  if (local == KQSVD_OK && root) local = kqsvd_publish(tmp, c->cfg.out_path);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   c->t_solve = kqsvd_now() - t0;
 done:

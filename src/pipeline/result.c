@@ -19,6 +19,7 @@
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 #include "kqsvd_solve.h"
+#include "kqsvd_util.h"
 
 enum { NMAT = 4, NSPEC = 5 }; /* matrices per method; K, Q, V, KQt, VWo */
 
@@ -259,8 +260,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CALL(kqsvd_proj_write_ranks(w, r->rank_k, r->rank_v));
   KQSVD_CALL(kqsvd_proj_close(&w));
   KQSVD_CALL(kqsvd_proj_trim(tmp));
-  KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
-              strerror(errno));
+  KQSVD_CALL(kqsvd_publish(tmp, path));
   tmp[0] = '\0';
 done:
   if (w) kqsvd_proj_close(&w);

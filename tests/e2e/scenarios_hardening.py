@@ -4,11 +4,14 @@ a non-zero exit, no hang and no leftover."""
 import glob
 import os
 import shutil
+import stat
+import subprocess
+import time
 
 import h5py
 import numpy as np
 
-from harness import (calibrate, check, finish, load_proj, max_rel_diff, refused_output, run,
+from harness import (KQSVD, calibrate, check, finish, load_proj, max_rel_diff, refused_output, run,
                      small_set, special_outputs, synth)
 
 # d = 4 <= rows, so every factor has full rank and the projections are unique.
@@ -143,6 +146,23 @@ def special_places(wd, model, shards):
                        shown, [model, *shards, manifest], words, code=code)
     for path, is_kind in nodes.items():
         check(is_kind(os.stat(path).st_mode), f"{path} is no longer what it was")
+    # The name became a FIFO while the run streamed: the final rename leaves
+    # it as it is, and no temporary file.
+    late, ck = os.path.join(wd, "special", "late.h5"), os.path.join(wd, "ck-late")
+    p = subprocess.Popen([KQSVD, *cal, "--out", late, "--read-rows", "8", "--checkpoint", ck,
+                          "--checkpoint-every", "0", *shards], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, KQSVD_TEST_READ_DELAY_MS="200"))
+    t0 = time.time()
+    while time.time() - t0 < 30 and not glob.glob(os.path.join(ck, "rank-*.h5")):
+        time.sleep(0.02)
+    check(p.poll() is None, "the slowed run ended before its first checkpoint")
+    os.mkfifo(late)
+    _, err = p.communicate(timeout=120)
+    check(p.returncode == 1 and err.count("\n") == 1 and f"{late} is no longer a regular file" in
+          err, f"a FIFO made mid-run: exit {p.returncode}: {err[:600]}")
+    check(stat.S_ISFIFO(os.stat(late).st_mode), "a FIFO made mid-run was replaced")
+    check(not leftovers(os.path.dirname(late)), f"leftovers: {leftovers(os.path.dirname(late))}")
     os.chmod(ro, 0o755)
 
 
