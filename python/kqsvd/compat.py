@@ -4,8 +4,11 @@ an AttributeError from inside transformers.  pyproject.toml declares the
 same range (python/tests check that they agree)."""
 from .errors import KqsvdError
 
-# Inclusive floor, exclusive bound: what scripts/hf-env.sh installs is inside.
-TRANSFORMERS = ("4.56", "5.3")
+# Inclusive floor, exclusive bound.  Tested at both ends: the floor
+# (examples/requirements-floor.txt, py_floor) and the newest release
+# (examples/requirements-hf.txt); the bound is the next major version,
+# where transformers' public extension points may change.
+TRANSFORMERS = ("4.56", "6")
 
 
 def _key(version):
@@ -38,3 +41,28 @@ def check_transformers(version=None):
         raise KqsvdError(f"transformers {version} is installed, but kqsvd supports "
                          f"transformers>={low},<{high}; scripts/hf-env.sh prepares a "
                          "matching environment")
+
+
+def cache_kwarg(module):
+    """The keyword by which a model (or its decoder) takes the KV cache:
+    'cache' from transformers 5.24 on, 'past_key_values' before (5.24 still
+    maps the old name, with a deprecation warning).  Read from the
+    signature of module.forward, so that it follows the installed release
+    rather than a version number."""
+    import inspect
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a model's output carries (out.cache from 5.24 on,
+    out.past_key_values before), or None; without the old name's
+    deprecation warning."""
+    keys = out.keys()
+    for name in ("cache", "past_key_values"):
+        if name in keys:
+            return out[name]
+    return None

@@ -19,6 +19,24 @@ from ..errors import KqsvdError
 from .quant import Store
 
 
+def rotation(site, values, cache_kwargs, kwargs, past):
+    """The cos and sin that rotated new keys, for projections taken before
+    RoPE (None, None otherwise).  Up to transformers 5.23 the attention
+    hands them to update() (cache_kwargs); 5.24 hands its own keyword
+    arguments instead (kwargs=), with the tokens' position_ids, from which
+    the model's rotary embedding makes them again; without either, the
+    tokens follow the `past` ones."""
+    if not site.P.pre:
+        return None, None
+    kw = cache_kwargs if cache_kwargs is not None else kwargs or {}
+    if kw.get("cos") is not None:
+        return kw["cos"], kw["sin"]
+    pos = kw.get("position_ids")
+    if pos is None:
+        pos = torch.arange(past, past + values.shape[-2], device=values.device)[None]
+    return site.rotary(values, pos)
+
+
 class LatentLayer(DynamicLayer):
     """A cache layer of one attention module; `site` is that module's
     installation (compressed.Site): its projections, and where the layer
@@ -37,11 +55,12 @@ class LatentLayer(DynamicLayer):
         self.values = torch.tensor([], dtype=self.dtype, device=self.device)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        kw = cache_kwargs or {}
-        kc, vc = self.site.P.project(key_states, value_states, kw.get("cos"), kw.get("sin"))
+        past = self.keys.shape[-2] if self.keys.dim() > 1 else 0  # empty until the first update
+        cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs, past)
+        kc, vc = self.site.P.project(key_states, value_states, cos, sin)
         self.keys = torch.cat([self.keys, kc], dim=-2)
         self.values = torch.cat([self.values, vc], dim=-2)
         self.site.handoff = (self.keys, self.values)
@@ -71,13 +90,13 @@ class QuantLayer(DynamicLayer):
                         Store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in self.slices]
         self.is_initialized = True
 
-    def update(self, key_states, value_states, cache_kwargs=None):
+    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
         if self.stores is None:
             self.lazy_initialization(key_states, value_states)
         if self.site is not None:
-            kw = cache_kwargs or {}
-            key_states, value_states = self.site.P.project(key_states, value_states,
-                                                           kw.get("cos"), kw.get("sin"))
+            cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs,
+                                self.get_seq_length())
+            key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
         ks, vs = [], []
         for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
             ks.append(sk.append(key_states if cut is None else cut(key_states, 0)))

@@ -25,7 +25,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..compat import check_transformers
+from ..compat import cache_kwarg, check_transformers
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
 from ..models import COMPRESSIBLE
@@ -101,17 +101,22 @@ class _Install:
                 s.attn.o_proj, s.o_original = s.o_original, None
             s.handoff = None
 
-    def _start_cache(self, _module, args, kwargs):
+    def _start_cache(self, module, args, kwargs):
         if self.sites[0].probe is not None:
             return None
-        past = kwargs.get("past_key_values")
+        # transformers 5.24 renamed past_key_values to cache (and still maps
+        # the old name): the cache is under whichever name the caller used,
+        # else the one the decoder takes.
+        key = next((k for k in ("cache", "past_key_values") if kwargs.get(k) is not None),
+                   cache_kwarg(module))
+        past = kwargs.get(key)
         use = kwargs.get("use_cache")
         if use is None:
             use = getattr(self.model.config, "use_cache", True)
         fresh = past is None and use or (type(past) is DynamicCache and past.get_seq_length() == 0)
         if not fresh:
             return None
-        kwargs["past_key_values"] = LatentCache(self.sites)
+        kwargs[key] = LatentCache(self.sites)
         return args, kwargs
 
 
