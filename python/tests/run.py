@@ -16,7 +16,8 @@ def main():
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # ctest starts this with the Python that has numpy and h5py; the model
     # stack lives in the repository's .venv, or the venv KQSVD_VENV names
-    # (.venv-floor: the oldest supported transformers), both made by
+    # (.venv-floor: the oldest supported transformers; .venv-peers: the
+    # frontier's peers with the transformers they take), all made by
     # scripts/hf-env.sh.
     name = os.environ.get("KQSVD_VENV", ".venv")
     venv = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", name, "bin",

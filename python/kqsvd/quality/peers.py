@@ -15,10 +15,22 @@ PRESSES = {"snapkv": "SnapKVPress", "expected": "ExpectedAttentionPress", "knorm
            "streaming": "StreamingLLMPress", "tova": "TOVAPress",
            "observed": "ObservedAttentionPress"}
 BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}
-SET_UP = "scripts/hf-env.sh installs it (examples/requirements-peers.txt)"
+# The peers pin transformers below kqsvd's newest (kvpress 0.5.5: < 5.3), so
+# they live in an environment of their own rather than capping kqsvd's range.
+SET_UP = ("the peers' environment has it: scripts/hf-env.sh prepares .venv-peers "
+          "(examples/requirements-peers.txt); run .venv-peers/bin/python -m kqsvd.frontier")
+# import name -> distribution name, for the version it declares it needs
+DISTRIBUTIONS = {"kvpress": "kvpress", "optimum": "optimum-quanto", "hqq": "hqq"}
 
 
 def need(module, what):
+    """The peer's module, imported; UsageError in one line when it is not
+    installed, or when the transformers installed is outside the range the
+    peer declares (it would fail inside transformers, or worse, run)."""
+    top = module.split(".")[0]
+    clash = _transformers_clash(DISTRIBUTIONS.get(top, top))
+    if clash:
+        raise UsageError(f"{what} needs {clash}; {SET_UP}")
     # quanto imports torch's C++ extension builder, which warns on a machine
     # without CUDA: noise before the command's own one-line messages
     quiet = logging.getLogger("torch.utils.cpp_extension")
@@ -27,10 +39,34 @@ def need(module, what):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise UsageError(f"{what} needs the Python package '{module.split('.')[0]}', which "
-                         f"cannot be imported ({e}); {SET_UP}") from None
+        raise UsageError(f"{what} needs the Python package '{top}', which cannot be imported "
+                         f"({e}); {SET_UP}") from None
     finally:
         quiet.setLevel(level)
+
+
+def _transformers_clash(dist):
+    """'kvpress 0.5.5 with transformers<5.3 (5.24.0 is installed)' when the
+    installed distribution `dist` declares a transformers range that the
+    installed transformers is outside, else None (also when either is not
+    installed: the import then says so)."""
+    from importlib import metadata
+    try:
+        requires = metadata.requires(dist) or []
+        have = metadata.version("transformers")
+        mine = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+    from packaging.requirements import InvalidRequirement, Requirement
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name.lower() == "transformers" and req.marker is None and \
+                not req.specifier.contains(have, prereleases=True):
+            return f"{dist} {mine} with transformers{req.specifier} ({have} is installed)"
+    return None
 
 
 class QuantizedCachePeer(Config):
