@@ -169,8 +169,9 @@ def calibrate(model_h5, shards, proj, ranks="eps:0.1", np_=1, extra=()):
 
 
 def evaluate(model_h5, proj, shards, ranks, report):
+    """kqsvd evaluate's report (written over the last one: --force)."""
     run([KQSVD, "evaluate", "--progress", "off", "--model", model_h5, "--proj", proj,
-         "--ranks", ranks, "--json", report] + shards)
+         "--ranks", ranks, "--json", report, "--force"] + shards)
     with open(report) as f:
         return json.load(f)
 
