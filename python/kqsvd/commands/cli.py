@@ -136,19 +136,23 @@ def run_command(prog, body, every_rank=False):
     return 0
 
 
-def write_report(report, json_path, plot_path, plot, table):
+def write_report(report, json_path, plot_path, plot, table, staged=None):
     """The end of a reporting command: the JSON report and its plot
-    (plot(report) gives the figure's writer) written together, so that a
-    failure leaves neither, then the table printed and where they went."""
+    (plot(report) gives the figure's writer) written together with the
+    files `staged` holds (files.Staged: fitted files the run measured), so
+    that a failure leaves none, then the table printed and where they went."""
     import json
     from ..formats.files import write_all
 
     def write_json(tmp):
         with open(tmp, "w") as f:
             json.dump(report, f, indent=1)
-    write_all([(json_path, write_json)] + ([(plot_path, plot(report))] if plot_path else []))
+    staged_paths = list(staged.tmps) if staged is not None else []
+    write_all([(json_path, write_json)] + ([(plot_path, plot(report))] if plot_path else []),
+              staged)
     table(report)
-    print(f"wrote {json_path}{' and ' + plot_path if plot_path else ''} in "
+    wrote = [json_path] + ([plot_path] if plot_path else []) + staged_paths
+    print(f"wrote {', '.join(wrote[:-1])}{' and ' if len(wrote) > 1 else ''}{wrote[-1]} in "
           f"{report['elapsed_s']:.1f} s", file=sys.stderr)
 
 

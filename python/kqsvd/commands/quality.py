@@ -14,13 +14,14 @@ of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
 the up-projections trained on the same windows, the step kept chosen on
 --check-seqs more, kqsvd.quality.tune) and quality-bits:F (the rank and the
 bits of each unit's quantized latent at F of the bf16 cache's bytes,
-kqsvd.quality.bits); each is written beside the report as
-OUT.quality-budget-F.h5, OUT.quality-tuned-F.h5 or OUT.quality-bits-F.h5.
-The full model runs
-once per sequence; every (policy, method) pair then runs on the same
-tokens.  Usage errors exit 2, bad input 1, each with one line
-naming the file and field; outputs are written under a temporary name and
-renamed, so an error or an interruption leaves none.
+kqsvd.quality.bits); each is written with the report, as
+STEM.quality-budget-F.h5, STEM.quality-tuned-F.h5 or STEM.quality-bits-F.h5
+for a report STEM.json.  The full model runs once per sequence; every
+(policy, method) pair then runs on the same tokens.  Usage errors exit 2,
+bad input 1, each with one line naming the file and field; every policy
+and window is checked before the first fit.  Outputs (the fitted files
+too) are written under a temporary name and renamed together at the end,
+so an error or an interruption leaves none.
 """
 import argparse
 import os
@@ -158,9 +159,16 @@ def table(report):
 def run(a):
     import torch
     from .. import models
+    from ..formats.files import Staged
     from ..formats.projections import check_sizes, file_sizes
+    from ..formats.quant import QuantScheme
+    from ..quality.measure import check_fitted
     t0 = time.time()
     psizes = file_sizes(a.proj, a.methods)
+    # A fraction no fit can meet is refused before the model loads.
+    scheme = QuantScheme()  # quality-bits:F's cache, the scheme's defaults
+    for pol in a.fitted:
+        check_fitted(pol, psizes, scheme)
     dtype = getattr(torch, a.dtype)
     models.check_device(a.device, flags=True)
     model, tok, info = models.load(a.model, dtype=dtype, device=a.device)
@@ -169,73 +177,86 @@ def run(a):
                          f"({', '.join(models.DECODERS)}), not '{info.model_type}'")
     check_sizes(psizes, a.proj, info.sizes(), a.model)
     models.check_positions(info, model.config, a.seq_len, flags=True)
+    # Every other policy is resolved and every window cut before any fit,
+    # so that a bad policy or a text too short is refused before minutes of
+    # fitting (and after the file is known to be the model's).
+    own = {pol: resolve_policies(a.proj, [pol], a.methods, info.num_layers)
+           for pol in a.policies if pol not in a.fitted}
+    seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
+                                                  bos=not a.no_bos, flags=True)
+    if a.fitted:
+        tuned = any(p.startswith(TUNED) for p in a.policies)
+        cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs + tuned * a.check_seqs,
+                                   "train", bos=not a.no_bos, flags=True)[0]
+    log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    fitted = {}
 
-    def quality(pol):
-        nonlocal cal
+    def fit(pol, out):
+        """Fits pol on the calibration windows and writes it to `out` (the
+        temporary name of a.fitted[pol]): the fitted ranks (and tuned
+        up-projections, or bits) in a projections file, so that every tool
+        (kqsvd evaluate, compress) uses exactly what was measured."""
         from ..quality.allocate import allocate
         from ..quality.tune import tuned_file
         frac = parse_policy(pol)
-        if cal is None:  # the train split's windows, tokenized once for every policy
-            tuned = any(p.startswith(TUNED) for p in a.policies)
-            cal = models.token_windows(tok, a.text, a.seq_len,
-                                       a.calib_seqs + tuned * a.check_seqs, "train",
-                                       bos=not a.no_bos, flags=True)[0]
-        out = a.fitted[pol]
         if pol.startswith(BITS):  # ranks and bits of a quantized latent, chosen together
-            from ..formats.quant import QuantScheme
             from ..quality.bits import allocate_bits
-            scheme = QuantScheme()
             got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
                                 log=log)
-            saved[pol] = save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
-                                                  got.items()}, f"{BITS}{frac:g}", force=a.force,
-                                    bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
-                                    scheme=scheme)
-            return {m: load_projections(saved[pol], m) for m in a.methods}
+            return save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
+                                             got.items()}, f"{BITS}{frac:g}", force=True,
+                              bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
+                              scheme=scheme)
         if frac not in fitted:
             got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
                            rounds=a.rounds, log=log)
             fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
-        # The fitted ranks (and tuned up-projections) in a projections file
-        # beside the report, so that every tool (kqsvd evaluate, compress)
-        # uses exactly what was measured.
         if pol.startswith(PREFIX):
-            saved[pol] = save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=a.force)
-        else:
-            saved[pol] = tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs],
-                                    cal[a.calib_seqs:], out, frac, a.tune_steps, a.lr, log,
-                                    force=a.force)
-        return {m: load_projections(saved[pol], m) for m in a.methods}
+            return save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=True)
+        return tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs], cal[a.calib_seqs:],
+                          out, frac, a.tune_steps, a.lr, log, force=True)
 
-    log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    saved, fitted, cal = {}, {}, None
-    pairs = resolve_policies(a.proj, a.policies, a.methods, info.num_layers, quality)
-    seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
-                                                  bos=not a.no_bos, flags=True)
-    print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
-          f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
-          f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
-    full, results = measure(model, seqs, pairs, a.fold, a.score_errors)
+    # Fitted files are written under temporary names, measured from there,
+    # and renamed with the report: a run that fails or is interrupted after
+    # a fit leaves none of them.
+    with Staged() as staged:
+        pairs = []
+        for pol in a.policies:
+            if pol in own:
+                pairs += own[pol]
+                continue
+            out = fit(pol, staged.tmp(a.fitted[pol]))
+            pairs += [(pol, m, load_projections(out, m)) for m in a.methods]
+        print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
+              f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "
+              f"{len(a.methods)} method{'s' if len(a.methods) > 1 else ''}", file=sys.stderr)
+        full, results = measure(model, seqs, pairs, a.fold, a.score_errors)
+        report = _report(a, pairs, full, results, seqs, start, bos, info, psizes["head_groups"])
+        report["elapsed_s"] = time.time() - t0
+        from .cli import write_report
+        write_report(report, a.json, a.plot, plot, table, staged)
+    return report
+
+
+def _report(a, pairs, full, results, seqs, start, bos, info, head_groups):
+    """The JSON report (docs/formats.md, section 8) of the measured pairs."""
     report = {"kqsvd_format": "quality", "kqsvd_format_version": 1, "model": a.model,
               "proj": a.proj, "text": os.path.basename(a.text), "split": a.split,
               "seq_len": a.seq_len, "num_seqs": a.num_seqs, "bos": bos,
               "token_range": [start, start + seqs.size - bos * a.num_seqs],
               "tokens_scored": int(a.num_seqs * (a.seq_len - 1)), "dtype": a.dtype,
               "fold": a.fold, "head_dim": info.head_dim, "num_layers": info.num_layers,
-              "head_groups": psizes["head_groups"],
+              "head_groups": head_groups,
               "full": full, "results": []}
     for (pol, m, p), r in zip(pairs, results):
-        if pol in saved:
-            r["proj"] = saved[pol]
+        if pol in a.fitted:
+            r["proj"] = a.fitted[pol]
         if any(p.per_head(l) for l in range(p.num_layers)):
             r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
         r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
                  cache_kept=p.cache_kept(), cache_bytes_ratio=r["cache_bytes"] / full["cache_bytes"])
         report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
                                  {k: v for k, v in r.items() if k not in ("policy", "method")})
-    report["elapsed_s"] = time.time() - t0
-    from .cli import write_report
-    write_report(report, a.json, a.plot, plot, table)
     return report
 
 

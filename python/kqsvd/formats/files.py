@@ -138,6 +138,47 @@ def _umask_mode():
     return 0o666 & ~mask
 
 
+def _new_tmp(path):
+    """A new, empty file under a unique temporary name in path's folder
+    (.NAME.XXXXXXXX.tmp); KqsvdError naming `path` when none can be made."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                   prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    except OSError as e:
+        raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+    os.close(fd)
+    return tmp
+
+
+class Staged:
+    """Outputs a run writes before its end because it reads them back (a
+    fitted projections file that is then measured), each under a unique
+    temporary name in its own folder; write_all renames them with the
+    outputs they belong with (the report), and leaving the `with` block
+    without that (an error, Ctrl-C, SIGTERM) removes them, so that a run
+    writes all its outputs or none."""
+
+    def __init__(self):
+        self.tmps = {}  # the output's path -> its temporary name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for tmp in self.tmps.values():
+            if os.path.lexists(tmp):
+                os.remove(tmp)
+        self.tmps.clear()
+        return False
+
+    def tmp(self, path):
+        """The temporary name to write the output `path` under (an empty
+        file is there already: writers must be allowed to replace it)."""
+        if path not in self.tmps:
+            self.tmps[path] = _new_tmp(path)
+        return self.tmps[path]
+
+
 def write_atomic(path, write):
     """Calls write(tmp) for a new temporary file in path's folder, gives it
     the mode a newly created file gets (0666 less the umask), then renames
@@ -147,21 +188,16 @@ def write_atomic(path, write):
     write_all([(path, write)])
 
 
-def write_all(outputs):
+def write_all(outputs, staged=None):
     """write_atomic for several outputs [(path, write)] that belong
     together (a report and its plot): each is written under its temporary
     name first, and only when all are complete are they renamed, so that a
-    failure in any leaves none of them."""
+    failure in any leaves none of them.  staged: a Staged whose files,
+    written already, are renamed with them."""
     tmps = []
     try:
         for path, write in outputs:
-            folder = os.path.dirname(os.path.abspath(path))
-            try:
-                fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.",
-                                           suffix=".tmp")
-            except OSError as e:
-                raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
-            os.close(fd)
+            tmp = _new_tmp(path)
             tmps.append(tmp)
             try:
                 write(tmp)
@@ -169,15 +205,22 @@ def write_all(outputs):
             except OSError as e:
                 raise KqsvdError(f"{path}: cannot be written: "
                                  f"{e.strerror or str(e).replace(tmp, path)}") from None
-        for (path, _), tmp in zip(outputs, tmps):
+        done = list(zip([p for p, _ in outputs], tmps))
+        if staged is not None:
+            for _, tmp in staged.tmps.items():
+                os.chmod(tmp, _umask_mode())
+            done += list(staged.tmps.items())
+        for path, _ in done:
             # Checked again at the end: the run may have been long.
             if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
                 raise KqsvdError(f"{path}: is no longer a regular file; nothing written")
-        for (path, _), tmp in zip(outputs, tmps):
+        for path, tmp in done:
             try:
                 os.replace(tmp, path)
             except OSError as e:
                 raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+        if staged is not None:
+            staged.tmps.clear()
     finally:
         for tmp in tmps:
             if os.path.lexists(tmp):

@@ -42,11 +42,13 @@ from ..errors import KqsvdError, UsageError
 from .kl import PREFIX, full_logprobs, kl_to_full, weights_frozen
 from ..formats.projections import METHODS
 
-def budget_ranks(fraction, units, d):
-    """The whole number of rank columns a fraction of the cache buys."""
+def budget_ranks(fraction, units, d, prefix=PREFIX):
+    """The whole number of rank columns a fraction of the cache buys;
+    UsageError naming the policy (prefix F) when it buys fewer than one
+    per unit."""
     total = int(round(fraction * units * d))
     if total < units:
-        raise UsageError(f"{PREFIX}{fraction:g} buys {total} columns for {units} keys and values of "
+        raise UsageError(f"{prefix}{fraction:g} buys {total} columns for {units} keys and values of "
                          f"KV heads; each needs at least 1 (the least fraction is "
                          f"{1.0 / d:.4g})")
     return total

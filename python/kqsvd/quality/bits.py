@@ -23,6 +23,8 @@ allocation and each uniform choice that fits the budget (one rank, one
 number of bits everywhere) are measured by their KL to the full model on
 the calibration windows, through the quantized cache, and the best is
 kept."""
+import math
+
 import numpy as np
 
 from ..errors import UsageError
@@ -115,6 +117,31 @@ def knapsack(sizes, costs, budget):
     return np.array(pick, dtype=np.int64)
 
 
+def least_fraction(head_dim, scheme):
+    """The smallest fraction of a bf16 cache any choice can take: every
+    unit (of head_dim columns, a head-groups file's group view) at its
+    smallest option, rank 1 at the bits the scheme holds in the fewest
+    bits per token.  A property of the file and the scheme alone."""
+    least = sum(min(option_bits(1, b, axis, scheme.group) for b in CHOICES)
+                for axis in (scheme.key_axis, scheme.value_axis))
+    return least / (2 * head_dim * 16)
+
+
+def check_fraction(fraction, head_dim, scheme):
+    """UsageError naming quality-bits:F, before any fitting, when F is not
+    in (0, 1] or buys less than least_fraction."""
+    if not 0 < fraction <= 1:
+        raise UsageError(f"{PREFIX}{fraction:g}: the fraction must be in (0, 1]")
+    least = least_fraction(head_dim, scheme)
+    if fraction < least * (1 - 1e-12):
+        # rounded up, so that the fraction suggested fits
+        e = math.floor(math.log10(least)) - 3
+        up = f"{math.ceil(round(least / 10 ** e, 6)) * 10 ** e:.4g}"
+        raise UsageError(f"{PREFIX}{fraction:g} is below the smallest quantized cache, every "
+                         f"unit at rank 1 and its fewest bits per token: {up} of the bf16 "
+                         f"cache's bytes; give {PREFIX}{up} or more")
+
+
 def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws=2, log=None):
     """Ranks and bits for each method: {method: dict(rank_k, rank_v, bits_k,
     bits_v (each [L, H]), start, kl, kls)}.  Not collective.  Raises
@@ -124,8 +151,7 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
     from ..formats.quant import with_bits
     info = group_view(info, file_sizes(proj_path, methods)["head_groups"])
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
-    if not 0 < fraction <= 1:
-        raise UsageError(f"{PREFIX}{fraction:g}: the fraction must be in (0, 1]")
+    check_fraction(fraction, d, scheme)
     budget = fraction * 2 * L * H * d * 16
     full = {m: load_projections(proj_path, m, d) for m in methods}
     compress(model, None)

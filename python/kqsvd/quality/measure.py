@@ -6,22 +6,20 @@ import math
 
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import load_projections, policy_ranks
-from .kl import parse_policy
+from .kl import BITS, parse_policy
 
 
-def resolve_policies(proj, policies, methods, L, quality=None):
+def resolve_policies(proj, policies, methods, L):
     """[(policy, method, Projections)] for every policy and method, from
-    the projections file `proj` of a model with L layers; UsageError on a
-    bad policy.  quality(policy): {method: Projections} of
-    quality-budget:F or quality-tuned:F, fitted on the model
-    (kqsvd.allocate, kqsvd.quality.tune)."""
+    the projections file `proj` of a model with L layers, for the policies
+    the file resolves alone (`kqsvd ranks`'s, and 'stored'); UsageError on
+    a bad policy, and on one fitted to the model (quality-budget:F, ...),
+    which the quality command fits."""
     pairs = []
     for pol in policies:
         if parse_policy(pol) is not None:
-            if quality is None:
-                raise UsageError(f"rank policy {pol} needs the model")
-            pairs += [(pol, m, p) for m, p in quality(pol).items()]
-            continue
+            raise UsageError(f"rank policy {pol} needs the model: fit it with python -m "
+                             "kqsvd.quality")
         got = policy_ranks(proj, None if pol == "stored" else pol)
         for m in methods:
             r = got["methods"][m]
@@ -34,6 +32,22 @@ def resolve_policies(proj, policies, methods, L, quality=None):
             pairs.append((got["policy"] if pol == "stored" else pol, m,
                           load_projections(proj, m, ranks)))
     return pairs
+
+
+def check_fitted(policy, sizes, scheme):
+    """Refuses (UsageError naming it) a quality-budget:F, quality-tuned:F or
+    quality-bits:F whose F no fit can meet in a file of these sizes
+    (formats.projections.file_sizes), before the model is loaded; scheme:
+    the quantized cache's, for quality-bits."""
+    from .allocate import budget_ranks
+    from .bits import check_fraction
+    frac = parse_policy(policy)
+    G = sizes["head_groups"]  # units are (layer, group) of G d columns
+    H, d = sizes["num_kv_heads"] // G, sizes["head_dim"] * G
+    if policy.startswith(BITS):
+        check_fraction(frac, d, scheme)
+    else:
+        budget_ranks(frac, 2 * sizes["num_layers"] * H, d, policy[:policy.index(":") + 1])
 
 
 class Tally:

@@ -1,0 +1,154 @@
+"""Bad input to the measuring command python -m kqsvd.quality, as
+test_hostile.py gives it to the others: each case asserts the exit
+status, one stderr line naming the option, file or policy, no Traceback,
+nothing left in the output folder (no temporary file either) and every
+input unchanged.  Mistakes the files alone reveal are refused before
+the model loads (the cases patch the loader to fail the test if it
+runs), and fitted files are written with the report or not at all."""
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import unittest
+from unittest import mock
+
+from common import MPIENV, ROOT, TEXT, run, tiny_decoder, workdir
+from test_hostile import digest, listing
+
+from kqsvd.commands import quality
+
+NO_LOAD = mock.patch("kqsvd.models.load", side_effect=AssertionError("the model was loaded"))
+
+
+class HostileCommands(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("hostile-commands")
+        cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))  # head_dim 16
+        cls.proj = os.path.join(cls.wd, "proj.h5")
+        run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", cls.model, "--text", TEXT,
+             "--seq-len", "32", "--num-seqs", "4", "--out", cls.proj])
+        cls.text = os.path.join(cls.wd, "text.txt")
+        shutil.copyfile(TEXT, cls.text)
+
+    def setUp(self):
+        self.out = workdir("hostile-commands-out")  # each case's outputs, empty at the start
+        self.inputs = {p: digest(p) for p in (self.proj, self.text, self.model)}
+
+    def tearDown(self):
+        for p, h in self.inputs.items():
+            self.assertEqual(digest(p), h, f"{p} changed")
+
+    # -- helpers --------------------------------------------------------------
+    def refused(self, main, argv, code, *words, leaves=(), loads=False):
+        """main(argv) in this process exits `code` with one line holding
+        every word, self.out holding nothing afterwards but `leaves`;
+        unless `loads`, without loading the model."""
+        before = set(listing(self.out)) | set(leaves)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                (contextlib.nullcontext() if loads else NO_LOAD):
+            got = main(argv)
+        err = err.getvalue()
+        lines = [x for x in err.splitlines() if x.strip()]
+        self.assertEqual(got, code, err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual(lines[0].count("error:"), 1, lines[0])
+        for w in words:
+            self.assertIn(w, lines[0])
+        self.assertEqual(set(listing(self.out)), before, f"left behind after: {lines[0]}")
+        return lines[0]
+
+    def quality(self, *extra, ranks="quality-bits:0.25", seq_len=16, num_seqs=1):
+        return ["--model", self.model, "--text", self.text, "--proj", self.proj, "--ranks", ranks,
+                "--methods", "kqsvd", "--seq-len", str(seq_len), "--num-seqs", str(num_seqs),
+                "--calib-seqs", "2", "--rounds", "0", "--tune-steps", "1", "--check-seqs", "1",
+                "--json", os.path.join(self.out, "q.json"), *extra]
+
+    # -- the quality command: fitted files go with the report ------------------
+    def test_checks_that_need_no_fit_come_first(self):
+        # a text too short for the measured windows, found before the fit
+        self.refused(quality.main, self.quality(num_seqs=500), 1, self.text, "500", loads=True)
+        # a bad policy after one that fits
+        self.refused(quality.main, self.quality(ranks="quality-bits:0.25,nonsense"), 2,
+                     "nonsense", loads=True)
+
+    def test_a_fraction_no_fit_can_meet(self):
+        # rank 1 per unit: 3 bits of keys per channel, 16 of unquantized values, of 2 x 16 x 16
+        line = self.refused(quality.main, self.quality(ranks="quality-budget:0.5,quality-bits:1e-9"),
+                            2, "quality-bits:1e-09", "smallest", "quality-bits:0.03711 or more")
+        self.assertNotIn("quality-budget", line)
+        for pol in ("quality-budget", "quality-tuned"):
+            self.refused(quality.main, self.quality(ranks=f"{pol}:1e-9"), 2, f"{pol}:1e-09",
+                         "least fraction")
+        from kqsvd.formats.quant import QuantScheme
+        from kqsvd.quality.bits import check_fraction
+        check_fraction(0.03711, 16, QuantScheme())  # the fraction suggested fits
+
+    def test_interrupted_after_the_fit_leaves_nothing(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            argv = self.quality("--score-errors", ranks="quality-bits:0.25," + ",".join(
+                f"fixed:{r}" for r in range(2, 9)), seq_len=64, num_seqs=40)
+            p = subprocess.Popen([sys.executable, "-m", "kqsvd.quality"] + argv,
+                                 env=dict(MPIENV, PYTHONPATH=os.path.join(ROOT, "python")),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            seen = []
+            while True:  # until the fit is done and the measurement starts
+                line = p.stderr.readline()
+                seen.append(line)
+                if not line or "tokens (validation split" in line:
+                    break
+            p.send_signal(sig)
+            _, err = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 130, "".join(seen) + err)
+            self.assertIn("interrupted; nothing written", err)
+            self.assertEqual(listing(self.out), [], sig)
+
+    def test_a_good_run_writes_the_fitted_file_with_the_report(self):
+        report = os.path.join(self.out, "q.json")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = quality.main(self.quality("--plot", os.path.join(self.out, "q.png"),
+                                             ranks="quality-bits:0.25,fixed:4"))
+        self.assertEqual(code, 0, err.getvalue())
+        fitted = os.path.join(self.out, "q.quality-bits-0.25.h5")
+        self.assertEqual(listing(self.out), ["q.json", "q.png", "q.quality-bits-0.25.h5"])
+        with open(report) as f:
+            rows = {r["policy"]: r for r in json.load(f)["results"]}
+        self.assertEqual(rows["quality-bits:0.25"]["proj"], fitted)
+        self.assertIn(fitted, err.getvalue().splitlines()[-1])
+        import kqsvd
+        self.assertEqual(kqsvd.load_projections(fitted, "kqsvd").policy, "quality-bits:0.25")
+
+    def test_staged_files_go_with_the_outputs_or_not_at_all(self):
+        from kqsvd import KqsvdError
+        from kqsvd.formats.files import Staged, write_all
+        report, fitted = os.path.join(self.out, "r.json"), os.path.join(self.out, "r.fit.h5")
+
+        def fails(tmp):
+            raise OSError(28, "No space left on device", tmp)
+        with Staged() as staged:
+            with open(staged.tmp(fitted), "w") as f:
+                f.write("fitted")
+            with self.assertRaises(KqsvdError):
+                write_all([(report, fails)], staged)
+        self.assertEqual(listing(self.out), [])
+        with self.assertRaises(KeyboardInterrupt), Staged() as staged:
+            open(staged.tmp(fitted), "w").close()
+            raise KeyboardInterrupt
+        self.assertEqual(listing(self.out), [])
+        with Staged() as staged:
+            with open(staged.tmp(fitted), "w") as f:
+                f.write("fitted")
+            write_all([(report, lambda tmp: open(tmp, "w").write("{}"))], staged)
+        self.assertEqual(listing(self.out), ["r.fit.h5", "r.json"])
+        self.assertEqual(open(fitted).read(), "fitted")
+
+
+if __name__ == "__main__":
+    unittest.main()
