@@ -1,10 +1,11 @@
-"""Bad input to the measuring command python -m kqsvd.quality, as
-test_hostile.py gives it to the others: each case asserts the exit
-status, one stderr line naming the option, file or policy, no Traceback,
-nothing left in the output folder (no temporary file either) and every
-input unchanged.  Mistakes the files alone reveal are refused before
-the model loads (the cases patch the loader to fail the test if it
-runs), and fitted files are written with the report or not at all."""
+"""Bad input to the measuring commands (python -m kqsvd.quality, python -m
+kqsvd.frontier), as test_hostile.py gives it to the others: each case
+asserts the exit status, one stderr line naming the option, file or
+policy, no Traceback, nothing left in the output folder (no temporary
+file either) and every input unchanged.  Mistakes the files alone reveal
+are refused before the model loads (the cases patch the loader to fail
+the test if it runs), and fitted files are written with the report or
+not at all."""
 import contextlib
 import io
 import json
@@ -19,7 +20,7 @@ from unittest import mock
 from common import MPIENV, ROOT, TEXT, run, tiny_decoder, workdir
 from test_hostile import digest, listing
 
-from kqsvd.commands import quality
+from kqsvd.commands import frontier, quality
 
 NO_LOAD = mock.patch("kqsvd.models.load", side_effect=AssertionError("the model was loaded"))
 
@@ -69,6 +70,11 @@ class HostileCommands(unittest.TestCase):
                 "--methods", "kqsvd", "--seq-len", str(seq_len), "--num-seqs", str(num_seqs),
                 "--calib-seqs", "2", "--rounds", "0", "--tune-steps", "1", "--check-seqs", "1",
                 "--json", os.path.join(self.out, "q.json"), *extra]
+
+    def frontier(self, *extra):
+        return ["--model", self.model, "--text", self.text, "--plain", "4", "--quantized-cache",
+                "none", "--presses", "none", "--context", "16", "--continuation", "4",
+                "--num-seqs", "1", "--json", os.path.join(self.out, "f.json"), *extra]
 
     # -- the quality command: fitted files go with the report ------------------
     def test_checks_that_need_no_fit_come_first(self):
@@ -148,6 +154,69 @@ class HostileCommands(unittest.TestCase):
             write_all([(report, lambda tmp: open(tmp, "w").write("{}"))], staged)
         self.assertEqual(listing(self.out), ["r.fit.h5", "r.json"])
         self.assertEqual(open(fitted).read(), "fitted")
+
+    # -- the frontier ----------------------------------------------------------
+    def test_empty_lists(self):
+        for extra, words in ((["--proj", self.proj, "--ranks", "fixed:8", "--methods", ""],
+                              ("--methods", "none given")),
+                             (["--proj", self.proj, "--ranks", "fixed:8", "--methods", "none"],
+                              ("--methods",)),
+                             (["--proj", self.proj], ("--proj", "no rank policy")),
+                             (["--proj", self.proj + "="], ("--proj", "no rank policy")),
+                             (["--proj", self.proj + "=none", "--proj", self.proj + "=fixed:8"],
+                              ("--proj", "no rank policy")),
+                             (["--presses", "snapkv", "--press-kept", "none"], ("--press-kept",)),
+                             (["--plain", ","], ("nothing to compare",))):
+            self.refused(frontier.main, self.frontier(*extra), 2, *words)
+
+    def test_repeats(self):
+        hard, sym = os.path.join(self.out, "hard.h5"), os.path.join(self.out, "sym.h5")
+        os.link(self.proj, hard)
+        os.symlink(self.proj, sym)
+        P = self.proj
+        for extra, words in ((["--plain", "4,4"], ("--plain", "'4'", "twice")),
+                             (["--plain", "4,04"], ("--plain", "'04'", "twice")),
+                             (["--quantized-cache", "quanto:4,quanto:4"], ("--quantized-cache",)),
+                             (["--presses", "snapkv,snapkv"], ("--presses", "snapkv")),
+                             (["--presses", "snapkv", "--press-kept", "0.5,.5"],
+                              ("--press-kept", "'.5'", "'0.5'")),
+                             (["--proj", P, "--ranks", "fixed:8", "--methods", "kqsvd,kqsvd"],
+                              ("--methods", "kqsvd")),
+                             (["--proj", P, "--ranks", "fixed:8,fixed:08"], ("--ranks", "fixed:08")),
+                             (["--proj", P, "--ranks", "fixed:8,kqsvd/fixed:8"],
+                              ("--ranks", "kqsvd/fixed:8")),
+                             (["--proj", P + "=fixed:8@4,fixed:8@4/4"], (f"--proj {P}", "@4/4")),
+                             (["--proj", P, "--proj", sym, "--ranks", "fixed:8"],
+                              ("--proj", sym, "same file")),
+                             (["--proj", P + "=fixed:8", "--proj", hard + "=fixed:4"],
+                              ("--proj", hard, "same file"))):
+            self.refused(frontier.main, self.frontier(*extra), 2, *words,
+                         leaves=["hard.h5", "sym.h5"])
+
+    def test_ranks_that_no_file_uses(self):
+        self.refused(frontier.main, self.frontier("--proj", self.proj + "=kqsvd/fixed:8@4",
+                                                  "--ranks", "fixed:999,eps:abc"),
+                     2, "--ranks fixed:999,eps:abc", "every --proj names its own policies")
+
+    def test_policies_before_the_model(self):
+        P = self.proj
+        for extra, words in ((["--proj", P, "--ranks", "kqsvd/quality-bits:0.25@4"],
+                              ("quality-bits", "python -m kqsvd.quality")),
+                             (["--proj", P + "=ksvd/quality-budget:0.5"],
+                              (f"--proj {P}", "quality-budget")),
+                             (["--proj", P, "--ranks", "eps:abc"], ("--ranks", "eps:abc")),
+                             (["--proj", P, "--ranks", "fixed:999"], ("fixed:999", "head_dim")),
+                             (["--proj", P, "--ranks", "fixed:8@5"], ("fixed:8@5",)),
+                             (["--proj", P + "=budget:2"], (f"--proj {P}", "budget:2"))):
+            self.refused(frontier.main, self.frontier(*extra), 2, *words)
+
+    def test_bounds(self):
+        for value in ("1000000000000", "1" + "0" * 23):
+            self.refused(frontier.main, self.frontier("--group", value), 2, "--group", value,
+                         "1..4096")
+        self.refused(frontier.main, self.frontier("--group", "1e23"), 2, "--group", "1e23")
+        self.refused(frontier.main, self.frontier("--residual", "21"), 2, "--residual 21",
+                     "--context + --continuation = 20")
 
 
 if __name__ == "__main__":

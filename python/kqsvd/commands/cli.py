@@ -77,6 +77,14 @@ def count(least):
     return parse
 
 
+def between(least, most):
+    """A whole number in least..most."""
+    def parse(text):
+        return _number(int, text, lambda v: least <= v <= most, f"in {least}..{most}")
+    parse.__name__ = f"count in {least}..{most}"
+    return parse
+
+
 def window_options(ap):
     """The options that cut a model's windows from a text, for the commands
     that run a model on --num-seqs windows of --seq-len tokens."""

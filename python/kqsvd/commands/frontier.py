@@ -21,8 +21,11 @@ the context (--presses, --press-kept).  Quantized latents and plain caches
 use one scheme (docs/quantized-cache.md): groups of --group values, keys
 per channel or per token (--key-axis), values likewise (--value-axis), the
 newest --residual tokens unquantized, the latent rotated by a Hadamard
-matrix with --rotate.  Usage errors exit 2, bad input 1; outputs are
-written under a temporary name and renamed."""
+matrix with --rotate (--group at most 4096, --residual at most a window's
+tokens).  Every option is checked before the model loads: each policy as
+`kqsvd ranks` reads it, and no list naming one configuration twice (files
+compared by device and inode: a link is its file).  Usage errors exit 2,
+bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
 import os
 import time
@@ -39,8 +42,26 @@ def _list(text):
     return [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
 
 
+def _twice(opt, item, first):
+    """The error for a list option naming one configuration twice."""
+    return UsageError(f"{opt}: '{item}' is given twice" + ("" if item == first else
+                                                           f" (as '{first}')"))
+
+
+def _once(opt, items, key=str):
+    """items, refused when two of them are one configuration (key equal)."""
+    seen = {}
+    for x in items:
+        if key(x) in seen:
+            raise _twice(opt, x, seen[key(x)])
+        seen[key(x)] = x
+    return items
+
+
 def parse(argv):
-    from .cli import ArgumentParser, check_plot, count
+    from .cli import ArgumentParser, between, check_plot, count
+    from ..formats.projections import file_sizes
+    from ..formats.quant import GROUP_MAX
     from ..models import resolve
     from ..quality.peers import BACKENDS, PRESSES
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
@@ -51,14 +72,15 @@ def parse(argv):
     ap.add_argument("--proj", action="append", default=[],
                     help="projections file (kqsvd calibrate --out), FILE=POLICY,... for policies "
                     "of its own; repeat it to compare files")
-    ap.add_argument("--ranks", default="", help="rank policies, comma-separated, each with "
-                    "optional '@bits' (fixed:32@4)")
+    ap.add_argument("--ranks", default="", help="rank policies of every --proj without its own, "
+                    "comma-separated, each with optional '@bits' (fixed:32@4)")
     ap.add_argument("--methods", default="kqsvd,ksvd", help="[kqsvd,ksvd]")
-    ap.add_argument("--group", type=count(1), default=32, help="values per scale [32]")
+    ap.add_argument("--group", type=between(1, GROUP_MAX), default=32,
+                    help=f"values per scale, 1..{GROUP_MAX} [32]")
     ap.add_argument("--key-axis", choices=AXES, default="channel", help="[channel]")
     ap.add_argument("--value-axis", choices=AXES, default="token", help="[token]")
     ap.add_argument("--residual", type=count(0), default=0,
-                    help="newest tokens held unquantized [0]")
+                    help="newest tokens held unquantized, at most --context + --continuation [0]")
     ap.add_argument("--rotate", action="store_true",
                     help="rotate quantized latents by a Hadamard matrix (Palu)")
     ap.add_argument("--plain", default="8,4,3,2", help="bits of plain quantized caches [8,4,3,2]")
@@ -81,50 +103,89 @@ def parse(argv):
     ap.add_argument("--plot", help="PNG: perplexity and KL against the bytes kept")
     ap.add_argument("--force", action="store_true", help="replace outputs that exist")
     a = ap.parse_args(argv)
+    T = a.context + a.continuation
+    if a.residual > T:  # a window holds no more tokens than that
+        raise UsageError(f"--residual {a.residual}: at most --context + --continuation = {T}")
     a.scheme = QuantScheme(a.group, a.key_axis, a.value_axis, a.residual, a.rotate).check()
-    a.policies, a.methods = _list(a.ranks), _list(a.methods)
-    # FILE=POLICY,... : that file's own policies instead of --ranks'
-    a.proj = [(f, _list(pols) if eq else a.policies) for f, eq, pols in
-              (p.partition("=") for p in a.proj)]
+    a.policies, a.methods = _list(a.ranks), _once("--methods", _list(a.methods))
     bad = [m for m in a.methods if m not in METHODS]
-    if bad:
-        raise UsageError(f"--methods: unknown method '{bad[0]}' (expected {', '.join(METHODS)})")
+    if bad or not a.methods:
+        raise UsageError(f"--methods: {f'unknown method {bad[0]!r}' if bad else 'none given'} "
+                         f"(expected one or more of {', '.join(METHODS)})")
+    # FILE=POLICY,... : that file's own policies instead of --ranks'
+    raw = a.proj
+    a.proj = [(f, _list(pols) if eq else a.policies) for f, eq, pols in
+              (p.partition("=") for p in raw)]
     if a.policies and not a.proj:
         raise UsageError(f"--ranks {a.ranks}: give the projections file (--proj)")
-    for pol in [q for _, pols in a.proj for q in pols] + a.policies:
-        if pol.startswith("quality-"):
-            raise UsageError(f"--ranks {pol}: fit it with python -m kqsvd.quality, then give its "
-                             "file as --proj with the policy 'stored'")
-        split_bits(_method_of(pol, a.methods)[1])
+    if a.policies and all("=" in p for p in raw):
+        raise UsageError(f"--ranks {a.ranks}: every --proj names its own policies "
+                         "(FILE=POLICY,...), so --ranks would apply to no file")
+    for given, (_, pols) in zip(raw, a.proj):
+        if not pols:
+            raise UsageError(f"--proj {given}: no rank policy for it; give --ranks POLICY,... or "
+                             "--proj FILE=POLICY,...")
     a.configs = _peer_configs(a, BACKENDS, PRESSES)
-    if not a.configs and not any(pols for _, pols in a.proj):
+    if not a.configs and not a.proj:
         raise UsageError("nothing to compare: give --ranks, --plain, --quantized-cache or "
                          "--presses")
     for c in a.configs:
         c.check()
     check_plot(a.plot)
     check_input_file("--text", a.text)
-    files = [f for f, _ in a.proj]
+    files, seen = [f for f, _ in a.proj], {}
     for path in files:
         check_input_file("--proj", path)
-    if len(set(files)) < len(files):
-        raise UsageError("--proj: a file is given twice")
+        st = os.stat(path)  # a link to a file given already is that file
+        if (st.st_dev, st.st_ino) in seen:
+            raise UsageError(f"--proj {path}: the same file as --proj {seen[st.st_dev, st.st_ino]};"
+                             " give it once, with all its policies (FILE=POLICY,...)")
+        seen[st.st_dev, st.st_ino] = path
+    # Each file, and each policy as `kqsvd ranks` reads it, before the model loads.
+    a.sizes = [file_sizes(path, a.methods) for path in files]
+    for given, (path, pols) in zip(raw, a.proj):
+        _check_policies("--ranks" if "=" not in given else f"--proj {path}", path, pols,
+                        a.methods)
     check_outputs([("--json", a.json), ("--plot", a.plot)],
                   [("--proj", p) for p in files] +
                   [("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
 
 
+def _check_policies(opt, path, policies, methods):
+    """Refuses (UsageError naming opt) a policy of the file `path` that
+    `kqsvd ranks` or the bits' syntax refuse, one fitted to the model, and
+    one configuration named twice (fixed:8 and kqsvd/fixed:08 among the
+    methods kqsvd and ksvd)."""
+    from ..formats.projections import policy_ranks
+    seen = {}
+    for pol in policies:
+        methods_of, rest = _method_of(pol, methods)
+        if rest.startswith("quality-"):
+            raise UsageError(f"{opt} {pol}: fit it with python -m kqsvd.quality, then give its "
+                             "file as --proj FILE=stored")
+        try:
+            base, bits = split_bits(rest)
+            name = policy_ranks(path, None if base == "stored" else base)["policy"]
+        except UsageError as e:
+            raise UsageError(f"{opt}: {e}") from None
+        for m in methods_of:
+            key = (m, "stored" if base == "stored" else name, bits)
+            if key in seen:
+                raise _twice(opt, pol, seen[key])
+            seen[key] = pol
+
+
 def _peer_configs(a, backends, presses):
     from ..quality.configs import PlainQuant
     from ..quality.peers import PressPeer, QuantizedCachePeer
     configs = []
-    for b in _list(a.plain):
+    for b in _once("--plain", _list(a.plain), lambda b: int(b) if b.isdigit() else b):
         if not b.isdigit() or int(b) not in BITS:
             raise UsageError(f"--plain {a.plain}: '{b}' is not one of {BITS}")
         configs.append(PlainQuant(int(b), QuantScheme(a.group, a.key_axis, a.value_axis,
                                                       a.residual)))
-    for item in _list(a.quantized_cache):
+    for item in _once("--quantized-cache", _list(a.quantized_cache)):
         backend, _, bits = item.partition(":")
         if backend not in backends or bits not in ("2", "4"):
             raise UsageError(f"--quantized-cache {item}: expected backend:bits, backend among "
@@ -138,8 +199,14 @@ def _peer_configs(a, backends, presses):
             f = -1.0
         if not 0 < f < 1:
             raise UsageError(f"--press-kept {a.press_kept}: '{k}' is not a fraction in (0, 1)")
+        if f in kept:
+            raise _twice("--press-kept", k, _list(a.press_kept)[kept.index(f)])
         kept.append(f)
-    for name in _list(a.presses):
+    names = _once("--presses", _list(a.presses))
+    if names and not kept:
+        raise UsageError(f"--press-kept {a.press_kept}: give the fractions of the context "
+                         f"--presses {a.presses} keep")
+    for name in names:
         if name not in presses:
             raise UsageError(f"--presses: unknown press '{name}' (expected {', '.join(presses)})")
         configs += [PressPeer(name, f, a.context) for f in kept]
@@ -216,7 +283,7 @@ def plot(report):
 def run(a):
     import torch
     from .. import models
-    from ..formats.projections import check_sizes, file_sizes
+    from ..formats.projections import check_sizes
     from ..progress import Progress
     from ..quality.frontier import pareto, score
     t0 = time.time()
@@ -224,8 +291,8 @@ def run(a):
     model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the frontier needs a causal decoder, not '{info.model_type}'")
-    for path, _ in a.proj:
-        check_sizes(file_sizes(path, a.methods), path, info.sizes(), a.model)
+    for (path, _), sizes in zip(a.proj, a.sizes):
+        check_sizes(sizes, path, info.sizes(), a.model)
     T = a.context + a.continuation
     models.check_positions(info, model.config, T, flags=True)
     configs = _latent_configs(a, info.num_layers) + a.configs
