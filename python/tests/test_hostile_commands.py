@@ -218,6 +218,13 @@ class HostileCommands(unittest.TestCase):
         self.refused(frontier.main, self.frontier("--residual", "21"), 2, "--residual 21",
                      "--context + --continuation = 20")
 
+    def test_the_frontier_names_its_own_options(self):
+        line = self.refused(frontier.main, self.frontier("--context", "600", "--continuation",
+                                                         "10"),
+                            2, "--context + --continuation = 610",
+                            "max_position_embeddings = 512", loads=True)
+        self.assertNotIn("--seq-len", line)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -294,7 +294,7 @@ def run(a):
     for (path, _), sizes in zip(a.proj, a.sizes):
         check_sizes(sizes, path, info.sizes(), a.model)
     T = a.context + a.continuation
-    models.check_positions(info, model.config, T, flags=True)
+    models.check_positions(info, model.config, T, label="--context + --continuation")
     configs = _latent_configs(a, info.num_layers) + a.configs
     seqs, ntok, start, bos = models.token_windows(tok, a.text, T, a.num_seqs, a.split,
                                                   bos=not a.no_bos, flags=True)

@@ -285,18 +285,20 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     return model, tok, info
 
 
-def check_positions(info, cfg, seq_len, flags=False):
+def check_positions(info, cfg, seq_len, flags=False, label=None):
     """Refuses sequences the model cannot attend over as the contract's plain
-    causal mask says (past max_position_embeddings or a sliding window)."""
+    causal mask says (past max_position_embeddings or a sliding window).
+    label: how the command names the length, for one whose windows are
+    not --seq-len ("--context + --continuation")."""
+    what = f"{label} = {seq_len}" if label else f"{_name('seq_len', flags)} {seq_len}"
     maxpos = getattr(cfg, "max_position_embeddings", None)
     if maxpos and seq_len > maxpos:
-        raise UsageError(f"{_name('seq_len', flags)} {seq_len} exceeds the model's "
-                         f"max_position_embeddings = {maxpos}")
+        raise UsageError(f"{what} exceeds the model's max_position_embeddings = {maxpos}")
     window = getattr(cfg, "sliding_window", None)
     if info.causal and window and getattr(cfg, "use_sliding_window", True) and seq_len > window:
-        raise UsageError(f"{_name('seq_len', flags)} {seq_len} exceeds the model's sliding_window = "
-                         f"{window}, which the data contract's causal mask does not describe; use "
-                         f"{_name('seq_len', flags)} {window} or less")
+        raise UsageError(f"{what} exceeds the model's sliding_window = {window}, which the data "
+                         f"contract's causal mask does not describe; keep "
+                         f"{label or _name('seq_len', flags)} at {window} or less")
 
 
 def adds_bos(tok):
