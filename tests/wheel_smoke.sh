@@ -4,7 +4,8 @@
 # CMake), installs the wheel into a new virtual environment outside the
 # repository (its numpy and h5py from PyPI), and there, with no build/ and
 # no KQSVD_* variables, runs the console scripts (--help without torch),
-# the kqsvd executable (synth, calibrate), a rank policy through
+# the kqsvd executable (synth, calibrate), a model command refusing in one
+# line for want of torch, a rank policy through
 # kqsvd.load_projections and kqsvd.Calibrator against numpy, and checks the
 # one-line message for a missing system library; then an in-situ
 # calibration of a tiny random Llama in a second new environment that
@@ -54,7 +55,8 @@ mpirun -np 2 "$v/kqsvd" calibrate --model syn/model.h5 --out proj.h5 --progress 
 "$v/python3" - <<'PY'
 import numpy as np
 import kqsvd
-from kqsvd.calibration.binding import Calibrator
+from kqsvd import Calibrator  # the documented name (docs/guide/c-library.md)
+assert Calibrator is kqsvd.Calibrator
 p = kqsvd.load_projections("proj.h5", "kqsvd", ranks="fixed:4")
 assert list(p.rank_k) == [4, 4], p.rank_k
 print("rank policy fixed:4 through", kqsvd.native.binary())
@@ -65,6 +67,14 @@ R = c.factor("keys", 0, 0)
 assert np.allclose(R.T @ R, x.T @ x, rtol=1e-12, atol=1e-10), "R^T R is not X^T X"
 print("Calibrator: R^T R = X^T X")
 PY
+# This environment has no torch: a model command says so in one line, exit 1.
+set +e
+msg=$("$v/kqsvd-quality" --model syn --text "$root/README.md" --proj proj.h5 --ranks fixed:2 \
+  --json q.json 2>&1); rc=$?
+set -e
+[ "$rc" = 1 ] && [ "$(echo "$msg" | wc -l)" = 1 ] && echo "$msg" | grep -q "pip install 'kqsvd\[torch\]'" &&
+  [ ! -e q.json ] || { echo "wheel_smoke: kqsvd-quality without torch gave (exit $rc): $msg"; exit 1; }
+echo "without torch: $msg"
 # A system library missing under libkqsvd.so: one line naming it, exit 1.
 mkdir fake
 echo 'int gone(void) { return 0; }' > fake/gone.c

@@ -16,6 +16,9 @@ import threading
 
 from ..errors import KqsvdError, UsageError
 
+# What pyproject.toml's [torch] extra brings: the model commands need them.
+TORCH_EXTRA = ("torch", "transformers", "safetensors")
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with its errors as UsageError: one line, no usage dump.
@@ -135,6 +138,12 @@ def run_command(prog, body, every_rank=False):
     except KeyboardInterrupt:
         say("interrupted; nothing written")
         return 130
+    except ModuleNotFoundError as e:  # a plain `pip install .` has no torch
+        if (e.name or "").split(".")[0] not in TORCH_EXTRA:
+            raise
+        say(f"error: this command needs {e.name.split('.')[0]}, which is not installed: "
+            "pip install 'kqsvd[torch]'")
+        return 1
     except OSError as e:  # the system's, not the input's: disk full, a lost mount
         say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return 1

@@ -101,6 +101,9 @@ def parse(argv):
                          ("--check-seqs", a.check_seqs, tuned)):
         if n < 1 and uses:
             raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
+    if any(parse_policy(p) is None for p in a.policies):
+        from .. import native
+        native.tool()  # `kqsvd ranks` resolves them: a missing library is found before the load
     check_input_file("--text", a.text)
     check_outputs([("--json", a.json), ("--plot", a.plot)] +
                   [(f"the {pol} file", path) for pol, path in a.fitted.items()],
