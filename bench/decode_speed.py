@@ -36,6 +36,7 @@ def one(name, context, steps, threads):
     torch.set_num_threads(threads)
     from transformers import DynamicCache
     from kqsvd import models
+    from kqsvd.compat import cache_kwarg, output_cache
     from kqsvd.attention import cache_bytes, compress, latent_cache
     from kqsvd.attention.cache import QuantCache
     from kqsvd.formats.projections import load_projections
@@ -57,23 +58,24 @@ def one(name, context, steps, threads):
         make = lambda: QuantCache(info.num_layers, QuantScheme(), (4, 4))  # noqa: E731
     else:
         make = DynamicCache
+    key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     peak = _Peak()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, context + steps + 1), generator=g)
     with torch.no_grad():
         cache = make()
         t = time.perf_counter()
-        out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids[:, :context], use_cache=True, **{key: cache},
                     logits_to_keep=1)  # the logits of every position would dominate
         prefill = time.perf_counter() - t
-        cache = out.past_key_values
+        cache = output_cache(out)
         for i in range(steps + 1):
             if i == 1:
                 t = time.perf_counter()
             p = context + i
-            out = model(input_ids=ids[:, p:p + 1], past_key_values=cache, use_cache=True,
+            out = model(input_ids=ids[:, p:p + 1], use_cache=True, **{key: cache},
                         position_ids=torch.tensor([[p]]))
-            cache = out.past_key_values
+            cache = output_cache(out)
         decode = steps / (time.perf_counter() - t)
     return dict(config=name, context=context, prefill_s=prefill, decode_tok_s=decode,
                 cache_bytes=cache_bytes(cache, 2), peak_above_model_mb=peak.stop())

@@ -9,6 +9,7 @@ held) and at the window's end, values held unquantized counted at 2 bytes
 (bf16), codes and scales as stored."""
 import math
 
+from ..compat import cache_kwarg, output_cache
 from .configs import Config
 from .measure import Tally
 
@@ -19,19 +20,19 @@ def continue_window(model, ids, context, config, chunk=1):
     tokens, bytes after the prefill, bytes at the end)."""
     import torch
     T = ids.shape[1]
+    key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     with config.window(model):
         cache = config.cache(model)
         with config.prefill(model):
-            out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+            out = model(input_ids=ids[:, :context], use_cache=True, **{key: cache})
+        cache = output_cache(out)
         first = config.nbytes(cache)
         logits = [out.logits[0, -1:]]
         for t in range(context, T - 1, chunk):
             e = min(t + chunk, T - 1)
             pos = torch.arange(t, e, device=ids.device)[None]
-            out = model(input_ids=ids[:, t:e], past_key_values=cache, use_cache=True,
-                        position_ids=pos)
-            cache = out.past_key_values
+            out = model(input_ids=ids[:, t:e], use_cache=True, position_ids=pos, **{key: cache})
+            cache = output_cache(out)
             logits.append(out.logits[0])
         last = config.nbytes(cache)
     return torch.log_softmax(torch.cat(logits).double(), -1), first, last

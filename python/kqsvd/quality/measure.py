@@ -97,6 +97,8 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
     from transformers import DynamicCache
     from ..attention import cache_bytes, compress, probe_errors
     from ..progress import Progress
+    from ..compat import cache_kwarg, output_cache
+    key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     full, tallies = Tally(), [Tally() for _ in pairs]
     bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + score_errors)), "passes")
     compress(model, None)
@@ -106,16 +108,16 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
             ids = torch.from_numpy(row[None]).to(dev)
             targets = ids[0, 1:]
             compress(model, None)
-            out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
+            out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
             ref = torch.log_softmax(out.logits[0, :-1].double(), dim=-1)
             full.add(ref, targets)
-            full.cache_bytes = max(full.cache_bytes, cache_bytes(out.past_key_values))
+            full.cache_bytes = max(full.cache_bytes, cache_bytes(output_cache(out)))
             bar.advance()
             for (pol, m, proj), t in zip(pairs, tallies):
                 compress(model, proj, fold=fold)
-                out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache())
+                out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
                 t.add(torch.log_softmax(out.logits[0, :-1].double(), dim=-1), targets, ref)
-                t.cache_bytes = max(t.cache_bytes, cache_bytes(out.past_key_values))
+                t.cache_bytes = max(t.cache_bytes, cache_bytes(output_cache(out)))
                 bar.advance()
                 if score_errors:
                     compress(model, proj, probe=True)
