@@ -1,0 +1,382 @@
+"""Bad input to the library calls and to the package's environment, as a
+new user gives it (py_hostile): the Calibrator binding's arguments, the
+quantization attributes of a projections file, new ranks over a file with
+bits, the safetensors export of a quantized latent, the console scripts
+without torch, a missing system library, and a peer the frontier cannot
+use.  Each case asserts one line naming the argument, attribute or file,
+no traceback, nothing written, and the inputs byte-identical."""
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import unittest
+
+import h5py
+import numpy as np
+from common import ROOT, TEXT, tiny_decoder, workdir
+
+import kqsvd
+from kqsvd.calibration.binding import Calibrator
+from kqsvd.formats.projections import METHODS, load_projections, save_ranks
+from kqsvd.formats.quant import QuantScheme
+
+L, HKV, GROUP, D, HIDDEN = 2, 2, 2, 8, 16
+
+
+def digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def calibrated(path, head_groups=1):
+    """A projections file of random rows through the binding (fixed:4)."""
+    rng = np.random.default_rng(3)
+    cal = Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=head_groups)
+    for layer in range(L):
+        for h in range(0, HKV, head_groups):
+            for t in ("keys", "values"):
+                cal.absorb(t, layer, h, rng.standard_normal((40, D * head_groups)))
+        for h in range(HKV):
+            for j in range(GROUP):
+                cal.absorb("queries", layer, h, rng.standard_normal((40, D)), query=j)
+        cal.absorb_oproj(layer, rng.standard_normal((HIDDEN, HKV * GROUP * D)))
+    cal.finish("fixed:4").write(path, model="random")
+    cal.close()
+    return path
+
+
+def one_line(test, text, *words):
+    text = str(text)
+    lines = [x for x in text.splitlines() if x.strip()]
+    test.assertEqual(len(lines), 1, text)
+    test.assertNotIn("Traceback", text)
+    for w in words:
+        test.assertIn(w, lines[0])
+    return lines[0]
+
+
+def python(code, env=None, cwd=None):
+    """Runs code in a new interpreter of this environment (the package on
+    its path): (exit status, stderr)."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, env=env, cwd=cwd, timeout=300)
+    return p.returncode, p.stderr
+
+
+class Library(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("hostile-library")
+        cls.proj = calibrated(os.path.join(cls.wd, "proj.h5"))
+        cls.bits = os.path.join(cls.wd, "bits.h5")
+        ranks = {m: (np.full((L, HKV), 4), np.full((L, HKV), 3)) for m in METHODS}
+        bits = {m: (np.full((L, HKV), 4), np.full((L, HKV), 2)) for m in METHODS}
+        save_ranks(cls.proj, cls.bits, ranks, "quality-bits:0.25", bits=bits,
+                   scheme=QuantScheme(group=4))
+
+    def setUp(self):
+        self.out = workdir("hostile-library-out")
+        self.inputs = {p: digest(p) for p in (self.proj, self.bits)}
+
+    def tearDown(self):
+        for p, h in self.inputs.items():
+            self.assertEqual(digest(p), h, f"{p} changed")
+
+    def refused(self, exc, call, *words):
+        before = sorted(os.listdir(self.out))
+        with self.assertRaises(exc) as cm:
+            call()
+        self.assertEqual(sorted(os.listdir(self.out)), before, "something was written")
+        return one_line(self, cm.exception, *words)
+
+    # -- 6: new ranks over a file with bits -----------------------------------
+    def test_new_ranks_drop_the_bits_of_other_ranks(self):
+        self.assertEqual(load_projections(self.bits, "kqsvd").bits_k.tolist(), [[4, 4]] * L)
+        out = os.path.join(self.out, "half.h5")
+        save_ranks(self.bits, out, {"kqsvd": (4, 4)}, "quality-budget:0.5")
+        p = load_projections(out, "kqsvd")
+        self.assertIsNone(p.bits_k)
+        self.assertIsNone(p.quant)
+        self.assertAlmostEqual(p.cache_kept(), 0.5)
+        # a method given no new ranks keeps its bits, and the scheme with them
+        self.assertEqual(load_projections(out, "ksvd").bits_v.tolist(), [[2, 2]] * L)
+        every = os.path.join(self.out, "every.h5")
+        save_ranks(self.bits, every, {m: (4, 4) for m in METHODS}, "fixed:4")
+        with h5py.File(every, "r") as f:
+            self.assertFalse([a for a in f.attrs if a.startswith("quant_")])
+            self.assertFalse([n for m in METHODS for n in f[m] if n.startswith("bits_")])
+
+    # -- 7: the safetensors export of a quantized latent ----------------------
+    def test_export_carries_bits_and_scheme(self):
+        import json
+        from safetensors import safe_open
+        out = os.path.join(self.out, "bits.safetensors")
+        kqsvd.export_safetensors(self.bits, out, "kqsvd")
+        with safe_open(out, "pt") as f:
+            meta = f.metadata()
+        self.assertEqual(json.loads(meta["bits_k_heads"]), [[4, 4]] * L)
+        self.assertEqual(json.loads(meta["bits_v_heads"]), [[2, 2]] * L)
+        self.assertEqual(json.loads(meta["quant"]), {"group": 4, "key_axis": "channel",
+                                                     "value_axis": "token", "residual": 0,
+                                                     "rotate": False})
+        plain = os.path.join(self.out, "plain.safetensors")
+        kqsvd.export_safetensors(self.proj, plain, "kqsvd")
+        with safe_open(plain, "pt") as f:
+            self.assertNotIn("bits_k_heads", f.metadata())
+
+    # -- 9, 13: every quantization attribute checked when the file is read ----
+    def test_quant_attributes(self):
+        cases = [("quant_group", 32.0), ("quant_group", 1.5), ("quant_group", "32"),
+                 ("quant_group", [32, 32]), ("quant_group", 2 ** 40), ("quant_group", 0),
+                 ("quant_group", True), ("quant_rotate", 2), ("quant_rotate", -1),
+                 ("quant_rotate", 0.5), ("quant_residual", -1), ("quant_residual", 2 ** 40),
+                 ("quant_key_axis", "diagonal"), ("quant_value_axis", 3),
+                 ("quant_key_axis", ["channel", "token"])]
+        for attr, value in cases:
+            with self.subTest(attr=attr, value=value):
+                bad = os.path.join(self.out, "bad.h5")
+                shutil.copyfile(self.bits, bad)
+                with h5py.File(bad, "r+") as f:
+                    f.attrs[attr] = value
+                with self.assertRaises(kqsvd.KqsvdError) as cm:
+                    load_projections(bad, "kqsvd")
+                self.assertNotIsInstance(cm.exception, kqsvd.UsageError)  # a bad file, not a call
+                one_line(self, cm.exception, bad, f"'{attr}'")
+                os.remove(bad)
+
+    # -- 8, 19, 21: the binding's arguments, under its documented name -------
+    def test_documented_name(self):
+        from kqsvd import Calibrator as C
+        self.assertIs(kqsvd.Calibrator, Calibrator)
+        self.assertIs(C, Calibrator)
+        self.assertIn("Calibrator", kqsvd.__all__)
+
+    def test_calibrator_arguments(self):
+        U = kqsvd.UsageError
+        self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=2 ** 70),
+                     "head_groups", str(2 ** 70))
+        self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=1.5),
+                     "head_groups", "1.5")
+        self.refused(U, lambda: Calibrator(L, 3, GROUP, D, HIDDEN, head_groups=2),
+                     "head_groups", "divide")
+        self.refused(U, lambda: Calibrator(L, HKV, GROUP, 2 ** 64, HIDDEN), "head_dim")
+        self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, mem_limit_mib="a lot"),
+                     "mem_limit_mib")
+        cal = Calibrator(L, HKV, GROUP, D, HIDDEN)
+        rows = np.zeros((5, D))
+        self.refused(U, lambda: cal.absorb("bogus", 0, 0, rows), "tensor", "'bogus'")
+        self.refused(U, lambda: cal.absorb("keys", 1.0, 0, rows), "layer", "1.0")
+        self.refused(U, lambda: cal.absorb("keys", L, 0, rows), "layer", f"0..{L - 1}")
+        self.refused(U, lambda: cal.absorb("keys", 0, -1, rows), "kv_head")
+        self.refused(U, lambda: cal.absorb("queries", 0, 0, rows, query=GROUP), "query")
+        self.refused(U, lambda: cal.absorb_oproj(True, np.zeros((HIDDEN, HKV * GROUP * D))),
+                     "layer")
+        for layer in range(L):
+            cal.absorb_oproj(layer, np.zeros((HIDDEN, HKV * GROUP * D)))
+        self.refused(U, lambda: cal.finish(None), "ranks", "None")
+        self.refused(U, lambda: cal.finish("fixed:4", beta=float("nan")), "beta")
+        self.refused(U, lambda: cal.factor("bogus", 0, 0), "tensor")
+        res = cal.finish("fixed:4")
+        self.refused(U, lambda: res.matrix("kqsvd", "key_up", 0, 0), "which", "'key_up'")
+        self.refused(U, lambda: res.sigma("palu", False, 0, 0), "method", "'palu'")
+        self.refused(U, lambda: res.write(os.path.join(self.out, "p.h5"), tokens=-1), "tokens")
+        self.refused(U, lambda: res.write(os.path.join(self.out, "p.h5"), rope="sideways"),
+                     "rope")
+        res.close()
+        cal.close()
+
+    def test_rows_as_wide_as_the_head(self):
+        U = kqsvd.UsageError
+        cal = Calibrator(L, HKV, GROUP, D, HIDDEN)
+        self.refused(U, lambda: cal.absorb("keys", 0, 0, np.zeros((5, D + 1))), "keys",
+                     f"{D + 1} wide", f"expected {D}")
+        self.refused(U, lambda: cal.absorb_oproj(0, np.zeros((HIDDEN, D))), "o_proj",
+                     f"{HKV * GROUP * D}")
+        self.assertEqual(cal.tokens(), 0)  # nothing was folded
+        cal.close()
+        grouped = Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=2)
+        self.refused(U, lambda: grouped.absorb("queries", 0, 0, np.zeros((5, 2 * D))), "queries",
+                     f"{2 * D} wide", f"expected {D}")
+        self.refused(U, lambda: grouped.absorb("values", 0, 0, np.zeros((5, D))), "values",
+                     f"expected {2 * D}", "2 heads")
+        grouped.absorb("keys", 0, 0, np.ones((5, 2 * D)))  # the group's width is taken
+        grouped.close()
+
+    # -- 3: Result.write onto what is not a regular file ---------------------
+    # (python/tests/test_hostile_outputs.py)
+
+    # -- 15: handles collected at interpreter exit ----------------------------
+    def test_handles_alive_at_exit(self):
+        code, err = python("""
+            import numpy as np
+            from kqsvd.calibration import binding
+            cal = binding.Calibrator(1, 1, 1, 4, 4)
+            cal.absorb("keys", 0, 0, np.ones((3, 4)))
+            cal.absorb_oproj(0, np.ones((4, 4)))
+            res = cal.finish("fixed:2")
+            # What the interpreter does to a module's globals at exit, when
+            # handles outlive it: each becomes None.
+            for name in [n for n in vars(binding) if not n.startswith("__")]:
+                setattr(binding, name, None)
+            del cal, res
+            """)
+        self.assertEqual((code, err), (0, ""))
+
+
+class Environment(unittest.TestCase):
+    """What the package needs around it: torch for the model commands, the
+    system libraries of the C side, and the peers' own environment."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.wd = workdir("hostile-env")
+        cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))
+        cls.proj = calibrated(os.path.join(cls.wd, "proj.h5"))
+
+    # -- 12: the console scripts where torch is not installed ----------------
+    def test_commands_without_torch(self):
+        out = os.path.join(self.wd, "out")
+        os.makedirs(out, exist_ok=True)
+        m, t = self.model, TEXT
+        argv = {
+            "quality": ["--model", m, "--text", t, "--proj", self.proj, "--ranks", "fixed:2",
+                        "--json", f"{out}/q.json"],
+            "allocate": ["--model", m, "--text", t, "--proj", self.proj, "--budget", "0.5",
+                         "--out", f"{out}/a.h5"],
+            "calibrate_hf": ["--model", m, "--text", t, "--seq-len", "8", "--num-seqs", "2",
+                             "--out", f"{out}/c.h5"],
+            "frontier": ["--model", m, "--text", t, "--plain", "4", "--quantized-cache", "",
+                         "--presses", "", "--json", f"{out}/f.json"],
+            "export": ["--model", m, "--text", t, "--seq-len", "8", "--num-seqs", "2", "--split", "train",
+                       "--out", f"{out}/e"],
+        }
+        for name, args in argv.items():
+            with self.subTest(name):
+                code, err = python(f"""
+                    import sys
+                    sys.modules["torch"] = None     # as in an environment without it
+                    from kqsvd.commands import {name}
+                    sys.exit({name}.main({args!r}))
+                    """)
+                self.assertEqual(code, 1, err)
+                one_line(self, err, "torch", "pip install 'kqsvd[torch]'")
+                self.assertEqual(os.listdir(out), [])
+
+    # -- 18: a system library missing under the C side -----------------------
+    def fake_native(self):
+        """A libkqsvd.so and a kqsvd executable that link libgone.so.1,
+        which is then removed (as a missing libmpi would be)."""
+        fake = os.path.join(self.wd, "fake")
+        if os.path.isdir(fake):
+            return fake
+        os.makedirs(fake)
+        with open(os.path.join(fake, "gone.c"), "w") as f:
+            f.write("int gone(void) { return 0; }\n")
+        with open(os.path.join(fake, "k.c"), "w") as f:
+            f.write("int gone(void);\nint main(void) { return gone(); }\n")
+        cc = ["cc", "-Wl,-rpath," + fake, "-L" + fake]
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", f"{fake}/libgone.so.1",
+                        "-Wl,-soname,libgone.so.1", f"{fake}/gone.c"], check=True)
+        subprocess.run(cc + ["-shared", "-fPIC", "-o", f"{fake}/libkqsvd.so", f"{fake}/k.c",
+                             "-l:libgone.so.1"], check=True)
+        subprocess.run(cc + ["-o", f"{fake}/kqsvd", f"{fake}/k.c", "-l:libgone.so.1"], check=True)
+        os.remove(f"{fake}/libgone.so.1")
+        return fake
+
+    def test_missing_system_library(self):
+        fake = self.fake_native()
+        load = f"""
+            import kqsvd
+            try:
+                kqsvd.load_projections({self.proj!r}, "kqsvd", "fixed:2")
+            except kqsvd.KqsvdError as e:
+                raise SystemExit("error: " + str(e))
+            """
+        for var in ("KQSVD_LIBRARY", "KQSVD_BIN"):  # the library, or the executable alone
+            with self.subTest(var):
+                env = dict(os.environ, **{var: os.path.join(fake, os.path.basename(
+                    "libkqsvd.so" if var == "KQSVD_LIBRARY" else "kqsvd"))})
+                code, err = python(load, env)
+                self.assertEqual(code, 1, err)
+                one_line(self, err, "needs libgone.so.1", "which this system does not have")
+
+    def test_missing_system_library_before_the_model_loads(self):
+        """The commands that resolve policies with `kqsvd ranks` find the
+        missing library first: here the model cannot load at all, and the
+        message is still the library's."""
+        fake = self.fake_native()
+        broken = os.path.join(self.wd, "broken-model")
+        if not os.path.isdir(broken):
+            shutil.copytree(self.model, broken)
+            for f in os.listdir(broken):
+                if f.endswith(".safetensors"):
+                    with open(os.path.join(broken, f), "wb") as fh:
+                        fh.write(b"not weights")
+        out = os.path.join(self.wd, "lib-out")
+        os.makedirs(out, exist_ok=True)
+        env = dict(os.environ, KQSVD_LIBRARY=os.path.join(fake, "libkqsvd.so"))
+        argv = {"quality": ["--model", broken, "--text", TEXT, "--proj", self.proj, "--ranks",
+                            "fixed:2", "--json", f"{out}/q.json"],
+                "frontier": ["--model", broken, "--text", TEXT, "--proj", self.proj, "--ranks",
+                             "fixed:2", "--plain", "", "--quantized-cache", "", "--presses", "",
+                             "--json", f"{out}/f.json"]}
+        for name, args in argv.items():
+            with self.subTest(name):
+                code, err = python(f"""
+                    import sys
+                    from kqsvd.commands import {name}
+                    sys.exit({name}.main({args!r}))
+                    """, env)
+                self.assertEqual(code, 1, err)
+                one_line(self, err, "needs libgone.so.1")
+                self.assertEqual(os.listdir(out), [])
+
+    # -- 22: the frontier's peers, in an environment of their own ------------
+    def test_peer_not_installed_or_incompatible(self):
+        from kqsvd.quality import peers
+        with self.assertRaises(kqsvd.UsageError) as cm:
+            peers.need("kqsvd_no_such_peer", "the peer x")
+        one_line(self, cm.exception, "kqsvd_no_such_peer", ".venv-peers")
+        # a peer whose declared transformers range excludes the installed one
+        site = os.path.join(self.wd, "site")
+        info = os.path.join(site, "oldpeer-1.0.dist-info")
+        os.makedirs(info, exist_ok=True)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: oldpeer\nVersion: 1.0\n"
+                    "Requires-Dist: transformers<4.0\n")
+        with open(os.path.join(site, "oldpeer.py"), "w") as f:
+            f.write("")
+        sys.path.insert(0, site)
+        try:
+            import importlib
+            importlib.invalidate_caches()
+            with self.assertRaises(kqsvd.UsageError) as cm:
+                peers.need("oldpeer", "the peer y")
+            one_line(self, cm.exception, "oldpeer 1.0", "transformers<4.0", "is installed",
+                     ".venv-peers")
+        finally:
+            sys.path.remove(site)
+            sys.modules.pop("oldpeer", None)
+
+    def test_frontier_peer_missing(self):
+        out = os.path.join(self.wd, "peer-out")
+        os.makedirs(out, exist_ok=True)
+        code, err = python(f"""
+            import sys
+            sys.modules["kvpress"] = None     # as where kvpress is not installed
+            from kqsvd.commands import frontier
+            sys.exit(frontier.main(["--model", {self.model!r}, "--text", {TEXT!r},
+                                    "--plain", "", "--quantized-cache", "", "--presses", "snapkv",
+                                    "--press-kept", "0.5", "--json", "{out}/f.json"]))
+            """)
+        self.assertEqual(code, 2, err)
+        one_line(self, err, "snapkv", "kvpress", ".venv-peers")
+        self.assertEqual(os.listdir(out), [])
+
+
+if __name__ == "__main__":
+    unittest.main()
