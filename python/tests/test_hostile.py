@@ -37,10 +37,15 @@ def listing(folder):
     return sorted(os.listdir(folder))
 
 
-class Hostile(unittest.TestCase):
+class HostileCase(unittest.TestCase):
+    """The fixture of the hostile tests: a tiny decoder calibrated in situ
+    and a copy of the text (inputs, checked byte for byte after every
+    case), and an output folder that is empty when a case starts."""
+    WORK = "hostile"
+
     @classmethod
     def setUpClass(cls):
-        cls.wd = workdir("hostile")
+        cls.wd = workdir(cls.WORK)
         cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))
         cls.proj = os.path.join(cls.wd, "proj.h5")
         run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", cls.model, "--text", TEXT,
@@ -49,13 +54,28 @@ class Hostile(unittest.TestCase):
         shutil.copyfile(TEXT, cls.text)
 
     def setUp(self):
-        self.out = workdir("hostile-out")  # each case's outputs, empty at the start
+        self.out = workdir(f"{self.WORK}-out")  # each case's outputs, empty at the start
         self.inputs = {p: digest(p) for p in (self.proj, self.text, self.model)}
 
     def tearDown(self):
         for p, h in self.inputs.items():
             self.assertEqual(digest(p), h, f"{p} changed")
 
+    def one_error(self, code, got, err, words, before):
+        """Exit status `got` is `code`, stderr `err` one line with one
+        'error:' holding every word, and self.out as it was (`before`)."""
+        lines = [x for x in err.splitlines() if x.strip()]
+        self.assertEqual(got, code, err)
+        self.assertEqual(len(lines), 1, err)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual(lines[0].count("error:"), 1, lines[0])
+        for w in words:
+            self.assertIn(w, lines[0])
+        self.assertEqual(set(listing(self.out)), before, f"left behind after: {lines[0]}")
+        return lines[0]
+
+
+class Hostile(HostileCase):
     # -- helpers --------------------------------------------------------------
     def call(self, main, argv):
         """main(argv) in this process: (exit status, stderr)."""
@@ -72,15 +92,7 @@ class Hostile(unittest.TestCase):
         self.out holds nothing afterwards but `leaves`."""
         before = set(listing(self.out)) | set(leaves)
         got, err = self.call(main, argv)
-        lines = [x for x in err.splitlines() if x.strip()]
-        self.assertEqual(got, code, err)
-        self.assertEqual(len(lines), 1, err)
-        self.assertNotIn("Traceback", err)
-        self.assertEqual(lines[0].count("error:"), 1, lines[0])
-        for w in words:
-            self.assertIn(w, lines[0])
-        self.assertEqual(set(listing(self.out)), before, f"left behind after: {lines[0]}")
-        return lines[0]
+        return self.one_error(code, got, err, words, before)
 
     def quality(self, json_path, *extra, ranks="fixed:4", proj=None, text=None):
         return ["--model", self.model, "--text", text or self.text, "--proj", proj or self.proj,

@@ -10,39 +10,22 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import unittest
 from unittest import mock
 
-from common import MPIENV, ROOT, TEXT, run, tiny_decoder, workdir
-from test_hostile import digest, listing
+from common import MPIENV, ROOT
+from test_hostile import HostileCase, listing
 
 from kqsvd.commands import frontier, quality
 
 NO_LOAD = mock.patch("kqsvd.models.load", side_effect=AssertionError("the model was loaded"))
 
 
-class HostileCommands(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.wd = workdir("hostile-commands")
-        cls.model = tiny_decoder("llama", os.path.join(cls.wd, "model"))  # head_dim 16
-        cls.proj = os.path.join(cls.wd, "proj.h5")
-        run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", cls.model, "--text", TEXT,
-             "--seq-len", "32", "--num-seqs", "4", "--out", cls.proj])
-        cls.text = os.path.join(cls.wd, "text.txt")
-        shutil.copyfile(TEXT, cls.text)
-
-    def setUp(self):
-        self.out = workdir("hostile-commands-out")  # each case's outputs, empty at the start
-        self.inputs = {p: digest(p) for p in (self.proj, self.text, self.model)}
-
-    def tearDown(self):
-        for p, h in self.inputs.items():
-            self.assertEqual(digest(p), h, f"{p} changed")
+class HostileCommands(HostileCase):
+    WORK = "hostile-commands"
 
     # -- helpers --------------------------------------------------------------
     def refused(self, main, argv, code, *words, leaves=(), loads=False):
@@ -54,16 +37,7 @@ class HostileCommands(unittest.TestCase):
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
                 (contextlib.nullcontext() if loads else NO_LOAD):
             got = main(argv)
-        err = err.getvalue()
-        lines = [x for x in err.splitlines() if x.strip()]
-        self.assertEqual(got, code, err)
-        self.assertEqual(len(lines), 1, err)
-        self.assertNotIn("Traceback", err)
-        self.assertEqual(lines[0].count("error:"), 1, lines[0])
-        for w in words:
-            self.assertIn(w, lines[0])
-        self.assertEqual(set(listing(self.out)), before, f"left behind after: {lines[0]}")
-        return lines[0]
+        return self.one_error(code, got, err.getvalue(), words, before)
 
     def quality(self, *extra, ranks="quality-bits:0.25", seq_len=16, num_seqs=1):
         return ["--model", self.model, "--text", self.text, "--proj", self.proj, "--ranks", ranks,
