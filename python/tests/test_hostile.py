@@ -485,6 +485,33 @@ class Hostile(HostileCase):
         with open(os.path.join(os.path.dirname(kqsvd.__file__), "..", "..", "pyproject.toml")) as f:
             declared = re.search(r'"transformers>=([0-9.]+),<([0-9.]+)"', f.read())
         self.assertEqual(declared.groups(), TRANSFORMERS)
+        # ... which holds both ends that the test environments pin
+        from kqsvd.compat import _key
+        root = os.path.join(os.path.dirname(kqsvd.__file__), "..", "..")
+        for name in ("requirements-hf.txt", "requirements-floor.txt"):
+            with open(os.path.join(root, "examples", name)) as f:
+                pin = re.search(r"^transformers==(\S+)", f.read(), re.M).group(1)
+            check_transformers(pin)
+            self.assertLess(_key(pin), _key(TRANSFORMERS[1]), name)
+
+    def test_new_ranks_over_a_file_with_bits(self):
+        """kqsvd.allocate on a quality-bits file: the bits were fitted for
+        the file's ranks, and the output holds the budget it names."""
+        from kqsvd.formats.projections import save_ranks
+        from kqsvd.formats.quant import QuantScheme
+        bits = os.path.join(self.out, "bits.h5")
+        four = {"kqsvd": (np.full((2, 2), 4), np.full((2, 2), 4))}
+        save_ranks(self.proj, bits, four, "quality-bits:0.1", scheme=QuantScheme(),
+                   bits={"kqsvd": (np.full((2, 2), 2), np.full((2, 2), 2))})
+        half = os.path.join(self.out, "half.h5")
+        argv = self.allocate(half)
+        argv[argv.index("--proj") + 1] = bits
+        got, err = self.call(allocate.main, argv)
+        self.assertEqual(got, 0, err)
+        p = kqsvd.load_projections(half, "kqsvd")
+        self.assertIsNone(p.bits_k)
+        self.assertEqual(p.policy, "quality-budget:0.5")
+        self.assertAlmostEqual(p.cache_kept(), 0.5, delta=0.07)
 
 
 if __name__ == "__main__":
