@@ -85,8 +85,8 @@ class Binding(unittest.TestCase):
     def test_errors_carry_the_c_message(self):
         cal = Calibrator(2, 2, 2, 8, 16)
         x = np.ones((4, 8))
-        with self.assertRaisesRegex(UsageError, "layer 5 is outside 0..1"):
-            cal.absorb("keys", 5, 0, x)
+        with self.assertRaisesRegex(UsageError, r"layer = 5: expected a whole number in 0\.\.1"):
+            cal.absorb("keys", 5, 0, x)  # checked before C (issue 36, item 19)
         x[2, 3] = np.inf
         with self.assertRaisesRegex(KqsvdError, "NaN or Inf at layer 0, head 1, row 2"):
             cal.absorb("keys", 0, 1, x)
