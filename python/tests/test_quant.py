@@ -308,5 +308,67 @@ class BitsAndRanks(unittest.TestCase):
             load_projections(bad, "kqsvd")
 
 
+class QualityProtocol(unittest.TestCase):
+    """The quality command's numbers for quantized latents (issue 40): no
+    token reads a key block whose scales later tokens set, and the report's
+    byte ratio is in one unit, bf16, whatever the dtype."""
+
+    def test_a_quantized_window_reads_no_later_token(self):
+        from kqsvd.compat import cache_kwarg
+        from kqsvd.quality.measure import window_logprobs
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64).double()
+        key = cache_kwarg(model)
+        torch.manual_seed(5)
+        ids = torch.randint(0, 97, (1, 40))
+        later = ids.clone()
+        later[0, 20:] = torch.randint(0, 97, (20,))  # other tokens from position 20 on
+        p = with_bits(orthonormal_projections(model, 6, seed=2), (4, 4), QuantScheme(group=16))
+        with torch.no_grad():
+            full = window_logprobs(model, ids, key)[0]
+            np.testing.assert_allclose(window_logprobs(model, ids, key, stepwise=True)[0],
+                                       full, atol=1e-10)  # the same model, step by step
+            compress(model, p)
+            try:
+                a, ca = window_logprobs(model, ids, key, stepwise=True)
+                b, _ = window_logprobs(model, later, key, stepwise=True)
+                whole_a, cw = window_logprobs(model, ids, key)
+                whole_b = window_logprobs(model, later, key)[0]
+            finally:
+                compress(model, None)
+        # Tokens 0..19 predict 1..20: the same prefix gives the same numbers ...
+        np.testing.assert_array_equal(a[:20].numpy(), b[:20].numpy())
+        # ... where the whole-window pass lets tokens 16..19 read a key block
+        # (16..31) that tokens from 20 on took part in quantizing.
+        self.assertFalse(torch.equal(whole_a[16:20], whole_b[16:20]))
+        np.testing.assert_array_equal(whole_a[:16].numpy(), whole_b[:16].numpy())
+        # both end holding the same: two complete blocks, 8 tokens as computed
+        self.assertEqual(cache_bytes(ca, 2), cache_bytes(cw, 2))
+
+    def test_byte_ratio_in_bf16_in_both_dtypes(self):
+        cal = Calibrated.get()
+        wd = os.path.dirname(cal.proj)
+        bits = os.path.join(wd, "protocol-bits.h5")
+        L, H = 2, 2
+        save_ranks(cal.proj, bits, {"kqsvd": (np.full((L, H), 8), np.full((L, H), 8))}, "test",
+                   force=True, bits={"kqsvd": (np.full((L, H), 4), np.full((L, H), 4))},
+                   scheme=QuantScheme())
+        got = {}
+        for dtype in ("float32", "float64"):
+            out = os.path.join(wd, f"protocol-{dtype}.json")
+            run([sys.executable, "-m", "kqsvd.quality", "--model", cal.model, "--text", TEXT,
+                 "--proj", bits, "--ranks", "stored,fixed:4", "--methods", "kqsvd",
+                 "--seq-len", "64", "--num-seqs", "2", "--dtype", dtype, "--json", out,
+                 "--force"])
+            with open(out) as f:
+                got[dtype] = {r["policy"]: r for r in json.load(f)["results"]}
+        for dtype, rows in got.items():
+            for pol, r in rows.items():
+                # 64 tokens: every key block of 32 complete, so the bytes held
+                # are the formula's, as for the latent held as computed
+                self.assertAlmostEqual(r["cache_bytes_ratio"], r["cache_kept"], delta=1e-12,
+                                       msg=f"{dtype} {pol}")
+        self.assertLess(got["float64"]["test"]["cache_kept"], 0.25)
+
+
 if __name__ == "__main__":
     unittest.main()

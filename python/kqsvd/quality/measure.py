@@ -86,18 +86,44 @@ class Tally:
         return out
 
 
+def window_logprobs(model, ids, key, stepwise=False):
+    """float64 log-probabilities [T - 1, V] of each next token of a window
+    (int64 [1, T]) through the model as it is (compressed or not), and the
+    cache it ends with.  One whole-window pass; or, `stepwise`, the first
+    token then the others one at a time, as generation does: a quantized
+    cache then quantizes a block only once a token completes it, so that
+    no token reads a key block whose scales later tokens set (the
+    whole-window pass would quantize every complete block before any
+    token reads it).  key: the model's cache keyword (compat.cache_kwarg)."""
+    import torch
+    from transformers import DynamicCache
+    from ..compat import output_cache
+    if not stepwise:
+        out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
+        return torch.log_softmax(out.logits[0, :-1].double(), dim=-1), output_cache(out)
+    cache, logits = DynamicCache(), []
+    for t in range(ids.shape[1]):  # the last token too: the cache holds the whole window
+        pos = torch.tensor([[t]], device=ids.device)
+        out = model(input_ids=ids[:, t:t + 1], use_cache=True, position_ids=pos, **{key: cache})
+        cache = output_cache(out)
+        logits.append(out.logits[0])
+    return torch.log_softmax(torch.cat(logits[:-1]).double(), dim=-1), cache
+
+
 def measure(model, seqs, pairs, fold=False, score_errors=False):
     """Scores every (policy, method, Projections) pair on the windows seqs
     (int64 [n, T]) against the full model, which runs once per window.
+    Quantized projections are scored step by step (window_logprobs), the
+    others and the full model in one pass; cache bytes count values held
+    unquantized at 2 (bf16) in either dtype, as the frontier does.
     fold: fold B_v into o_proj; score_errors: also measure err_kq and
     err_out in the model (one more pass per pair).  Returns (full, [result
     per pair]) as the report holds them.  Not collective; leaves the model
     with its full attention."""
     import torch
-    from transformers import DynamicCache
     from ..attention import cache_bytes, compress, probe_errors
+    from ..compat import cache_kwarg
     from ..progress import Progress
-    from ..compat import cache_kwarg, output_cache
     key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     full, tallies = Tally(), [Tally() for _ in pairs]
     bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + score_errors)), "passes")
@@ -108,16 +134,15 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
             ids = torch.from_numpy(row[None]).to(dev)
             targets = ids[0, 1:]
             compress(model, None)
-            out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
-            ref = torch.log_softmax(out.logits[0, :-1].double(), dim=-1)
+            ref, cache = window_logprobs(model, ids, key)
             full.add(ref, targets)
-            full.cache_bytes = max(full.cache_bytes, cache_bytes(output_cache(out)))
+            full.cache_bytes = max(full.cache_bytes, cache_bytes(cache, 2))
             bar.advance()
             for (pol, m, proj), t in zip(pairs, tallies):
                 compress(model, proj, fold=fold)
-                out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
-                t.add(torch.log_softmax(out.logits[0, :-1].double(), dim=-1), targets, ref)
-                t.cache_bytes = max(t.cache_bytes, cache_bytes(output_cache(out)))
+                logp, cache = window_logprobs(model, ids, key, stepwise=proj.quant is not None)
+                t.add(logp, targets, ref)
+                t.cache_bytes = max(t.cache_bytes, cache_bytes(cache, 2))
                 bar.advance()
                 if score_errors:
                     compress(model, proj, probe=True)
