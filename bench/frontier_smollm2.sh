@@ -29,12 +29,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 work=${work:-data/frontier-smollm2}
-scripts/hf-env.sh
-. scripts/env.sh
-model=HuggingFaceTB/SmolLM2-135M-Instruct
-text=examples/data/us-founding-documents.txt
-mkdir -p "$work"
-t0=$SECONDS
+. bench/smollm2.sh
 calibrate() {  # OUT, then calibrate_hf's options
   local out=$1
   shift

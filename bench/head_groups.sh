@@ -38,12 +38,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 work=${work:-data/head-groups-$keys}
-scripts/hf-env.sh
-. scripts/env.sh
-model=HuggingFaceTB/SmolLM2-135M-Instruct
-text=examples/data/us-founding-documents.txt
-mkdir -p "$work"
-t0=$SECONDS
+. bench/smollm2.sh
 for g in 1 3; do
   if [ $reuse = 1 ] && [ -f "$work/g$g.h5" ]; then continue; fi
   mpirun -np 2 .venv/bin/python -m kqsvd.calibrate_hf --model "$model" --text "$text" \

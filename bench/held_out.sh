@@ -29,12 +29,8 @@ while [ $# -gt 0 ]; do
 done
 [ -f "$text" ] || { echo "held_out.sh: $text: no such file (Debian: base-files)" >&2; exit 1; }
 work=${work:-data/held-out}
-scripts/hf-env.sh
-. scripts/env.sh
-model=HuggingFaceTB/SmolLM2-135M-Instruct
+. bench/smollm2.sh
 py=.venv/bin/python
-mkdir -p "$work"
-t0=$SECONDS
 if [ $reuse = 0 ] || [ ! -f "$work/g3.h5" ]; then
   mpirun -np 2 $py -m kqsvd.calibrate_hf --model "$model" --text "$text" --seq-len 256 \
     --num-seqs 12 --keys pre-rope --head-groups 3 --out "$work/g3.h5" --force
