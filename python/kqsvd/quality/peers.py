@@ -4,6 +4,7 @@ backends) and kvpress's eviction presses.  Each peer is a Config; the
 packages are imported only when a peer of theirs runs, and a missing one
 is named with what installs it."""
 import contextlib
+import functools
 import importlib
 import logging
 
@@ -45,6 +46,7 @@ def need(module, what):
         quiet.setLevel(level)
 
 
+@functools.lru_cache(maxsize=None)  # need() runs at every window's prefill
 def _transformers_clash(dist):
     """'kvpress 0.5.5 with transformers<5.3 (5.24.0 is installed)' when the
     installed distribution `dist` declares a transformers range that the
