@@ -11,7 +11,10 @@ import time
 # The repository (this file is tests/fuzz/runner.py).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAN_DEFAULTS = {
-    "ASAN_OPTIONS": "exitcode=86:detect_leaks=1:fast_unwind_on_malloc=0:check_initialization_order=1",
+    "ASAN_OPTIONS": (
+        "exitcode=86:detect_leaks=1:fast_unwind_on_malloc=0:check_initialization_order=1"
+        ":intercept_tls_get_addr=0"  # see tests/sanitize.sh
+    ),
     "UBSAN_OPTIONS": "exitcode=86:halt_on_error=1:print_stacktrace=1",
     "LSAN_OPTIONS": f"suppressions={ROOT}/tests/lsan.supp:print_suppressions=0",
 }
