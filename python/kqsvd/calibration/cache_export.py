@@ -192,7 +192,7 @@ class Exporter:
                 ds[kind][layer, :, r0:r0 + b * n, :] = arr.transpose(1, 0, 2, 3).reshape(h, b * n, d)
 
             cap = Capture(self.model, info.model_type, self.model.config, sink,
-                          self.req.get("rope", "post"))
+                          self.req.get("rope", "post"), compute="sdpa")
             try:
                 for i in range(0, len(rows), a.batch):
                     chunk = rows[i:i + a.batch]

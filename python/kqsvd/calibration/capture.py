@@ -39,13 +39,22 @@ class Capture:
     Decoders: a transformers attention function (capture_attention,
     registered as CAPTURE + the model's own implementation) receives the
     post-RoPE queries and keys and the values, hands them on, and computes
-    the attention as the model's own implementation would; keys and
+    the attention as the model's own implementation would, or with
+    compute="sdpa" as torch's scaled_dot_product_attention does; keys and
     queries before RoPE come from forward hooks on the modules that make
-    them.  Encoders: forward hooks on their query, key and value layers."""
+    them.  Encoders: forward hooks on their query, key and value layers.
 
-    def __init__(self, model, mtype, cfg, sink, rope="post"):
+    compute="sdpa" is for passes that need the activations and not the
+    attention weights (calibration, export): the models load with eager
+    attention, which holds a T x T score matrix per head, 2.4 GB a layer
+    for SmolLM2 at 8,192 tokens in float32, where SDPA's fused kernels hold
+    a block at a time."""
+
+    def __init__(self, model, mtype, cfg, sink, rope="post", compute="own"):
         if rope not in ("post", "pre"):
             raise UsageError(f"Capture: rope must be 'post' or 'pre', not {rope!r}")
+        if compute not in ("own", "sdpa"):
+            raise UsageError(f"Capture: compute must be 'own' or 'sdpa', not {compute!r}")
         self.sink, self.handles, self.rope, self.cfg = sink, [], rope, cfg
         self.saved = None
         self.hq = cfg.num_attention_heads
@@ -62,7 +71,7 @@ class Capture:
         _register()
         self.layers = list(model.layers)
         own = cfg._attn_implementation or "eager"
-        name = CAPTURE + (own if own in ("eager", "sdpa") else "sdpa")
+        name = CAPTURE + (own if own in ("eager", "sdpa") and compute == "own" else "sdpa")
         for l, lay in enumerate(self.layers):
             att = lay.self_attn
             SITES[att] = (self, l)

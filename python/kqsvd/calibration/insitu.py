@@ -47,7 +47,7 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"
     def sink(layer, kind, t):  # t: [1, heads, T, d], each head's rows contiguous
         fold(layer, kind, t[0].detach())
 
-    cap = Capture(model, info.model_type, model.config, sink, rope)
+    cap = Capture(model, info.model_type, model.config, sink, rope, compute="sdpa")
     try:
         for i, row in enumerate(seqs):
             with torch.no_grad():
