@@ -20,6 +20,8 @@ typedef struct kqsvd_proj_meta {
                               taken (docs/formats.md 5.3); NULL: no attribute */
   int64_t head_groups;     /* extension: G > 1 for head-group projections, whose
                               dims are the model's group view; 0 or 1: none */
+  int64_t seq_len;         /* extension: the longest calibration sequence in
+                              tokens; 0: unknown, no attribute */
 } kqsvd_proj_meta_t;
 
 typedef struct kqsvd_proj_writer kqsvd_proj_writer_t;

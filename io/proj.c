@@ -86,6 +86,8 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   if (meta->rope) KQSVD_CALL(kqsvd_h5_put_str(w->file, "rope", meta->rope));
   if (meta->head_groups > 1)
     KQSVD_CALL(kqsvd_h5_put_int(w->file, "head_groups", H5T_STD_I64LE, meta->head_groups));
+  if (meta->seq_len > 0)
+    KQSVD_CALL(kqsvd_h5_put_int(w->file, "seq_len", H5T_STD_I64LE, meta->seq_len));
 
   const hsize_t mat[4] = {(hsize_t)dm->layers, (hsize_t)dm->kv_heads, (hsize_t)dm->head_dim,
                           (hsize_t)dm->head_dim};

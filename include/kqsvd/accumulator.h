@@ -214,6 +214,10 @@ typedef struct kqsvd_write_options {
    * keys and queries were taken before RoPE, "post" after it [NULL: none,
    * which readers take as "post"]. */
   const char *rope;
+  /* The root attribute `seq_len` (docs/formats.md 5.3): the length in tokens
+   * of the longest sequence folded, the context the projections were
+   * calibrated for [0: unknown, no attribute]. */
+  int64_t seq_len;
 } kqsvd_write_options_t;
 
 /* Fills *opt with the defaults above.  Not collective; cannot fail. */
@@ -225,7 +229,7 @@ KQSVD_API void kqsvd_write_options_default(kqsvd_write_options_t *opt);
  * KQSVD_ERR_USAGE for an existing file without force, for a path that is a
  * folder, a device, a FIFO or a socket (links followed; force or not), and
  * for a folder no file can be created in or with no write bit (mode a-w,
- * read-only for root too); KQSVD_ERR_IO (also when the path has become a
+ * read-only for root too), and for a negative seq_len; KQSVD_ERR_IO (also when the path has become a
  * device, FIFO, socket or folder by the final rename, which then leaves it
  * as it is), KQSVD_ERR_HDF5. */
 KQSVD_API kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *res, const char *path,

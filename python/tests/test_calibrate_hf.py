@@ -161,6 +161,9 @@ class InSitu(unittest.TestCase):
             self.assertLess(worst_rel(datasets(out), datasets(two)), 1e-10, policy)
             with h5py.File(out) as f:
                 self.assertEqual(int(f.attrs["tokens"]), 12 * 64)
+                self.assertEqual(int(f.attrs["seq_len"]), 64)  # --seq-len, as the C tool's
+            with h5py.File(two) as f:
+                self.assertEqual(int(f.attrs["seq_len"]), 64)
                 self.assertEqual(f.attrs["rank_policy"], policy)
 
     def test_head_groups(self):

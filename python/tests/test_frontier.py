@@ -46,18 +46,25 @@ class Frontier(unittest.TestCase):
         save_ranks(cls.cal.proj, cls.bits, {"kqsvd": (np.full((L, H), 6), np.full((L, H), 6))},
                    "test", force=True, bits={"kqsvd": (np.full((L, H), 3), np.full((L, H), 8))},
                    scheme=QuantScheme(group=16))
-        frontier("--model", cls.cal.model, "--text", TEXT, "--proj", cls.cal.proj,
-                 "--proj", cls.bits + "=kqsvd/stored",
-                 "--ranks", "fixed:8@4,fixed:4@2/8", "--methods", "kqsvd,ksvd",
-                 "--plain", "4", "--quantized-cache", "quanto:4", "--presses", "snapkv",
-                 "--press-kept", "0.5", "--group", "16", "--context", str(CTX),
-                 "--continuation", str(CONT), "--num-seqs", str(N), "--dtype", "float64",
-                 "--json", cls.out, "--plot", os.path.join(cls.wd, "f.png"))
+        cls.p = frontier(
+            "--model", cls.cal.model, "--text", TEXT, "--proj", cls.cal.proj,
+            "--proj", cls.bits + "=kqsvd/stored",
+            "--ranks", "fixed:8@4,fixed:4@2/8", "--methods", "kqsvd,ksvd",
+            "--plain", "4", "--quantized-cache", "quanto:4", "--presses", "snapkv",
+            "--press-kept", "0.5", "--group", "16", "--context", str(CTX),
+            "--continuation", str(CONT), "--num-seqs", str(N), "--dtype", "float64",
+            "--json", cls.out, "--plot", os.path.join(cls.wd, "f.png"))
         with open(cls.out) as f:
             cls.report = json.load(f)
         cls.by = {r["label"]: r for r in cls.report["results"]}
         cls.model, cls.tok, cls.info = models.load(cls.cal.model, dtype=torch.float64)
         cls.seqs = models.token_windows(cls.tok, TEXT, CTX + CONT, N, "validation")[0]
+
+    def test_warns_of_windows_longer_than_calibrated(self):
+        # both files hold the 64-token windows they were calibrated on
+        for path in (self.cal.proj, self.bits):
+            self.assertIn(f"warning: {path} was calibrated on windows of 64 tokens, shorter than "
+                          f"the {CTX + CONT} scored here", self.p.stderr)
 
     def test_the_protocol_scores_the_full_model_as_one_pass(self):
         nll = 0.0

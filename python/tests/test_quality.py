@@ -117,6 +117,29 @@ class Refusals(unittest.TestCase):
         self.assertIn("num_kv_heads", p.stderr)
         self.assertFalse(os.path.exists(self.out))
 
+    def test_calibration_window(self):
+        """Scoring windows longer than the file was calibrated on warns (the
+        file records them: kqsvd calibrate's longest sequence); a seq_len
+        attribute that is no positive whole number is refused."""
+        import h5py
+        import shutil
+        with h5py.File(self.c.proj) as f:
+            self.assertEqual(int(f.attrs["seq_len"]), 64)
+        good = os.path.join(self.c.wd, "window.json")
+        p = quality(self.c, good, "--force", ranks="eps:0.1")
+        self.assertNotIn("calibrated on windows", p.stderr)
+        short = os.path.join(self.c.wd, "short-window.h5")
+        shutil.copyfile(self.c.proj, short)
+        with h5py.File(short, "r+") as f:
+            f.attrs["seq_len"] = 32
+        p = quality(self.c, good, "--force", ranks="eps:0.1", proj=short)
+        self.assertIn(f"warning: {short} was calibrated on windows of 32 tokens, shorter than "
+                      "the 64 scored here", p.stderr)
+        for bad in (0, "long", 2.5):
+            with h5py.File(short, "r+") as f:
+                f.attrs["seq_len"] = bad
+            self.refused(1, f"{short}: attribute 'seq_len'", ranks="eps:0.1", proj=short)
+
     def test_text_too_short(self):
         cmd = [sys.executable, "-m", "kqsvd.quality", "--model", self.c.model, "--text", TEXT,
                "--proj", self.c.proj, "--ranks", "eps:0.1", "--seq-len", "500", "--num-seqs",

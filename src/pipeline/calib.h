@@ -27,6 +27,7 @@ typedef struct calib {
    * elements, m query heads per KV head. */
   kqsvd_dims_t dims;
   int64_t d, group, nitems, tokens, sequences;
+  int64_t seq_max; /* the longest sequence, written as the output's seq_len */
   int64_t G, hd, m;
   int64_t *shard_rows; /* T of each shard */
   size_t elem_max;     /* widest element type among the inputs */

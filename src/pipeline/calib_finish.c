@@ -137,7 +137,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
                             policy,
                             c->inputs_hash,
                             c->rope[0] ? c->rope : NULL,
-                            c->G};
+                            c->G,
+                            c->seq_max};
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   /* Every byte is claimed now, while a failure can still be agreed on. */

@@ -75,6 +75,7 @@ static kqsvd_status_t validate_inputs(calib_t *c) {
   c->elem_max = set.elem_max;
   c->tokens = set.tokens;
   c->sequences = set.sequences;
+  c->seq_max = set.seq_max;
 done:
   kqsvd_shard_set_free(&set);
   return st;

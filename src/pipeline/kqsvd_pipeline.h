@@ -183,6 +183,7 @@ typedef struct kqsvd_shard_set {
   int64_t *rows, *seqs; /* [n]: T and S of each shard */
   int64_t *seq_lens;    /* every sequence's length, shard after shard */
   int64_t tokens, sequences;
+  int64_t seq_max; /* the longest sequence: the calibration's window length */
   size_t elem_max; /* widest element size of the shards and elem_min */
 } kqsvd_shard_set_t;
 

@@ -207,6 +207,7 @@ void kqsvd_write_options_default(kqsvd_write_options_t *opt) {
   opt->force = 0;
   opt->inputs_hash = NULL;
   opt->rope = NULL;
+  opt->seq_len = 0;
 }
 
 kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
@@ -229,6 +230,9 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   const char *rope = opt ? opt->rope : NULL;
   KQSVD_CHECK(!rope || strcmp(rope, "pre") == 0 || strcmp(rope, "post") == 0, KQSVD_ERR_USAGE,
               "kqsvd_result_write: rope is \"%s\", expected \"pre\", \"post\" or NULL", rope);
+  KQSVD_CHECK(!opt || opt->seq_len >= 0, KQSVD_ERR_USAGE,
+              "kqsvd_result_write: seq_len is %lld, expected 0 (unknown) or more",
+              (long long)(opt ? opt->seq_len : 0));
   snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
   kqsvd_proj_meta_t meta;
   memset(&meta, 0, sizeof meta);
@@ -248,6 +252,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.inputs_hash = hash;
   meta.rope = rope;
   meta.head_groups = r->head_groups;
+  meta.seq_len = opt ? opt->seq_len : 0;
   kqsvd_h5guard_enter(&guard);
   locked = 1;
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));

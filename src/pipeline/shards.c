@@ -36,6 +36,8 @@ static kqsvd_status_t scan_own(const kqsvd_ctx_t *ctx, const kqsvd_observer_t *o
                 paths[s], rope_or_post(kqsvd_shard_rope(sh)), model_path, rope_or_post(rope));
     set->rows[s] = kqsvd_shard_tokens(sh);
     set->seqs[s] = kqsvd_shard_sequences(sh);
+    for (int64_t q = 0; q < set->seqs[s]; q++)
+      if (kqsvd_shard_seq_lens(sh)[q] > set->seq_max) set->seq_max = kqsvd_shard_seq_lens(sh)[q];
     for (int t = 0; t < 3; t++) {
       const int e = (int)kqsvd_dtype_size(kqsvd_shard_dtype(sh, (kqsvd_tensor_t)t));
       *esz = e > *esz ? e : *esz;
@@ -77,6 +79,7 @@ kqsvd_status_t kqsvd_scan_shards(const kqsvd_ctx_t *ctx, const kqsvd_observer_t 
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->rows, n, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, set->seqs, n, MPI_INT64_T, MPI_SUM, comm));
   KQSVD_MPI(MPI_Allreduce(&esz, &esz_max, 1, MPI_INT, MPI_MAX, comm));
+  KQSVD_MPI(MPI_Allreduce(MPI_IN_PLACE, &set->seq_max, 1, MPI_INT64_T, MPI_MAX, comm));
   set->elem_max = (size_t)esz_max;
   for (int s = 0; s < n; s++) set->tokens += set->rows[s], set->sequences += set->seqs[s];
   local = set->tokens > 0 ? KQSVD_OK

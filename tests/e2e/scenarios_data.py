@@ -290,6 +290,14 @@ def checkpoint():
                                   seqs=12, seq_len=100, shards=6, uneven=True)
     ref = os.path.join(wd, "ref.h5")
     calibrate(model, ref, shards, np_=2)
+    # seq_len: the longest sequence of any shard, whichever rank read it.
+    longest = 0
+    for sh in shards:
+        with h5py.File(sh, "r") as f:
+            longest = max(longest, int(f["seq_lens"][...].max()))
+    with h5py.File(ref, "r") as f:
+        got = f.attrs.get("seq_len")
+    check(got is not None and int(got) == longest, f"seq_len {got}, the longest sequence {longest}")
     out, ck = os.path.join(wd, "proj.h5"), os.path.join(wd, "ck")
     args = ["--checkpoint", ck, "--checkpoint-every", "0"]
     kill = {"KQSVD_TEST_KILL_AFTER_CHECKPOINTS": "5", "KQSVD_TEST_KILL_RANK": "1"}

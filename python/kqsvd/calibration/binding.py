@@ -55,7 +55,8 @@ class _FinishOptions(ctypes.Structure):
 
 class _WriteOptions(ctypes.Structure):
     _fields_ = [("model", ctypes.c_char_p), ("tokens", ctypes.c_int64), ("causal", ctypes.c_int),
-                ("force", ctypes.c_int), ("inputs_hash", ctypes.c_char_p), ("rope", ctypes.c_char_p)]
+                ("force", ctypes.c_int), ("inputs_hash", ctypes.c_char_p), ("rope", ctypes.c_char_p),
+                ("seq_len", ctypes.c_int64)]
 
 
 _LIB = None
@@ -229,10 +230,11 @@ class Result(_Handle):
         return np.ctypeslib.as_array(p, shape=(self.shape.head_dim,)).copy()
 
     def write(self, path, model="", tokens=0, causal=1, force=False, inputs_hash=None,
-              rope=None):
+              rope=None, seq_len=0):
         """proj.h5 (docs/formats.md section 3), under a temporary name;
-        inputs_hash and rope ("pre" or "post"), when given, are stored as the
-        root attributes of those names.  The C library refuses a path that
+        inputs_hash, rope ("pre" or "post") and seq_len (the longest
+        calibration window in tokens), when given, are stored as the root
+        attributes of those names.  The C library refuses a path that
         is a folder, a device, a FIFO or a socket (also with force), or that
         exists without force, and a folder it cannot create a file in."""
         where = _path("path", path)
@@ -243,7 +245,7 @@ class Result(_Handle):
             _one_of("rope", rope, ("pre", "post"))
         opt = _WriteOptions((model or "").encode(), _whole("tokens", tokens), 1 if causal else 0,
                             1 if force else 0, inputs_hash.encode() if inputs_hash else None,
-                            rope.encode() if rope else None)
+                            rope.encode() if rope else None, _whole("seq_len", seq_len))
         _check(library().kqsvd_result_write(self._h, where, ctypes.byref(opt)),
                f"writing {os.fsdecode(where)}")
 

@@ -308,7 +308,8 @@ def run(args):
         res = cal.finish(args.ranks, args.beta)
         res.write(args.out, model=args.model_name or args.model,
                   tokens=args.num_seqs * args.seq_len, causal=info.causal,
-                  force=args.force or args.skip_done, inputs_hash=made_from, rope=rope)
+                  force=args.force or args.skip_done, inputs_hash=made_from, rope=rope,
+                  seq_len=args.seq_len)
         rk, rv = res.ranks("kqsvd")
         print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections of "
               f"{info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on {size} "

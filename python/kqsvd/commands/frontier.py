@@ -28,6 +28,7 @@ compared by device and inode: a link is its file).  Usage errors exit 2,
 bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
 import os
+import sys
 import time
 
 from ..errors import KqsvdError, UsageError
@@ -283,10 +284,14 @@ def plot(report):
 def run(a):
     import torch
     from .. import models
-    from ..formats.projections import check_sizes
+    from ..formats.projections import check_sizes, window_warning
     from ..progress import Progress
     from ..quality.frontier import pareto, score
     t0 = time.time()
+    for path, _ in a.proj:
+        short = window_warning(path, a.context + a.continuation)
+        if short:
+            print(f"{PROG}: warning: {short}", file=sys.stderr, flush=True)
     models.check_device(a.device, flags=True)
     model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     if not info.causal:

@@ -163,11 +163,14 @@ def run(a):
     import torch
     from .. import models
     from ..formats.files import Staged
-    from ..formats.projections import check_sizes, file_sizes
+    from ..formats.projections import check_sizes, file_sizes, window_warning
     from ..formats.quant import QuantScheme
     from ..quality.measure import check_fitted
     t0 = time.time()
     psizes = file_sizes(a.proj, a.methods)
+    short = window_warning(a.proj, a.seq_len)
+    if short:
+        print(f"kqsvd.quality: warning: {short}", file=sys.stderr, flush=True)
     # A fraction no fit can meet is refused before the model loads.
     scheme = QuantScheme()  # quality-bits:F's cache, the scheme's defaults
     for pol in a.fitted:

@@ -434,6 +434,33 @@ def file_sizes(path, methods=METHODS):
     return dict(model_sizes(s, G), head_groups=G)
 
 
+def calibrated_seq_len(path):
+    """The file's `seq_len` attribute (docs/formats.md 5.3): the longest
+    window it was calibrated on, in tokens; None for a file that does not
+    record it.  Raises KqsvdError naming the file for a value that is not a
+    positive whole number."""
+    with h5io.open_file(path, "projections") as f:
+        if "seq_len" not in f.attrs:
+            return None
+        v = np.asarray(f.attrs["seq_len"])
+    if v.shape != () or v.dtype.kind not in "iu" or int(v) < 1:
+        raise KqsvdError(f"{path}: attribute 'seq_len' = {v.tolist()!r}: expected a positive "
+                         "whole number of tokens")
+    return int(v)
+
+
+def window_warning(path, scored):
+    """A warning (str) when the file was calibrated on windows shorter than
+    the `scored` tokens a command runs it over, else None.  Projections
+    after RoPE calibrated on short windows degrade sharply at long context
+    (docs/quantized-cache.md: calibrate at the longest context served)."""
+    n = calibrated_seq_len(path)
+    if n is None or n >= scored:
+        return None
+    return (f"{path} was calibrated on windows of {n} tokens, shorter than the {scored} scored "
+            "here; calibrate at the longest context served (--seq-len)")
+
+
 def check_sizes(proj_sizes, proj_path, model_sizes, model_path="the model"):
     """Raises KqsvdError naming both files at the first size (num_layers,
     num_heads, num_kv_heads, head_dim, hidden_size) that differs."""
