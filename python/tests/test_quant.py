@@ -19,10 +19,11 @@ from common import TEXT, Calibrated, orthonormal_projections, reference_llama_nl
 from kqsvd.attention import cache_bytes, compress
 from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.projection import rotate
-from kqsvd.attention.quant import Store, dequantize, hadamard, quantize
+from kqsvd.attention.quant import Store, dequantize, hadamard, quantize, store
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.projections import load_projections, save_ranks
-from kqsvd.formats.quant import QuantScheme, option_bits, split_bits, with_bits
+from kqsvd.formats.quant import (QuantScheme, column_runs, option_bits, split_bits, unit_bits,
+                                 with_bits)
 from kqsvd.quality.bits import hull, knapsack
 
 
@@ -214,6 +215,66 @@ class InTheModel(unittest.TestCase):
                 self.assertAlmostEqual(got, want, delta=1e-9 * abs(want), msg=f"{rot} {bits_k}")
                 self.assertEqual(cache_bytes(cache, 2), held[0])
 
+    def test_per_column_bits_are_the_documented_scheme(self):
+        """Bits per latent column, in no particular order: each head's
+        columns of one number of bits (16: unquantized) are quantized as a
+        latent of their own, here gathered and quantized independently."""
+        proj = orthonormal_projections(self.model, 6, seed=4)
+        L, H, d = proj.num_layers, proj.num_kv_heads, proj.head_dim
+        cols_k = np.zeros((L, H, d), np.int64)
+        cols_v = np.zeros((L, H, d), np.int64)
+        cols_k[..., :6] = [[8, 4, 16, 2, 4, 3], [2, 2, 2, 2, 2, 2]]
+        cols_v[..., :6] = [[4, 4, 4, 2, 2, 16], [3, 8, 3, 8, 3, 8]]
+        for rot in (False, True):
+            scheme = QuantScheme(group=8, residual=3, rotate=rot)
+            p = with_bits(proj, (4, 4), scheme)
+            p.bits_k, p.bits_v = cols_k, cols_v
+            compress(self.model, p)
+            try:
+                got, cache = self.nll()
+            finally:
+                compress(self.model, None)
+            held = [0]
+
+            def gathered(m, bits, r, x, axis):
+                """x @ m's columns, run by run of equal bits (widest first)."""
+                outs, mats = [], []
+                for b in sorted(set(bits[:r].tolist()), reverse=True):
+                    M = torch.from_numpy(m[:, [c for c in range(r) if bits[c] == b]])
+                    if rot:
+                        M = M @ hadamard(M.shape[1])
+                    x_q, n = ref_side((x @ M).numpy(), 0 if b == 16 else b, 8, axis, 3)
+                    held[0] += n
+                    outs.append(torch.from_numpy(x_q))
+                    mats.append(M)
+                return torch.cat(outs, -1), torch.cat(mats, 1)
+
+            def side(l, j, k, v):
+                kc, A = gathered(proj.key_down[l][j], cols_k[l, j], 6, k, "channel")
+                vc, Av = gathered(proj.value_down[l][j], cols_v[l, j], 6, v, "token")
+                return (kc, vc @ Av.T), lambda q: q @ A  # B = A, B_v = A_v here
+            want = self.reference(side)
+            self.assertAlmostEqual(got, want, delta=1e-9 * abs(want), msg=f"rotate {rot}")
+            self.assertEqual(cache_bytes(cache, 2), held[0])
+
+    def test_per_column_bits_alike_are_the_units_bits_before_rope(self):
+        """Keys before RoPE: the same bits in every column of a head give the
+        cache of that head's one number of bits, to the last digit."""
+        proj = orthonormal_projections(self.model, 5, rope="pre", seed=6)
+        L, H, d = proj.num_layers, proj.num_kv_heads, proj.head_dim
+        got = []
+        for per_column in (False, True):
+            p = with_bits(proj, (3, 4), QuantScheme(group=8, residual=2))
+            if per_column:
+                p.bits_k = np.where(np.arange(d) < 5, 3, 0) * np.ones((L, H, 1), np.int64)
+                p.bits_v = np.where(np.arange(d) < 5, 4, 0) * np.ones((L, H, 1), np.int64)
+            compress(self.model, p)
+            try:
+                got.append(self.nll()[0])
+            finally:
+                compress(self.model, None)
+        self.assertEqual(got[0], got[1])
+
     def test_the_plain_quantized_cache_is_the_documented_scheme(self):
         L = self.model.config.num_hidden_layers
         for bits in (4, 2):
@@ -278,6 +339,54 @@ class BitsAndRanks(unittest.TestCase):
             s = Store(b, 8, axis)
             s.append(torch.randn(1, 1, 64, r))
             self.assertEqual(s.nbytes(2) * 8, 64 * option_bits(r, b, axis, 8), (r, b, axis))
+
+    def test_per_column_bits_are_the_bytes_their_stores_hold(self):
+        cols = np.array([8, 4, 16, 2, 4, 3, 2, 2, 2, 3, 0, 0])
+        for axis in ("token", "channel"):
+            runs = column_runs(cols, 10)
+            self.assertEqual([(list(c), b) for c, b in runs],
+                             [([2], 0), ([0], 8), ([1, 4], 4), ([5, 9], 3), ([3, 6, 7, 8], 2)])
+            s = store([(len(c), b) for c, b in runs], 8, axis)
+            s.append(torch.randn(1, 1, 64, 10))
+            want = sum(option_bits(len(c), b, axis, 8) for c, b in runs)
+            self.assertEqual(s.nbytes(2) * 8, 64 * want)
+            self.assertEqual(unit_bits(cols, 10, axis, 8), want)
+        with self.assertRaises(KqsvdError):
+            column_runs(cols, 11)  # a column of the rank without bits
+
+    def test_per_column_bits_in_the_projections_file(self):
+        cal = Calibrated.get()
+        wd = os.path.dirname(cal.proj)
+        p = load_projections(cal.proj, "kqsvd", 5)
+        L, H, d = p.num_layers, p.num_kv_heads, p.head_dim
+        rk = np.full((L, H), 5)
+        cols = np.zeros((L, H, d), np.int64)
+        cols[..., :5] = [16, 8, 2, 4, 2]
+        out = os.path.join(wd, "col-bits.h5")
+        save_ranks(cal.proj, out, {"kqsvd": (rk, rk)}, "test", force=True,
+                   bits={"kqsvd": (cols, cols)},
+                   scheme=QuantScheme(group=16))
+        q = load_projections(out, "kqsvd")
+        self.assertTrue(np.array_equal(q.bits_k, cols))
+        per = sum(option_bits(n, b, ax, 16) for ax in ("channel", "token")
+                  for n, b in ((1, 0), (1, 8), (2, 2), (1, 4)))
+        self.assertAlmostEqual(q.cache_kept(), per / (2 * 16 * d))
+        with self.assertRaisesRegex(UsageError, "bits_k must be"):
+            save_ranks(cal.proj, out, {"kqsvd": (rk, rk)}, "test", force=True,
+                       bits={"kqsvd": (cols[..., ::-1].copy(), cols)}, scheme=QuantScheme())
+        for name, value, words in (("kqsvd/bits_v_cols", 5, "must be"),
+                                   ("kqsvd/bits_k_cols", 0, "which has rank 5")):
+            with h5py.File(out, "r+") as f:
+                keep = f[name][0, 0, 1]
+                f[name][0, 0, 1] = value
+            with self.assertRaisesRegex(KqsvdError, f"col-bits.h5: dataset '{name}'.*{words}"):
+                load_projections(out, "kqsvd")
+            with h5py.File(out, "r+") as f:
+                f[name][0, 0, 1] = keep
+        with h5py.File(out, "r+") as f:
+            f["kqsvd/bits_v_heads"] = np.zeros((L, H), np.int32)
+        with self.assertRaisesRegex(KqsvdError, "of one form"):
+            load_projections(out, "kqsvd")
 
     def test_fitted_bits_in_the_projections_file(self):
         cal = Calibrated.get()

@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import KqsvdError
-from .quant import Store
+from .quant import store
 
 
 def rotation(site, values, cache_kwargs, kwargs, past):
@@ -86,8 +86,8 @@ class QuantLayer(DynamicLayer):
     def lazy_initialization(self, key_states, value_states=None):
         self.dtype, self.device = key_states.dtype, key_states.device
         s = self.scheme
-        self.stores = [(Store(bk, s.group, s.key_axis, s.residual),
-                        Store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in self.slices]
+        self.stores = [(store(bk, s.group, s.key_axis, s.residual),
+                        store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in self.slices]
         self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):

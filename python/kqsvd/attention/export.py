@@ -79,8 +79,9 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
             "head_groups": str(p.head_groups)}
     if p.bits_k is not None:  # a quantized latent: its size and its reading depend on these
         import dataclasses
-        meta.update(bits_k_heads=json.dumps(p.bits_k.tolist()),
-                    bits_v_heads=json.dumps(p.bits_v.tolist()),
+        form = "cols" if p.bits_k.ndim == 3 else "heads"
+        meta.update({f"bits_k_{form}": json.dumps(p.bits_k.tolist()),
+                     f"bits_v_{form}": json.dumps(p.bits_v.tolist())},
                     quant=json.dumps(dataclasses.asdict(p.quant)))
     write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
     return path

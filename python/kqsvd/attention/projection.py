@@ -23,6 +23,7 @@ the query side: RoPE does not commute with a projection).  transformers
 hands the cache post-RoPE keys with the cos and sin that rotated them;
 `unrope` undoes the rotation exactly (up to round-off), partial and scaled
 RoPE included."""
+import numpy as np
 import torch
 
 from ..errors import KqsvdError
@@ -99,12 +100,33 @@ def fold_o_proj(o_weight, value_up, num_heads, head_groups=1):
 
 def rotate(M, ranks):
     """M [H, d, r] float64 with each head j's first ranks[j] columns
-    multiplied by the Hadamard matrix of that size (quant.hadamard)."""
+    multiplied by the Hadamard matrix of that size (quant.hadamard); or,
+    ranks a list of each head's run lengths, each run of columns by its
+    own (the columns of one number of bits)."""
     from .quant import hadamard
     M = M.clone()
-    for j, r in enumerate(int(x) for x in ranks):
-        M[j, :, :r] = M[j, :, :r] @ hadamard(r, M.dtype, M.device)
+    for j, runs in enumerate(ranks):
+        at = 0
+        for n in ([int(runs)] if np.ndim(runs) == 0 else [int(x) for x in runs]):
+            M[j, :, at:at + n] = M[j, :, at:at + n] @ hadamard(n, M.dtype, M.device)
+            at += n
     return M
+
+
+def bit_runs(proj, layer):
+    """Each KV head's cached columns of one layer, keys and values, grouped
+    by bits (formats.quant.column_runs): (order_k, order_v) [Hkv] lists of
+    column orders (the head's first rank columns, widest bits first) and
+    (runs_k, runs_v) [Hkv] lists of [(count, bits)]."""
+    from ..formats.quant import column_runs
+    orders, runs = ([], []), ([], [])
+    for side, (bits, ranks) in enumerate(((proj.bits_k, proj.rank_k_heads),
+                                          (proj.bits_v, proj.rank_v_heads))):
+        for h in range(proj.num_kv_heads):
+            got = column_runs(bits[layer, h], ranks[layer, h])
+            orders[side].append(np.concatenate([c for c, _ in got]) if got else np.zeros(0, int))
+            runs[side].append([(len(c), b) for c, b in got])
+    return orders, runs
 
 
 class LayerProjection:
@@ -121,11 +143,18 @@ class LayerProjection:
         mats = [torch.as_tensor(m[layer], dtype=torch.float64) for m in
                 (proj.key_down, proj.query_down, proj.value_down, proj.value_up)]
         if self.quant is not None:
-            self.bits_k = [int(b) for b in proj.bits_k[layer]]
-            self.bits_v = [int(b) for b in proj.bits_v[layer]]
+            # Each head's columns of one number of bits side by side, one
+            # store each: a permutation of the latent's columns, which
+            # changes neither the scores nor the output.
+            (ok, ov), (self.runs_k, self.runs_v) = bit_runs(proj, layer)
+            mats = [m.clone() for m in mats]  # as_tensor shares the Projections' arrays
+            for i, order in zip(range(4), (ok, ok, ov, ov)):
+                for h, o in enumerate(order):
+                    mats[i][h, :, :len(o)] = mats[i][h, :, torch.as_tensor(o)]
             if self.quant.rotate:  # A H and B H: the same scores, flatter columns to quantize
-                rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
-                mats = [rotate(m, r) for m, r in zip(mats, (rk, rk, rv, rv))]
+                rk, rv = self.runs_k, self.runs_v
+                mats = [rotate(m, [[n for n, _ in r] for r in runs])
+                        for m, runs in zip(mats, (rk, rk, rv, rv))]
         kd, qd, vd, vu = mats
         self.A = t(kd)                                                       # [Hkv, d, rk]
         self.Av = t(vd)                                                      # [Hkv, d, rv]
@@ -150,18 +179,20 @@ class LayerProjection:
         self.set_up(t(qd), t(vu))
 
     def quant_slices(self):
-        """[(cut, key bits, value bits)] of each slice of cached columns that
-        its own store holds: the whole layer when all its heads have one
-        rank and one number of bits, else each (view) KV head; cut(x, side)
-        takes the slice's columns of keys (side 0) or values (side 1)."""
-        if not self.ragged and len(set(self.bits_k)) == 1 and len(set(self.bits_v)) == 1:
-            return [(None, self.bits_k[0], self.bits_v[0])]
+        """[(cut, key runs, value runs)] of each slice of cached columns that
+        its own stores hold, runs [(count, bits)] of its columns
+        (bit_runs): the whole layer when all its heads have the same runs,
+        else each (view) KV head; cut(x, side) takes the slice's columns
+        of keys (side 0) or values (side 1)."""
+        same = lambda runs: all(r == runs[0] for r in runs)  # noqa: E731
+        if not self.ragged and same(self.runs_k) and same(self.runs_v):
+            return [(None, self.runs_k[0], self.runs_v[0])]
         if self.ragged:
             return [((lambda x, side, j=j: x[..., (self.ko, self.vo)[side][j]:
                                               (self.ko, self.vo)[side][j + 1]]), bk, bv)
-                    for j, (bk, bv) in enumerate(zip(self.bits_k, self.bits_v))]
+                    for j, (bk, bv) in enumerate(zip(self.runs_k, self.runs_v))]
         return [((lambda x, side, j=j: x[:, j:j + 1]), bk, bv)
-                for j, (bk, bv) in enumerate(zip(self.bits_k, self.bits_v))]
+                for j, (bk, bv) in enumerate(zip(self.runs_k, self.runs_v))]
 
     def set_up(self, qd, vu):
         """Sets the up-projections from one layer's B and B_v as the file

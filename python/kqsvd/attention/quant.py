@@ -16,6 +16,7 @@ Keys per channel (KIVI) quantize blocks of `group` tokens, each channel's
 row.  `Store` holds one side of one cache layer that way."""
 import math
 
+import numpy as np
 import torch
 
 from ..errors import KqsvdError
@@ -183,3 +184,39 @@ class Store:
         if self.rest is not None:
             held += self.rest.numel() * (float_bytes or self.rest.element_size())
         return held
+
+
+class RunStore:
+    """One side of a cache slice whose columns come in runs of their own
+    bits (per-column bits, formats.quant.column_runs): a Store per run of
+    `count` adjacent columns, each quantized as if alone."""
+
+    def __init__(self, runs, group, axis, residual=0):
+        self.cuts = [0]
+        for n, _ in runs:
+            self.cuts.append(self.cuts[-1] + n)
+        self.parts = [Store(b, group, axis, residual) for _, b in runs]
+
+    def __len__(self):
+        return len(self.parts[0])
+
+    def append(self, x):
+        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]."""
+        return torch.cat([s.append(x[..., a:b]) for s, a, b in
+                          zip(self.parts, self.cuts, self.cuts[1:])], -1)
+
+    def values(self, dtype):
+        return torch.cat([s.values(dtype) for s in self.parts], -1)
+
+    def nbytes(self, float_bytes=None):
+        return sum(s.nbytes(float_bytes) for s in self.parts)
+
+
+def store(spec, group, axis, residual=0):
+    """The store of one side of a cache slice: spec the slice's bits (one
+    number, 0 unquantized) or its runs [(count, bits)]."""
+    if isinstance(spec, (int, np.integer)):
+        return Store(int(spec), group, axis, residual)
+    if len(spec) == 1:
+        return Store(spec[0][1], group, axis, residual)
+    return RunStore(spec, group, axis, residual)

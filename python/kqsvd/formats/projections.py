@@ -44,8 +44,10 @@ class Projections:
     head_groups: G > 1 for a head-groups file (docs/formats.md 5.3), whose
     num_kv_heads, head_dim, matrices and ranks are the model's group view
     (Hkv / G groups, G d wide); sizes() gives the model's.  bits_k, bits_v:
-    int [L, Hkv] bits of each unit's cached columns (0: unquantized) under
-    the scheme `quant` (formats.quant.QuantScheme), or None."""
+    the bits of the cached columns under the scheme `quant`
+    (formats.quant.QuantScheme), int [L, Hkv] one per unit (0:
+    unquantized) or int [L, Hkv, d] one per latent column (COL_BITS: 16
+    unquantized, 0 past the unit's rank), or None."""
     path: str
     method: str
     policy: str
@@ -87,12 +89,12 @@ class Projections:
         if self.quant is None:
             return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
                          (2 * self.head_dim * self.num_layers * self.num_kv_heads))
-        from .quant import option_bits
-        q = self.quant
-        held = sum(option_bits(int(r), int(b), ax, q.group)
+        from .quant import unit_bits
+        q, L, H = self.quant, self.num_layers, self.num_kv_heads
+        held = sum(unit_bits(bs[l, h], rs[l, h], ax, q.group)
                    for rs, bs, ax in ((self.rank_k_heads, self.bits_k, q.key_axis),
                                       (self.rank_v_heads, self.bits_v, q.value_axis))
-                   for r, b in zip(rs.ravel(), bs.ravel()))
+                   for l in range(L) for h in range(H))
         return float(held / (2 * 16 * self.head_dim * self.num_layers * self.num_kv_heads))
 
 
@@ -312,7 +314,8 @@ def load_projections(path, method="kqsvd", ranks=None, tuned=True):
                     raise KqsvdError(f"{path}: dataset '{ds.name[1:]}': NaN or Inf at layer {l}")
                 mats[n].append(m)
         # Stored bits (quality-bits:F) belong to the stored ranks.
-        bk, bv, scheme = read_bits(f, path, method, L, H) if ranks is None else (None,) * 3
+        bk, bv, scheme = (read_bits(f, path, method, L, H, d, (rk, rv)) if ranks is None
+                          else (None,) * 3)
         return Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
@@ -345,8 +348,9 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
     `ranks` keep theirs.  tuned: {method: (Projections, info)} from
     kqsvd.quality.tune.tune at these ranks; their query_down and value_up columns
     replace the file's, and the group records how they were trained
-    (section 5.3, "Tuned up-projections").  bits: {method: (bits_k [L, Hkv],
-    bits_v [L, Hkv])} stored with the quantization scheme (formats.quant);
+    (section 5.3, "Tuned up-projections").  bits: {method: (bits_k, bits_v)},
+    each [L, Hkv] per unit or [L, Hkv, d] per column (Projections.bits_k),
+    stored with the quantization scheme (formats.quant);
     a method given new ranks without bits loses the bits `src` has for it,
     which were chosen for its stored ranks.  dst must not be src (by device
     and inode), a folder or a device; an existing dst is replaced only
@@ -366,6 +370,8 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
         for m, (rk, rv) in checked.items():
             if m not in METHODS or min(rk.min(), rv.min()) < 1:
                 raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
+        for m, pair in (bits or {}).items():
+            _check_bits(m, pair, checked.get(m), (L, H, d), dst)
         # Tuned columns belong to the ranks they were trained at.
         done = [m for m in checked if "query_down" + TUNED_SUFFIX in f[m]]
     if done:
@@ -389,6 +395,25 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst
+
+
+def _check_bits(method, pair, ranks, shape, dst):
+    """UsageError naming dst for bits that are neither [L, Hkv] nor
+    [L, Hkv, d] per column with bits exactly on each unit's rank."""
+    from .quant import BITS, COL_BITS
+    L, H, d = shape
+    for side, b in zip("kv", pair):
+        b = np.asarray(b)
+        if b.shape == (L, H) and np.isin(b, (0,) + BITS).all():
+            continue
+        ok = b.shape == (L, H, d) and ranks is not None and np.isin(b, COL_BITS).all()
+        if ok:
+            ok = np.array_equal(b != 0, np.arange(d) < ranks["kv".index(side)][..., None])
+        if not ok:
+            raise UsageError(f"bits for {dst}: {method} bits_{side} must be [{L}, {H}] among "
+                             f"0, {', '.join(map(str, BITS))}, or [{L}, {H}, {d}] among "
+                             f"{', '.join(map(str, COL_BITS))} with bits on the first rank "
+                             "columns of each unit and 0 past it")
 
 
 def _write_tuned(g, p, info, rk, rv):

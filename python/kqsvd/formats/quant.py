@@ -57,6 +57,38 @@ def option_bits(r, b, axis, group):
     return (r + 7) // 8 * 8 * b + 32.0 * -(-r // group)
 
 
+# A latent column's bits in a file's per-column form (bits_k_cols): 0 for a
+# column past the unit's rank (not cached), 16 for one held unquantized.
+COL_BITS = (0, 2, 3, 4, 8, 16)
+
+
+def column_runs(bits, rank):
+    """A unit's cached columns grouped by their bits, for the stores that
+    hold them: [(columns int array, bits)] with bits as a Store takes them
+    (0: unquantized), widest first (unquantized, 8, 4, 3, 2), each run's
+    columns in increasing order.  bits: the unit's one number (0:
+    unquantized) or its columns' ([d], COL_BITS: nonzero exactly on the
+    first `rank`).  Raises KqsvdError for columns that break that rule."""
+    from ..errors import KqsvdError
+    rank = int(rank)
+    if np.ndim(bits) == 0:
+        return [(np.arange(rank), int(bits))]
+    bits = np.asarray(bits)
+    if (bits[:rank] == 0).any() or (bits[rank:] != 0).any():
+        raise KqsvdError(f"per-column bits {bits.tolist()}: the first {rank} columns (the rank) "
+                         "need bits, the others none")
+    runs = []
+    for b in sorted(set(bits[:rank].tolist()), reverse=True):
+        runs.append((np.flatnonzero(bits[:rank] == b), 0 if b == 16 else int(b)))
+    return runs
+
+
+def unit_bits(bits, rank, axis, group):
+    """Bits per token a unit's cached columns take: each run of column_runs
+    held by a store of its own (option_bits)."""
+    return sum(option_bits(len(c), b, axis, group) for c, b in column_runs(bits, rank))
+
+
 def split_bits(policy):
     """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
     no '@' -> (policy, None).  Raises UsageError for bits not in BITS."""
@@ -89,25 +121,42 @@ SCHEME_ATTRS = {"quant_group": "group", "quant_key_axis": "key_axis",
                 "quant_rotate": "rotate"}
 
 
-def read_bits(f, path, method, L, H):
-    """A method group's stored bits (bits_k_heads, bits_v_heads: int [L,
-    Hkv], 0 for unquantized) and the file's scheme (root attributes
-    quant_*), or (None, None, None) for a file without them.  Raises
-    KqsvdError naming the dataset or attribute that is wrong."""
+def read_bits(f, path, method, L, H, d=None, ranks=None):
+    """A method group's stored bits and the file's scheme (root attributes
+    quant_*), or (None, None, None) for a file without them.  The bits are
+    one number per unit (bits_k_heads, bits_v_heads: int [L, Hkv], 0 for
+    unquantized) or one per latent column (bits_k_cols, bits_v_cols: int
+    [L, Hkv, d] among COL_BITS, nonzero exactly on the first rank columns
+    of ranks = (rank_k [L, Hkv], rank_v)).  Raises KqsvdError naming the
+    dataset or attribute that is wrong."""
     from ..errors import KqsvdError
-    names = [f"{method}/bits_{s}_heads" for s in "kv"]
-    have = [n for n in names if n in f]
+    forms = [[f"{method}/bits_{s}_{form}" for s in "kv"] for form in ("heads", "cols")]
+    have = [n for names in forms for n in names if n in f]
     if not have:
         return None, None, None
-    if len(have) == 1:
-        raise KqsvdError(f"{path}: group '{method}' has only one of bits_k_heads and bits_v_heads")
+    names = forms[0] if have[0].endswith("_heads") else forms[1]
+    if sorted(have) != sorted(names):
+        raise KqsvdError(f"{path}: group '{method}' has {' and '.join(have)}: give keys and "
+                         "values bits of one form, bits_k_heads and bits_v_heads or "
+                         "bits_k_cols and bits_v_cols")
+    cols = names is forms[1]
+    shape, allowed = ((L, H, d), COL_BITS) if cols else ((L, H), (0,) + BITS)
     bits = []
-    for n in names:
+    for i, n in enumerate(names):
         b = f[n][...]
-        if b.shape != (L, H) or not np.issubdtype(b.dtype, np.integer) or \
-                not np.isin(b, (0,) + BITS).all():
-            raise KqsvdError(f"{path}: dataset '{n}' must be [{L}, {H}] whole numbers among "
-                             f"0, {', '.join(map(str, BITS))}")
+        if b.shape != shape or not np.issubdtype(b.dtype, np.integer) or \
+                not np.isin(b, allowed).all():
+            raise KqsvdError(f"{path}: dataset '{n}' must be {list(shape)} whole numbers among "
+                             f"{', '.join(map(str, allowed))}")
+        if cols:
+            kept = (b != 0).sum(-1)
+            want = ranks[i]
+            prefix = np.arange(d)[None, None, :] < want[..., None]
+            if not np.array_equal(b != 0, prefix):
+                l, h = np.argwhere(((b != 0) != prefix).any(-1))[0]
+                raise KqsvdError(f"{path}: dataset '{n}' gives bits to {kept[l, h]} columns of "
+                                 f"layer {l}, KV head {h}, which has rank {want[l, h]}: the "
+                                 "first rank columns need bits, the others 0")
         bits.append(b.astype(np.int64))
     kw = {attr: _scheme_attr(f, path, attr) for attr in SCHEME_ATTRS}
     kw = {SCHEME_ATTRS[a]: v for a, v in kw.items()}
@@ -152,12 +201,12 @@ def _short(v):
 
 
 def write_bits(f, method, bits_k, bits_v, scheme):
-    """Writes a method group's bits and the file's scheme (read_bits' form)."""
+    """Writes a method group's bits, [L, Hkv] per unit or [L, Hkv, d] per
+    column, and the file's scheme (read_bits' forms)."""
+    _drop(f, method)
     for side, b in (("k", bits_k), ("v", bits_v)):
-        name = f"bits_{side}_heads"
-        if name in f[method]:
-            del f[method][name]
-        f[method].create_dataset(name, data=np.asarray(b, dtype=np.int32))
+        b = np.asarray(b, dtype=np.int32)
+        f[method].create_dataset(f"bits_{side}_{'cols' if b.ndim == 3 else 'heads'}", data=b)
     for attr, key in SCHEME_ATTRS.items():
         v = getattr(scheme, key)
         f.attrs[attr] = np.int32(v) if isinstance(v, (bool, int)) else v
@@ -170,10 +219,16 @@ def drop_bits(f, methods):
     price and quantize a latent nobody fitted them for."""
     import h5py
     for m in methods:
-        for side in "kv":
-            if f"{m}/bits_{side}_heads" in f:
-                del f[m][f"bits_{side}_heads"]
-    if not any(isinstance(g, h5py.Group) and "bits_k_heads" in g for g in f.values()):
+        _drop(f, m)
+    if not any(isinstance(g, h5py.Group) and ("bits_k_heads" in g or "bits_k_cols" in g)
+               for g in f.values()):
         for attr in SCHEME_ATTRS:
             if attr in f.attrs:
                 del f.attrs[attr]
+
+
+def _drop(f, method):
+    for side in "kv":
+        for form in ("heads", "cols"):
+            if f"{method}/bits_{side}_{form}" in f:
+                del f[method][f"bits_{side}_{form}"]

@@ -62,6 +62,8 @@ class Latent(Config):
         bits = ""
         if proj.quant is not None:
             used = set(proj.bits_k.ravel()) | set(proj.bits_v.ravel())
+            if proj.bits_k.ndim == 3:  # per column: 0 marks columns past the rank
+                used.discard(0)
             bits = f" int{used.pop()}" if len(used) == 1 else " mixed bits"
         super().__init__(f"{method} {policy}{tag}", f"{method}{bits}{tag}")
         self.policy, self.method, self.proj = policy, method, proj
