@@ -22,7 +22,9 @@ more per bit than any left (the Lagrangian argument).  The model then decides: t
 allocation and each uniform choice that fits the budget (one rank, one
 number of bits everywhere) are measured by their KL to the full model on
 the calibration windows, through the quantized cache, and the best is
-kept."""
+kept, with two allocations of bits per latent column (quality.columns:
+reverse water-filling on the attention's spectrum, and on each column's
+Fisher cost) among the candidates."""
 import math
 
 import numpy as np
@@ -36,13 +38,26 @@ CHOICES = (2, 3, 4, 8, 0)  # 0: unquantized
 
 
 class QuantSensitivity(Sensitivity):
-    """Sensitivity with a cost per bits choice: cost[m] [2, L, H, nb, d]."""
+    """Sensitivity with a cost per bits choice: cost[m] [2, L, H, nb, d]
+    (unit options: rank r at bits b).  Per latent column (quality.columns):
+    col[m] [2, L, H, nb + 1, d], each column's own Fisher cost at each
+    choice then dropped; dist[m] [2, L, H, nb, d] its squared quantization
+    error and energy[m] [2, L, H, d] its squared norm."""
 
     def __init__(self, projs, info, scheme):
         super().__init__(projs, info)
         self.scheme = scheme
         L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
-        self.cost = {m: np.zeros((2, L, H, len(CHOICES), d)) for m in projs}
+        nb = len(CHOICES)
+        self.cost = {m: np.zeros((2, L, H, nb, d)) for m in projs}
+        self.col = {m: np.zeros((2, L, H, nb + 1, d)) for m in projs}
+        self.dist = {m: np.zeros((2, L, H, nb, d)) for m in projs}
+        self.energy = {m: np.zeros((2, L, H, d)) for m in projs}
+
+    def _col(self, m, side, layer, i, e, joint):
+        """Adds one choice's per-column terms e [b, H, T, d] (g . e_tj B_j)."""
+        self.col[m][side, layer, :, i] += (e.sum(2) ** 2).sum(0) if joint else \
+            (e ** 2).sum((0, 2))
 
     def add(self, layer, kind, x, g, joint):
         import torch
@@ -63,6 +78,10 @@ class QuantSensitivity(Sensitivity):
                     self.cost[m][side, layer, :, i] += (c.sum(2) ** 2).sum(0)
                 else:
                     self.cost[m][side, layer, :, i] += (c ** 2).sum((0, 2))
+                self._col(m, side, layer, i, (xa - q) * gb, joint)
+                self.dist[m][side, layer, :, i] += ((xa - q) ** 2).sum((0, 2))
+            self._col(m, side, layer, len(CHOICES), xa * gb, joint)
+            self.energy[m][side, layer] += (xa ** 2).sum((0, 2))
 
 
 def hull(sizes, costs):
@@ -142,10 +161,35 @@ def check_fraction(fraction, head_dim, scheme):
                          f"cache's bytes; give {PREFIX}{up} or more")
 
 
+def column_candidates(qs, method, proj_path, scheme, budget):
+    """{name: (ranks [2, L, H], bits [2, L, H, d])}: bits per latent column
+    (quality.columns) from the columns' Fisher costs ("columns") and, for
+    kqsvd, from the attention's spectrum ("spectrum")."""
+    from .columns import allocate_columns, read_spectra, spectrum_costs
+    costs = {"columns": qs.col[method]}
+    spectra = read_spectra(proj_path, method)
+    if spectra is not None:
+        spec = np.stack([spectrum_costs(spectra[s], qs.dist[method][s], qs.energy[method][s])
+                         for s in (0, 1)])
+        # err_kq and err_out are in units of their own, and each layer's
+        # weigh differently in the loss: each unit's spectrum is scaled to
+        # what the loss says dropping all of it costs (its columns' Fisher
+        # costs dropped), the spectrum deciding among its columns.
+        loss = qs.col[method][..., -1, :].sum(-1)
+        spent = spec[..., -1, :].sum(-1)
+        costs["spectrum"] = spec * (loss / np.maximum(spent, np.finfo(float).tiny))[..., None, None]
+    out = {}
+    for name, c in costs.items():
+        bits = allocate_columns(c, CHOICES, scheme, budget)
+        out[name] = ((bits != 0).sum(-1), bits)
+    return out
+
+
 def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws=2, log=None):
     """Ranks and bits for each method: {method: dict(rank_k, rank_v, bits_k,
-    bits_v (each [L, H]), start, kl, kls)}.  Not collective.  Raises
-    UsageError for an impossible fraction."""
+    bits_v (each [L, H] per unit, or [L, H, d] per column), start, kl,
+    kls)}.  Not collective.  Raises UsageError for an impossible
+    fraction."""
     from ..attention import compress
     from ..formats.projections import file_sizes, load_projections
     from ..formats.quant import with_bits
@@ -155,8 +199,8 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
     budget = fraction * 2 * L * H * d * 16
     full = {m: load_projections(proj_path, m, d) for m in methods}
     compress(model, None)
-    sens = measure_costs(model, info, seqs, full, draws=draws,
-                         sensitivity=QuantSensitivity(full, info, scheme))
+    qs = QuantSensitivity(full, info, scheme)
+    sens = measure_costs(model, info, seqs, full, draws=draws, sensitivity=qs)
     full_logp = full_logprobs(model, seqs)
     opts = [(r, b) for b in CHOICES for r in range(1, d + 1)]
     sizes = np.array([[option_bits(r, b, ax, scheme.group) for r, b in opts]
@@ -178,11 +222,12 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
             if r:
                 cands[f"fixed:{r}" + (f"@{b}" if b else "")] = (np.full((2, L, H), r),
                                                                 np.full((2, L, H), b))
+        cands.update(column_candidates(qs, m, proj_path, scheme, budget))
         kls = {}
         for name, (rk, bk) in cands.items():
             p = load_projections(proj_path, m, (rk[0], rk[1]))
             p = with_bits(p, (4, 4), scheme)
-            p.bits_k[:], p.bits_v[:] = bk[0], bk[1]
+            p.bits_k, p.bits_v = np.array(bk[0]), np.array(bk[1])
             compress(model, p)
             kls[name] = kl_to_full(model, seqs, full_logp, cache=True)
         compress(model, None)
