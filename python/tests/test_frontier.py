@@ -125,6 +125,21 @@ class Frontier(unittest.TestCase):
                              if y is not x)
                 self.assertEqual(x[front], not beaten, x["label"])
 
+    def test_a_latent_after_a_press(self):
+        """kvpress wraps every registered attention function when imported,
+        kqsvd's too, and calls it with dropout by position: a latent
+        window after a press computes as before it."""
+        import kqsvd.attention.function  # noqa: F401  (registered before kvpress wraps it)
+        from kqsvd.formats.projections import load_projections
+        from kqsvd.quality.configs import Latent
+        latent = Latent("fixed:8", "kqsvd", load_projections(self.cal.proj, "kqsvd", 8))
+        ids = torch.from_numpy(self.seqs[:1])
+        with torch.no_grad():
+            before = continue_window(self.model, ids, CTX, latent)[0]
+            continue_window(self.model, ids, CTX, PressPeer("knorm", 0.5, CTX))
+            after = continue_window(self.model, ids, CTX, latent)[0]
+        self.assertTrue(torch.equal(before, after))
+
     def test_a_press_leaves_the_model_as_it_found_it(self):
         attns = [lay.self_attn for lay in self.model.model.layers]
         before = [set(a._modules) | set(a.__dict__) for a in attns]

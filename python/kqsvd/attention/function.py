@@ -34,8 +34,10 @@ NAME = "kqsvd"
 SITES = weakref.WeakKeyDictionary()
 
 
-def latent_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+def latent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      **kwargs):
+    # dropout sixth, as transformers' SDPA function has it: kvpress wraps
+    # every registered attention function and passes it by position.
     site = SITES.get(module)
     if site is None:  # a module of a model not (or no longer) compressed
         return sdpa_attention_forward(module, query, key, value, attention_mask,

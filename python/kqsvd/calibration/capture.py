@@ -165,15 +165,18 @@ def _capture_with(own):
     """The capture attention function that computes as `own` does."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def capture_attention(module, query, key, value, attention_mask, **kwargs):
+    def capture_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+        # dropout sixth, as transformers' SDPA function has it: kvpress wraps
+        # every registered attention function and passes it by position.
         site = SITES.get(module)
         if site is not None:
             site[0].seen(site[1], query, key, value)
         if own == "sdpa":
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=dropout, **kwargs)
         # the family's own eager attention, as transformers picks it for "eager"
         eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, **kwargs)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
     return capture_attention
 
 
