@@ -166,6 +166,14 @@ class InTheModel(unittest.TestCase):
         logp = torch.log_softmax(out.logits[0, :-1].double(), -1)
         return -float(logp.gather(1, self.ids[0, 1:, None]).sum()), out.past_key_values
 
+    def nll_with(self, proj):
+        """nll() with proj installed, the model left as it was."""
+        compress(self.model, proj)
+        try:
+            return self.nll()
+        finally:
+            compress(self.model, None)
+
     def reference(self, side):
         """The independent Llama whose attention quantizes each KV head's
         cached keys and values with side(l, j, keys or values, 'k'/'v')."""
@@ -192,11 +200,7 @@ class InTheModel(unittest.TestCase):
                                      residual=3, rotate=rot)
                 p = with_bits(proj, (4, 4), scheme)
                 p.bits_k[:], p.bits_v[:] = bits_k, bits_v
-                compress(self.model, p)
-                try:
-                    got, cache = self.nll()
-                finally:
-                    compress(self.model, None)
+                got, cache = self.nll_with(p)
                 held = [0]
 
                 def side(l, j, k, v):
@@ -229,11 +233,7 @@ class InTheModel(unittest.TestCase):
             scheme = QuantScheme(group=8, residual=3, rotate=rot)
             p = with_bits(proj, (4, 4), scheme)
             p.bits_k, p.bits_v = cols_k, cols_v
-            compress(self.model, p)
-            try:
-                got, cache = self.nll()
-            finally:
-                compress(self.model, None)
+            got, cache = self.nll_with(p)
             held = [0]
 
             def gathered(m, bits, r, x, axis):
@@ -268,11 +268,7 @@ class InTheModel(unittest.TestCase):
             if per_column:
                 p.bits_k = np.where(np.arange(d) < 5, 3, 0) * np.ones((L, H, 1), np.int64)
                 p.bits_v = np.where(np.arange(d) < 5, 4, 0) * np.ones((L, H, 1), np.int64)
-            compress(self.model, p)
-            try:
-                got.append(self.nll()[0])
-            finally:
-                compress(self.model, None)
+            got.append(self.nll_with(p)[0])
         self.assertEqual(got[0], got[1])
 
     def test_the_plain_quantized_cache_is_the_documented_scheme(self):
