@@ -288,10 +288,8 @@ def run(a):
     from ..progress import Progress
     from ..quality.frontier import pareto, score
     t0 = time.time()
-    for path, _ in a.proj:
-        short = window_warning(path, a.context + a.continuation)
-        if short:
-            print(f"{PROG}: warning: {short}", file=sys.stderr, flush=True)
+    # said once every check has passed: a refusal stays one line
+    shorts = [window_warning(path, a.context + a.continuation) for path, _ in a.proj]
     models.check_device(a.device, flags=True)
     model, tok, info = models.load(a.model, dtype=getattr(torch, a.dtype), device=a.device)
     if not info.causal:
@@ -303,6 +301,8 @@ def run(a):
     configs = _latent_configs(a, info.num_layers) + a.configs
     seqs, ntok, start, bos = models.token_windows(tok, a.text, T, a.num_seqs, a.split,
                                                   bos=not a.no_bos, flags=True)
+    for short in filter(None, shorts):
+        print(f"{PROG}: warning: {short}", file=sys.stderr, flush=True)
     bar = Progress("frontier", a.num_seqs * (1 + len(configs)), "windows")
     full, results = score(model, seqs, a.context, configs, a.chunk, bar.advance)
     front = set(pareto([(r["kept"], r["perplexity"]) for r in results]))

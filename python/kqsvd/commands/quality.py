@@ -168,9 +168,7 @@ def run(a):
     from ..quality.measure import check_fitted
     t0 = time.time()
     psizes = file_sizes(a.proj, a.methods)
-    short = window_warning(a.proj, a.seq_len)
-    if short:
-        print(f"kqsvd.quality: warning: {short}", file=sys.stderr, flush=True)
+    short = window_warning(a.proj, a.seq_len)  # said once every check has passed
     # A fraction no fit can meet is refused before the model loads.
     scheme = QuantScheme()  # quality-bits:F's cache, the scheme's defaults
     for pol in a.fitted:
@@ -195,6 +193,8 @@ def run(a):
         cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs + tuned * a.check_seqs,
                                    "train", bos=not a.no_bos, flags=True)[0]
     log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    if short:
+        log(f"warning: {short}")
     fitted = {}
 
     def fit(pol, out):
