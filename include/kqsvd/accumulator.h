@@ -229,9 +229,9 @@ KQSVD_API void kqsvd_write_options_default(kqsvd_write_options_t *opt);
  * KQSVD_ERR_USAGE for an existing file without force, for a path that is a
  * folder, a device, a FIFO or a socket (links followed; force or not), and
  * for a folder no file can be created in or with no write bit (mode a-w,
- * read-only for root too), and for a negative seq_len; KQSVD_ERR_IO (also when the path has become a
- * device, FIFO, socket or folder by the final rename, which then leaves it
- * as it is), KQSVD_ERR_HDF5. */
+ * read-only for root too), and for a negative seq_len; KQSVD_ERR_IO (also
+ * when the path has become a device, FIFO, socket or folder by the final
+ * rename, which then leaves it as it is), KQSVD_ERR_HDF5. */
 KQSVD_API kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *res, const char *path,
                                             const kqsvd_write_options_t *opt);
 KQSVD_API void kqsvd_result_free(kqsvd_result_t **res);
