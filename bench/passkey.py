@@ -38,7 +38,7 @@ def main():
     from kqsvd.formats.projections import load_projections
     from kqsvd.formats.quant import QuantScheme
     from kqsvd.quality.configs import Latent, PlainQuant
-    from kqsvd.quality.retrieval import accuracy, passkey
+    from kqsvd.quality.retrieval import DIGITS, accuracy, passkey
     t0 = time.time()
     model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
     with open(a.text, encoding="utf-8") as f:
@@ -56,7 +56,10 @@ def main():
         tag = f" [{os.path.splitext(os.path.basename(path))[0]}]"
         configs.append(Latent("stored", "kqsvd", p, tag))
         kept[configs[-1].label] = p.cache_kept()
-    lengths = [int(x) for x in a.lengths.split(",")]
+    # The answer's tokens stay within the model's positions: a length at the
+    # limit (8,192 for SmolLM2) is the prompt and answer together.
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    lengths = [min(int(x), limit - DIGITS - 1) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     n = len(lengths) * len(depths) * (1 + len(configs))
     done = [0]
