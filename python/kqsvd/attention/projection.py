@@ -124,7 +124,7 @@ def bit_runs(proj, layer):
                                           (proj.bits_v, proj.rank_v_heads))):
         for h in range(proj.num_kv_heads):
             got = column_runs(bits[layer, h], ranks[layer, h])
-            orders[side].append(np.concatenate([c for c, _ in got]) if got else np.zeros(0, int))
+            orders[side].append(np.concatenate([c for c, _ in got]))
             runs[side].append([(len(c), b) for c, b in got])
     return orders, runs
 

@@ -400,16 +400,14 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
 def _check_bits(method, pair, ranks, shape, dst):
     """UsageError naming dst for bits that are neither [L, Hkv] nor
     [L, Hkv, d] per column with bits exactly on each unit's rank."""
-    from .quant import BITS, COL_BITS
+    from .quant import BITS, COL_BITS, off_rank
     L, H, d = shape
     for side, b in zip("kv", pair):
         b = np.asarray(b)
         if b.shape == (L, H) and np.isin(b, (0,) + BITS).all():
             continue
         ok = b.shape == (L, H, d) and ranks is not None and np.isin(b, COL_BITS).all()
-        if ok:
-            ok = np.array_equal(b != 0, np.arange(d) < ranks["kv".index(side)][..., None])
-        if not ok:
+        if not ok or off_rank(b, ranks["kv".index(side)]) is not None:
             raise UsageError(f"bits for {dst}: {method} bits_{side} must be [{L}, {H}] among "
                              f"0, {', '.join(map(str, BITS))}, or [{L}, {H}, {d}] among "
                              f"{', '.join(map(str, COL_BITS))} with bits on the first rank "

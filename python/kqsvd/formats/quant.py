@@ -62,6 +62,16 @@ def option_bits(r, b, axis, group):
 COL_BITS = (0, 2, 3, 4, 8, 16)
 
 
+def off_rank(bits, ranks):
+    """The first unit (an index into ranks) whose per-column bits [..., d]
+    are not nonzero exactly on its first rank columns, or None when every
+    unit keeps that rule."""
+    bits = np.asarray(bits)
+    bad = (bits != 0) != (np.arange(bits.shape[-1]) < np.asarray(ranks)[..., None])
+    hit = np.argwhere(bad.any(-1))
+    return tuple(int(i) for i in hit[0]) if len(hit) else None
+
+
 def column_runs(bits, rank):
     """A unit's cached columns grouped by their bits, for the stores that
     hold them: [(columns int array, bits)] with bits as a Store takes them
@@ -74,7 +84,7 @@ def column_runs(bits, rank):
     if np.ndim(bits) == 0:
         return [(np.arange(rank), int(bits))]
     bits = np.asarray(bits)
-    if (bits[:rank] == 0).any() or (bits[rank:] != 0).any():
+    if off_rank(bits, rank) is not None:
         raise KqsvdError(f"per-column bits {bits.tolist()}: the first {rank} columns (the rank) "
                          "need bits, the others none")
     runs = []
@@ -148,15 +158,12 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
                 not np.isin(b, allowed).all():
             raise KqsvdError(f"{path}: dataset '{n}' must be {list(shape)} whole numbers among "
                              f"{', '.join(map(str, allowed))}")
-        if cols:
-            kept = (b != 0).sum(-1)
-            want = ranks[i]
-            prefix = np.arange(d)[None, None, :] < want[..., None]
-            if not np.array_equal(b != 0, prefix):
-                l, h = np.argwhere(((b != 0) != prefix).any(-1))[0]
-                raise KqsvdError(f"{path}: dataset '{n}' gives bits to {kept[l, h]} columns of "
-                                 f"layer {l}, KV head {h}, which has rank {want[l, h]}: the "
-                                 "first rank columns need bits, the others 0")
+        at = off_rank(b, ranks[i]) if cols else None
+        if at is not None:
+            l, h = at
+            raise KqsvdError(f"{path}: dataset '{n}' gives bits to {(b[l, h] != 0).sum()} columns "
+                             f"of layer {l}, KV head {h}, which has rank {ranks[i][l, h]}: the "
+                             "first rank columns need bits, the others 0")
         bits.append(b.astype(np.int64))
     kw = {attr: _scheme_attr(f, path, attr) for attr in SCHEME_ATTRS}
     kw = {SCHEME_ATTRS[a]: v for a, v in kw.items()}

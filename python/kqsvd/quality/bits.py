@@ -161,6 +161,21 @@ def check_fraction(fraction, head_dim, scheme):
                          f"cache's bytes; give {PREFIX}{up} or more")
 
 
+def uniform_choices(L, H, d, scheme, budget):
+    """{bits: the largest rank that fits the budget with every unit at that
+    rank and those bits (CHOICES; 0 unquantized)}, without the bits at
+    which even rank 1 does not fit."""
+    out = {}
+    for b in CHOICES:
+        per = [L * H * (option_bits(r, b, scheme.key_axis, scheme.group) +
+                        option_bits(r, b, scheme.value_axis, scheme.group))
+               for r in range(1, d + 1)]
+        r = max((r for r in range(1, d + 1) if per[r - 1] <= budget + 1e-9), default=0)
+        if r:
+            out[b] = r
+    return out
+
+
 def column_candidates(qs, method, proj_path, scheme, budget):
     """{name: (ranks [2, L, H], bits [2, L, H, d])}: bits per latent column
     (quality.columns) from the columns' Fisher costs ("columns") and, for
@@ -214,14 +229,9 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
         ranks = np.array([opts[i][0] for i in pick]).reshape(2, L, H)
         bits = np.array([opts[i][1] for i in pick]).reshape(2, L, H)
         cands = {"fisher": (ranks, bits)}
-        for b in CHOICES:  # the uniform choices that fit
-            per = [L * H * (option_bits(r, b, scheme.key_axis, scheme.group) +
-                            option_bits(r, b, scheme.value_axis, scheme.group))
-                   for r in range(1, d + 1)]
-            r = max((r for r in range(1, d + 1) if per[r - 1] <= budget + 1e-9), default=0)
-            if r:
-                cands[f"fixed:{r}" + (f"@{b}" if b else "")] = (np.full((2, L, H), r),
-                                                                np.full((2, L, H), b))
+        for b, r in uniform_choices(L, H, d, scheme, budget).items():
+            cands[f"fixed:{r}" + (f"@{b}" if b else "")] = (np.full((2, L, H), r),
+                                                            np.full((2, L, H), b))
         cands.update(column_candidates(qs, m, proj_path, scheme, budget))
         kls = {}
         for name, (rk, bk) in cands.items():

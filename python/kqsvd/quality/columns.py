@@ -72,7 +72,7 @@ def allocate_columns(costs, choices, scheme, budget):
     (COL_BITS) whose exact bytes (unit_bits over both sides) are at most
     `budget` bits per token.  Raises UsageError (from knapsack) when even
     rank 1 at the fewest bits does not fit."""
-    from .bits import knapsack
+    from .bits import knapsack, uniform_choices
     _, L, H, nc, d = costs.shape
     axes = (scheme.key_axis, scheme.value_axis)
     sizes = column_sizes(choices, scheme.group)
@@ -116,12 +116,9 @@ def allocate_columns(costs, choices, scheme, budget):
         pick = np.vectorize(index.get)(b)
         return np.take_along_axis(costs, pick[:, :, :, None, :], 3).sum()
     best, best_cost = bits, cost(bits)
-    for c in col[:-1]:
-        for r in range(d, 0, -1):
-            uni = np.where(np.arange(d) < r, c, 0) * np.ones((2, L, H, 1), np.int64)
-            per = sum(unit_bits(uni[s, 0, 0], r, axes[s], scheme.group) for s in (0, 1))
-            if per * L * H <= budget + 1e-9:
-                if cost(uni) < best_cost:
-                    best, best_cost = uni, cost(uni)
-                break
+    for b, r in uniform_choices(L, H, d, scheme, budget).items():
+        uni = np.where(np.arange(d) < r, COL_OF_CHOICE[b], 0) * np.ones((2, L, H, 1), np.int64)
+        c = cost(uni)
+        if c < best_cost:
+            best, best_cost = uni, c
     return best
