@@ -32,7 +32,19 @@ def main():
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="data/passkey/passkey.json")
+    ap.add_argument("--force", action="store_true", help="replace the report if it exists")
     a = ap.parse_args()
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.files import check_input_file, check_outputs, write_atomic
+    try:  # every input and the report's place, before minutes of work
+        check_input_file("--text", a.text)
+        for path in a.proj:
+            check_input_file("--proj", path)
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        check_outputs([("--json", a.json)], [("--text", a.text)] +
+                      [("--proj", p) for p in a.proj], a.force)
+    except KqsvdError as e:
+        sys.exit(f"passkey.py: error: {e}")
     import torch
     from kqsvd import models
     from kqsvd.formats.projections import load_projections
@@ -69,13 +81,14 @@ def main():
         print(f"passkey: {done[0]}/{n} answers, {time.time() - t0:.0f} s", file=sys.stderr,
               flush=True)
     rows = passkey(model, tok, filler, lengths, depths, configs, a.seed, progress)
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     report = dict(model=a.model, text=os.path.basename(a.text), lengths=lengths, depths=depths,
                   dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
-    with open(a.json + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(a.json + ".tmp", a.json)
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    write_atomic(a.json, write)
     w = max(len(k) for k in rows) + 2
     print(f"{'configuration':<{w}}" + "".join(f"{n:>8}" for n in lengths))
     for label, got in rows.items():
