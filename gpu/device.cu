@@ -70,8 +70,8 @@ done:
  * order does not compile. */
 extern "C" const kqsvd_gpu_api_t *kqsvd_gpu_module_table(void) {
   static const kqsvd_gpu_api_t table = {
-      KQSVD_GPU_ABI_VERSION, kqsvd_gpu_device_count, kqsvd_gpu_describe,  kqsvd_gpu_fold_init,
-      kqsvd_gpu_fold_free,   kqsvd_gpu_fold_load,    kqsvd_gpu_fold_rows, kqsvd_gpu_fold_sync,
-      kqsvd_gpu_last_error,  kqsvd_gpu_h2d_bandwidth};
+      KQSVD_GPU_ABI_VERSION, kqsvd_gpu_device_count, kqsvd_gpu_describe,      kqsvd_gpu_fold_init,
+      kqsvd_gpu_fold_free,   kqsvd_gpu_fold_load,    kqsvd_gpu_fold_stage,    kqsvd_gpu_fold_item,
+      kqsvd_gpu_fold_sync,   kqsvd_gpu_last_error,   kqsvd_gpu_h2d_bandwidth, kqsvd_gpu_fold_rate};
   return &table;
 }

@@ -57,11 +57,12 @@ static const char *missing_function(const kqsvd_gpu_api_t *t) {
   const struct {
     const char *name;
     int set;
-  } fns[] = {{"device_count", t->device_count != NULL},  {"describe", t->describe != NULL},
-             {"fold_init", t->fold_init != NULL},        {"fold_free", t->fold_free != NULL},
-             {"fold_load", t->fold_load != NULL},        {"fold_rows", t->fold_rows != NULL},
-             {"fold_sync", t->fold_sync != NULL},        {"last_error", t->last_error != NULL},
-             {"h2d_bandwidth", t->h2d_bandwidth != NULL}};
+  } fns[] = {{"device_count", t->device_count != NULL}, {"describe", t->describe != NULL},
+             {"fold_init", t->fold_init != NULL},       {"fold_free", t->fold_free != NULL},
+             {"fold_load", t->fold_load != NULL},       {"fold_stage", t->fold_stage != NULL},
+             {"fold_item", t->fold_item != NULL},       {"fold_sync", t->fold_sync != NULL},
+             {"last_error", t->last_error != NULL},     {"h2d_bandwidth", t->h2d_bandwidth != NULL},
+             {"fold_rate", t->fold_rate != NULL}};
   for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
     if (!fns[i].set) return fns[i].name;
   return NULL;

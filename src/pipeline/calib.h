@@ -79,13 +79,16 @@ int calib_up_to_date(const calib_t *c);
 
 /* The GPU lane of the streaming stage (calib_gpu.c); not collective.
  * calib_gpu_devices() is 0 without CUDA.  start() moves c->state to the
- * device; fold_read() queues the block just read into c->raw; sync() waits,
- * reports a NaN or Inf like the CPU path (KQSVD_ERR_DATA) and, with
+ * device; buffer() is where the next block of `item` is best read (a
+ * pinned staging buffer, else c->raw); fold_read() queues the block just
+ * read there (keys, queries, values as stream_item reads them); sync()
+ * waits, reports a NaN or Inf like the CPU path (KQSVD_ERR_DATA) and, with
  * to_state, brings the factors back into c->state; stop() frees. */
 int calib_gpu_devices(void);
 kqsvd_status_t calib_gpu_start(calib_t *c, int device);
+char *calib_gpu_buffer(calib_t *c, int64_t item);
 kqsvd_status_t calib_gpu_fold_read(calib_t *c, const kqsvd_shard_t *sh, int64_t item, int64_t r0,
-                                   int64_t n);
+                                   int64_t n, const char *block);
 kqsvd_status_t calib_gpu_sync(calib_t *c, int to_state);
 void calib_gpu_stop(calib_t *c);
 

@@ -113,9 +113,9 @@ static kqsvd_status_t plan(calib_t *c) {
    * solver's own 32 d^2 doubles (workspace, one item's solution and R
    * factors) pass that only for the wide items of head groups (d > 627). */
   const double reserve = fmax(96.0 * mib, 32.0 * d * d * 8.0);
-  /* On a GPU, 4 lanes x 2 pinned staging buffers of a read's rows too. */
-  const double per_row = (double)(c->group + 2 * c->G + (c->device >= 0 ? 8 : 0)) * (double)c->hd *
-                         (double)c->elem_max;
+  /* On a GPU, 2 lanes x 2 pinned staging buffers of a read's rows too. */
+  const double per_row = (double)(c->group + 2 * c->G) * (c->device >= 0 ? 5.0 : 1.0) *
+                         (double)c->hd * (double)c->elem_max;
   /* --qr scalapack also holds the largest rank's rows of one stacked Q. */
   double block = 0;
   for (int p = 0; c->cfg.qr == KQSVD_CALIB_QR_SCALAPACK && p < P; p++) {
@@ -306,8 +306,7 @@ static kqsvd_status_t choose_device(calib_t *c) {
   MPI_Comm node = MPI_COMM_NULL;
   int lrank = 0;
   /* --device cpu does not even ask the driver. */
-  const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr == KQSVD_CALIB_QR_TSQR &&
-                           c->cfg.head_groups == 1
+  const int ndev = c->cfg.device != KQSVD_DEVICE_CPU && c->cfg.qr != KQSVD_CALIB_QR_SCALAPACK
                        ? calib_gpu_devices()
                        : 0;
   KQSVD_MPI(MPI_Comm_split_type(c->ctx.comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));

@@ -159,7 +159,7 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
   if (!c->gpu) c->state = kqsvd_acc_state(c->acc);
   for (int64_t r0 = seg->row0; r0 < seg->row1 && !*stop; r0 += c->io_rows) {
     const int64_t n = seg->row1 - r0 < c->io_rows ? seg->row1 - r0 : c->io_rows;
-    char *p = c->raw;
+    char *const block = c->gpu ? calib_gpu_buffer(c, item) : c->raw, *p = block;
     const double t0 = kqsvd_now();
     KQSVD_CALL(kqsvd_shard_read(sh, KQSVD_KEYS, layer, g, G, r0, n, p));
     p += (size_t)(G * n * d) * kqsvd_dtype_size(kqsvd_shard_dtype(sh, KQSVD_KEYS));
@@ -172,11 +172,11 @@ static kqsvd_status_t stream_item(stream_t *s, kqsvd_shard_t *sh, const kqsvd_se
       nanosleep(&pause, NULL);
     }
     c->t_read += kqsvd_now() - t0;
-    c->bytes_read += (double)(p - c->raw);
+    c->bytes_read += (double)(p - block);
     /* Sub-blocks in row order, K then each query head then V: the order
      * of updates of each factor does not depend on io_rows.  The GPU takes
      * the whole block at once. */
-    if (c->gpu) KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n));
+    if (c->gpu) KQSVD_CALL(calib_gpu_fold_read(c, sh, item, r0, n, block));
     for (int64_t j0 = 0; !c->gpu && j0 < n; j0 += c->cfg.qr_block)
       KQSVD_CALL(fold(s, sh, item, r0, n, j0, n - j0 < c->cfg.qr_block ? n - j0 : c->cfg.qr_block));
     s->work += n * (mq + 2);

@@ -57,14 +57,10 @@ kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c) {
   KQSVD_CHECK(c->qr != KQSVD_CALIB_QR_SCALAPACK || kqsvd_pqr_available(), KQSVD_ERR_USAGE,
               "--qr scalapack: this kqsvd was built without ScaLAPACK (Debian: apt-get install "
               "libscalapack-openmpi-dev, then rebuild)");
-  KQSVD_CHECK(c->qr == KQSVD_CALIB_QR_TSQR || c->device != KQSVD_DEVICE_CUDA, KQSVD_ERR_USAGE,
-              "--device cuda runs the tsqr method only; --qr %s runs on the CPU",
-              kqsvd_calib_qr_name(c->qr));
+  KQSVD_CHECK(c->qr != KQSVD_CALIB_QR_SCALAPACK || c->device != KQSVD_DEVICE_CUDA, KQSVD_ERR_USAGE,
+              "--device cuda runs --qr tsqr or gram; --qr scalapack runs on the CPU");
   KQSVD_CHECK(c->head_groups == 1 || c->qr != KQSVD_CALIB_QR_SCALAPACK, KQSVD_ERR_USAGE,
               "--head-groups runs with --qr tsqr or gram; --qr scalapack folds one head at a time");
-  KQSVD_CHECK(c->head_groups == 1 || c->device != KQSVD_DEVICE_CUDA, KQSVD_ERR_USAGE,
-              "--head-groups runs on the CPU: the GPU lane folds one head at a time "
-              "(--device cpu or auto)");
   KQSVD_CHECK(c->head_groups >= 1, KQSVD_ERR_USAGE, "--head-groups must be >= 1");
   KQSVD_CHECK(c->qr_block >= 1 && c->mem_mib >= 1 && c->read_rows >= 0 && c->beta > 0 &&
                   c->ckpt_every >= 0 && c->nshards >= 0,

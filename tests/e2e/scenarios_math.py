@@ -203,24 +203,40 @@ def theorems():
 
 
 def gpu():
-    """calibrate --device cuda against --device cpu on the same data, and a
-    NaN found on the device named like on the CPU (skips without a GPU)."""
+    """calibrate --device cuda against --device cpu on the same data, for
+    both folds (Householder QR, and Gram matrices in batched FP64 GEMMs),
+    per head and in head groups; the Gram fold against the CPU's
+    Householder reference; and a NaN found on the device named like on the
+    CPU, for both folds (skips without a GPU)."""
     v = run(["--version"]).stdout
     if "not built" in v or " 0 GPUs visible" in v:
         print("gpu: SKIPPED, this kqsvd has no CUDA module or sees no GPU:\n" + v)
         raise SystemExit(77)
     wd, model, shards = small_set("gpu", shards=3, uneven=True, **GQA)
     outs, timed = {}, {}
-    for dev in ("cpu", "cuda"):
-        outs[dev] = os.path.join(wd, f"proj-{dev}.h5")
-        err = calibrate(model, outs[dev], shards, np_=2, extra=["--device", dev, "--timings"]).stderr
-        timed[dev] = dict(re.findall(r"(fold|rows)=([0-9.e+]+)", err))
-    # --timings counts the device's fold like the CPU's (it once printed 0).
-    check(timed["cuda"].get("rows") == timed["cpu"].get("rows") and
-          float(timed["cuda"].get("fold", 0)) > 0, f"GPU --timings: {timed}")
-    worst, where = max_rel_diff(load_proj(outs["cpu"]), load_proj(outs["cuda"]))
-    check(worst <= 1e-9, f"GPU projections differ from the CPU's by {worst:.2e} at {where}")
-    print(f"gpu: largest relative difference from the CPU path {worst:.2e}")
+    for G in (1, 2):
+        for qr in ("tsqr", "gram"):
+            for dev in ("cpu", "cuda"):
+                key = (G, qr, dev)
+                outs[key] = os.path.join(wd, f"proj-{dev}-{qr}-{G}.h5")
+                err = calibrate(model, outs[key], shards, np_=2,
+                                extra=["--device", dev, "--qr", qr, "--head-groups", str(G),
+                                       "--timings"]).stderr
+                timed[key] = dict(re.findall(r"(fold|rows)=([0-9.e+]+)", err))
+            # --timings counts the device's fold like the CPU's (it once printed 0).
+            gpu_t, cpu_t = timed[(G, qr, "cuda")], timed[(G, qr, "cpu")]
+            check(gpu_t.get("rows") == cpu_t.get("rows") and float(gpu_t.get("fold", 0)) > 0,
+                  f"G = {G}, {qr}: GPU --timings {gpu_t} against the CPU's {cpu_t}")
+            worst, where = max_rel_diff(load_proj(outs[(G, qr, "cpu")]),
+                                        load_proj(outs[(G, qr, "cuda")]))
+            check(worst <= 1e-9, f"G = {G}, {qr}: GPU projections differ from the CPU's by "
+                  f"{worst:.2e} at {where}")
+            print(f"gpu: G = {G}, --qr {qr}: largest relative difference from the CPU {worst:.2e}")
+        worst, where = max_rel_diff(load_proj(outs[(G, "tsqr", "cpu")]),
+                                    load_proj(outs[(G, "gram", "cuda")]))
+        check(worst <= 1e-9, f"G = {G}: the GPU's Gram fold differs from the CPU's Householder "
+              f"fold by {worst:.2e} at {where}")
+        print(f"gpu: G = {G}, GPU gram against CPU tsqr: {worst:.2e}")
     bad = os.path.join(wd, "nan.h5")
     with h5py.File(shards[1], "r") as src, h5py.File(bad, "w") as dst:
         for k, val in src.attrs.items():
@@ -232,8 +248,9 @@ def gpu():
         q = dst["queries"][...]
         q[1, 4, 9, 0] = 0x7fc0
         dst["queries"][...] = q
-    p = calibrate(model, os.path.join(wd, "x.h5"), [shards[0], bad], np_=2,
-                  extra=["--device", "cuda"], expect=1)
-    check("nan.h5" in p.stderr and "queries" in p.stderr and "layer 1, head 4, row 9" in p.stderr,
-          f"NaN on the GPU: {p.stderr}")
+    for qr in ("tsqr", "gram"):
+        p = calibrate(model, os.path.join(wd, "x.h5"), [shards[0], bad], np_=2,
+                      extra=["--device", "cuda", "--qr", qr], expect=1)
+        check("nan.h5" in p.stderr and "queries" in p.stderr and "layer 1, head 4, row 9" in p.stderr,
+              f"NaN on the GPU ({qr}): {p.stderr}")
     finish("gpu")

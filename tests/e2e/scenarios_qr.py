@@ -96,10 +96,10 @@ def degenerate(qr):
 def errors(qr):
     wd = workdir(f"qr_errors_{qr}")
     out = os.path.join(wd, "proj.h5")
-    cases = [(["--qr", "householder"], "--qr must be tsqr, gram or scalapack"),
-             (["--qr", qr, "--device", "cuda"], "--device cuda runs the tsqr method only")]
+    cases = [(["--qr", "householder"], "--qr must be tsqr, gram or scalapack")]
     if qr == "scalapack":
-        cases += [(["--qr", "scalapack", "--checkpoint", wd], "--checkpoint does not work with --qr scalapack"),
+        cases += [(["--qr", "scalapack", "--device", "cuda"], "--device cuda runs --qr tsqr or gram"),
+                  (["--qr", "scalapack", "--checkpoint", wd], "--checkpoint does not work with --qr scalapack"),
                   (["--qr", "scalapack", "--mem-limit", "100"],
                    "--qr scalapack holds each (layer, KV head)'s rows")]
     # 32 k tokens: 6 MiB of stacked queries per rank, over what 100 MiB leaves.
