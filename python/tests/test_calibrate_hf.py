@@ -134,15 +134,48 @@ class OnDevice(unittest.TestCase):
     def test_torch_fold_refuses_nan(self):
         from kqsvd.calibration.insitu import TorchFold
         from kqsvd.models import ModelInfo
-        fold = TorchFold(ModelInfo("m", "llama", 2, 4, 2, 8, 32, 1), "cpu")
-        rows = torch.randn(4, 10, 8)
-        fold.absorb(1, "q", rows)
-        R = fold.R[2, 1, 1]
-        ref = np.linalg.qr(rows[2:].reshape(20, 8).double().numpy(), mode="r")
-        self.assertLess(np.abs(np.abs(R.numpy()) - np.abs(ref)).max(), 1e-12)
-        rows[3, 4, 5] = float("nan")
-        with self.assertRaisesRegex(KqsvdError, "queries: NaN or Inf at layer 0, KV head 1, row 14"):
+        for method in ("qr", "gram"):
+            fold = TorchFold(ModelInfo("m", "llama", 2, 4, 2, 8, 32, 1), "cpu", method)
+            rows = torch.randn(4, 10, 8)
+            fold.absorb(1, "q", rows)
+            fold.flush()
+            R = fold.factor("q", 1, 1)
+            ref = np.linalg.qr(rows[2:].reshape(20, 8).double().numpy(), mode="r")
+            self.assertLess(np.abs(np.abs(R) - np.abs(ref)).max(), 1e-12, method)
+            rows[3, 4, 5] = float("nan")
             fold.absorb(0, "q", rows)
+            with self.assertRaisesRegex(KqsvdError,
+                                        "queries: NaN or Inf at layer 0, KV head 1, row 14"):
+                fold.flush()
+
+    def test_torch_fold_batches_layers_and_groups(self):
+        """A window's layers folded together, a few per call, in head groups
+        (keys side by side, queries per KV head) and across windows: the R
+        factors of numpy's QR of the same rows, for both methods."""
+        from kqsvd.calibration.insitu import TorchFold
+        from kqsvd.models import ModelInfo
+        info = ModelInfo("m", "llama", 3, 8, 4, 8, 64, 1)  # 3 layers, 8 query / 4 KV heads, d 8
+        rng = np.random.default_rng(3)
+        wins = [{(l, k): torch.from_numpy(rng.standard_normal((8 if k == "q" else 4, 12, 8)))
+                 for l in range(3) for k in "qkv"} for _ in range(2)]
+        for method in ("qr", "gram"):
+            fold = TorchFold(info, "cpu", method, head_groups=2, batch_bytes=2 * 4 * 12 * 8 * 8)
+            for win in wins:
+                for (l, k), t in win.items():
+                    fold.absorb(l, k, t)
+                fold.flush()
+            for l in range(3):
+                for g in (0, 2):  # a group's keys: its two heads side by side
+                    rows = np.concatenate([np.concatenate([w[(l, "k")][g], w[(l, "k")][g + 1]], 1)
+                                           for w in wins])
+                    ref = np.linalg.qr(rows, mode="r")
+                    self.assertLess(np.abs(np.abs(fold.factor("k", l, g)) - np.abs(ref)).max(),
+                                    1e-10, (method, l, g))
+                for h in range(4):  # KV head h's two query heads stacked
+                    rows = np.concatenate([w[(l, "q")][2 * h + j] for w in wins for j in (0, 1)])
+                    ref = np.linalg.qr(rows, mode="r")
+                    self.assertLess(np.abs(np.abs(fold.factor("q", l, h)) - np.abs(ref)).max(),
+                                    1e-10, (method, l, h))
 
 
 class InSitu(unittest.TestCase):
@@ -168,19 +201,19 @@ class InSitu(unittest.TestCase):
 
     def test_head_groups(self):
         """--head-groups equals export_hf.py then kqsvd calibrate --head-groups,
-        on 1 rank and 2; --fold torch and a G not dividing the KV heads are
-        refused with one line."""
+        on 1 rank and 2, with the C fold and the torch fold (both methods);
+        a G not dividing the KV heads is refused with one line."""
         two = calibrate(*self.train, os.path.join(self.wd, "two-g2.h5"), ranks="fixed:5",
                         extra=["--head-groups", "2"])
-        for np_ in (None, 2):
-            out = os.path.join(self.wd, f"insitu-g2-{np_}.h5")
-            insitu(self.model, out, "--ranks", "fixed:5", "--head-groups", "2", np_=np_)
-            self.assertLess(worst_rel(datasets(out), datasets(two)), 1e-10)
+        for np_, extra in ((None, []), (2, []), (None, ["--fold", "torch"]),
+                           (None, ["--fold", "torch", "--qr", "gram"])):
+            out = os.path.join(self.wd, f"insitu-g2-{np_}-{len(extra)}.h5")
+            insitu(self.model, out, "--ranks", "fixed:5", "--head-groups", "2", *extra, np_=np_)
+            self.assertLess(worst_rel(datasets(out), datasets(two)), 1e-9, extra)
             with h5py.File(out) as f:
                 self.assertEqual(int(f.attrs["head_groups"]), 2)
         bad = os.path.join(self.wd, "bad-g.h5")
-        for extra, words in ((["--head-groups", "3"], "does not divide the 2 KV heads"),
-                             (["--head-groups", "2", "--fold", "torch"], "--fold c")):
+        for extra, words in ((["--head-groups", "3"], "does not divide the 2 KV heads"),):
             p = insitu(self.model, bad, *extra, expect=1)
             self.assertIn(words, p.stderr)
             self.assertNotIn("Traceback", p.stderr)
@@ -200,12 +233,17 @@ class InSitu(unittest.TestCase):
         insitu(self.model, c, "--fold", "c")
         insitu(self.model, t, "--fold", "torch")
         self.assertLess(worst_rel(datasets(t), datasets(c)), 1e-10)
-        ckpt, cut = os.path.join(self.wd, "ckpt-torch"), os.path.join(self.wd, "fold-cut.h5")
-        insitu(self.model, cut, "--fold", "torch", "--checkpoint", ckpt, "--checkpoint-every", "0",
-               expect=None, env={"KQSVD_TEST_STOP_AFTER": "7"})
-        p = insitu(self.model, cut, "--fold", "torch", "--checkpoint", ckpt)
-        self.assertIn("resuming: 7 of 12", p.stderr)
-        self.assertLess(worst_rel(datasets(cut), datasets(c)), 1e-10)
+        for qr in ("tsqr", "gram"):  # the Gram fold: the same to well within its bound
+            ckpt = os.path.join(self.wd, f"ckpt-torch-{qr}")
+            cut = os.path.join(self.wd, f"fold-cut-{qr}.h5")
+            insitu(self.model, cut, "--fold", "torch", "--qr", qr, "--checkpoint", ckpt,
+                   "--checkpoint-every", "0", expect=None, env={"KQSVD_TEST_STOP_AFTER": "7"})
+            p = insitu(self.model, cut, "--fold", "torch", "--qr", qr, "--checkpoint", ckpt)
+            self.assertIn("resuming: 7 of 12", p.stderr)
+            self.assertLess(worst_rel(datasets(cut), datasets(c)), 1e-10 if qr == "tsqr" else 1e-8)
+        gram_c = os.path.join(self.wd, "fold-c-gram.h5")  # the C library's Gram fold too
+        insitu(self.model, gram_c, "--fold", "c", "--qr", "gram")
+        self.assertLess(worst_rel(datasets(gram_c), datasets(c)), 1e-8)
 
     def test_writes_nothing_but_the_output(self):
         folder = os.path.join(self.wd, "only")

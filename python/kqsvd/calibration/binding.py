@@ -44,6 +44,11 @@ class _Shape(ctypes.Structure):
                 ("hidden", ctypes.c_int64)]
 
 
+# How rows become factors (kqsvd_qr_t): Householder QR merged by TSQR, or
+# float64 Gram matrices (kqsvd calibrate --qr).
+QR_METHODS = ("tsqr", "gram")
+
+
 class _AccOptions(ctypes.Structure):
     _fields_ = [("block_rows", ctypes.c_int64), ("mem_limit_mib", ctypes.c_double),
                 ("qr", ctypes.c_int), ("head_groups", ctypes.c_int64)]
@@ -257,7 +262,7 @@ class Calibrator(_Handle):
     naming it."""
 
     def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
-                 mem_limit_mib=0.0, head_groups=1):
+                 mem_limit_mib=0.0, head_groups=1, qr="tsqr"):
         import math
         lib = library()
         sizes = {k: _whole(k, v, 1) for k, v in (("layers", layers), ("kv_heads", kv_heads),
@@ -274,6 +279,7 @@ class Calibrator(_Handle):
         lib.kqsvd_acc_options_default(ctypes.byref(opt))
         opt.block_rows = _whole("block_rows", block_rows, 1, 1 << 20)
         opt.mem_limit_mib, opt.head_groups = float(mem_limit_mib), self.head_groups
+        opt.qr = QR_METHODS.index(_one_of("qr", qr, QR_METHODS))
         h = ctypes.c_void_p()
         _check(lib.kqsvd_acc_init(ctypes.byref(self.shape), ctypes.byref(opt), ctypes.byref(h)),
                "creating the accumulator")

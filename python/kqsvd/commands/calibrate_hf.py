@@ -103,11 +103,12 @@ def inputs_hash(args, model_path):
 
 
 def _keys(args):
-    """--keys and --head-groups in a hash: only when not the defaults, so
+    """--keys, --head-groups and --qr in a hash: only when not the defaults, so
     that the hashes of outputs and checkpoints made before the options stay
     valid."""
     return ([] if args.keys == "post-rope" else [args.keys]) + (
-        [] if args.head_groups == 1 else [f"head-groups:{args.head_groups}"])
+        [] if args.head_groups == 1 else [f"head-groups:{args.head_groups}"]) + (
+        [] if args.qr == "tsqr" else [f"qr:{args.qr}"])
 
 
 def up_to_date(path, want):
@@ -225,12 +226,13 @@ def run(args):
         def new_cal():
             return Calibrator(info.num_layers, info.num_kv_heads,
                               info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,
-                              block_rows=args.qr_block, head_groups=args.head_groups)
+                              block_rows=args.qr_block, head_groups=args.head_groups, qr=args.qr)
         cal = new_cal()
         # The fold on the model's device when it is a GPU (rows never leave
         # it), else in the C library (--fold picks).
-        on_device = TorchFold(info, args.device) if args.fold == "torch" or (
-            args.fold == "auto" and args.device != "cpu" and args.head_groups == 1) else None
+        on_device = TorchFold(info, args.device, "gram" if args.qr == "gram" else "qr",
+                              args.head_groups) if args.fold == "torch" or (
+            args.fold == "auto" and args.device != "cpu") else None
         check_policy(args.ranks, args.beta, info.head_dim * args.head_groups)
     except (KqsvdError, OSError) as e:
         err = e
@@ -347,7 +349,13 @@ def parse(argv):
                          "export_hf.py --keys [post-rope]")
     ap.add_argument("--fold", choices=("auto", "c", "torch"), default="auto",
                     help="where rows are folded: c (the C library, on the CPU), torch (float64 "
-                    "QR on the model's device) or auto (torch on a GPU, else c) [auto]")
+                    "on the model's device, every layer of a window at once) or auto (torch on "
+                    "a GPU, else c) [auto]")
+    ap.add_argument("--qr", choices=("tsqr", "gram"), default="tsqr",
+                    help="how rows become factors, as kqsvd calibrate --qr: tsqr (Householder "
+                    "QR) or gram (float64 Gram matrices: half the flops, in large batched "
+                    "GEMMs on a GPU; singular values below ~1e-8 of the largest are lost) "
+                    "[tsqr]")
     ap.add_argument("--head-groups", type=count(1), default=1, metavar="G",
                     help="solve each group of G consecutive KV heads as one, as kqsvd calibrate "
                     "--head-groups: one latent per group (G divides the KV heads) [1]")
@@ -363,8 +371,6 @@ def parse(argv):
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
-    if args.head_groups > 1 and args.fold == "torch":
-        raise UsageError("--head-groups folds in the C library: give --fold c (or auto)")
     check_input_file("--text", args.text)
     if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
