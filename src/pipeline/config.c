@@ -59,8 +59,6 @@ kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c) {
               "libscalapack-openmpi-dev, then rebuild)");
   KQSVD_CHECK(c->qr != KQSVD_CALIB_QR_SCALAPACK || c->device != KQSVD_DEVICE_CUDA, KQSVD_ERR_USAGE,
               "--device cuda runs --qr tsqr or gram; --qr scalapack runs on the CPU");
-  KQSVD_CHECK(c->head_groups == 1 || c->qr != KQSVD_CALIB_QR_SCALAPACK, KQSVD_ERR_USAGE,
-              "--head-groups runs with --qr tsqr or gram; --qr scalapack folds one head at a time");
   KQSVD_CHECK(c->head_groups >= 1, KQSVD_ERR_USAGE, "--head-groups must be >= 1");
   KQSVD_CHECK(c->qr_block >= 1 && c->mem_mib >= 1 && c->read_rows >= 0 && c->beta > 0 &&
                   c->ckpt_every >= 0 && c->nshards >= 0,

@@ -196,7 +196,6 @@ def head_groups():
     bad = os.path.join(wd, "bad.h5")
     for extra, words in ((["--head-groups", "3"], "does not divide the 4 KV heads"),
                          (["--head-groups", "0"], "--head-groups"),
-                         (["--head-groups", "2", "--qr", "scalapack"], "--qr scalapack"),
                          (["--head-groups", "2", "--ranks", "fixed:17"], "17")):
         res = calibrate(model, bad, shards, extra=extra, expect=1)
         check(words in res.stderr and "Traceback" not in res.stderr,
