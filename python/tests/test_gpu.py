@@ -1,5 +1,6 @@
 """The Python side on a CUDA device: in-situ calibration with the model on
-the GPU (the fold there, --fold torch, or in the C library, --fold c) and
+the GPU (the fold there, --fold torch with QR or --qr gram, per head and
+in head groups, or in the C library, --fold c) and
 the quality command, against the same runs on the CPU.  Skipped (ctest
 says so) where PyTorch sees no GPU.  The tiny model's tokenizer is made
 here from the bundled text, so no model package is needed."""
@@ -53,11 +54,11 @@ class OnTheGPU(unittest.TestCase):
         cls.wd = workdir("gpu")
         cls.model = tiny_model(os.path.join(cls.wd, "model"))
 
-    def calibrate(self, device, fold):
-        out = os.path.join(self.wd, f"proj-{device}-{fold}.h5")
+    def calibrate(self, device, fold, *extra):
+        out = os.path.join(self.wd, f"proj-{device}-{fold}{''.join(extra)}.h5")
         run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", self.model, "--text", TEXT,
              "--seq-len", "64", "--num-seqs", "16", "--dtype", "f64", "--device", device,
-             "--fold", fold, "--out", out])
+             "--fold", fold, "--out", out, "--force", *extra])
         return datasets(out)
 
     def test_insitu_on_the_gpu_equals_the_cpu(self):
@@ -71,6 +72,13 @@ class OnTheGPU(unittest.TestCase):
         # float32, which the GPU rounds otherwise than the CPU (measured on an
         # H100: 1.1e-6, in K-SVD's vectors, the most sensitive).
         self.assertLess(worst(cpu, torch_fold), 1e-5)
+        # The Gram fold on the GPU (batched float64 GEMMs), per head and in
+        # head groups, against the C library's Householder fold of the same
+        # rows.
+        for groups in ((), ("--head-groups", "2")):
+            ref = self.calibrate("cuda", "c", *groups)
+            gram = self.calibrate("cuda", "torch", "--qr", "gram", *groups)
+            self.assertLess(worst(ref, gram), 1e-9, groups)
 
     def test_quality_on_the_gpu_equals_the_cpu(self):
         proj = os.path.join(self.wd, "proj-cpu-c.h5")
