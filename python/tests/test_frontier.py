@@ -81,6 +81,21 @@ class Frontier(unittest.TestCase):
                                         "kqsvd stored [bits]", "int4", "quanto-int4",
                                         "snapkv:0.5"})
 
+    def test_each_window_pools_to_the_report(self):
+        """The per-window figures (the spread the table prints) average to
+        the pooled ones: every window scores the same number of tokens, and
+        the full model's window run alone (above) is its window's value."""
+        full = self.report["full"]
+        self.assertEqual(len(full["perplexity_windows"]), N)
+        self.assertAlmostEqual(np.mean(np.log(full["perplexity_windows"])), full["nll"], delta=1e-12)
+        for r in self.report["results"]:
+            self.assertEqual(len(r["ratio_windows"]), N, r["label"])
+            self.assertAlmostEqual(np.mean(np.log(r["perplexity_windows"])), r["nll"], delta=1e-12)
+            self.assertAlmostEqual(np.mean(r["kl_windows"]), r["kl"], delta=1e-12)
+            np.testing.assert_allclose(r["ratio_windows"], np.array(r["perplexity_windows"]) /
+                                       np.array(full["perplexity_windows"]), rtol=1e-12)
+        self.assertRegex(self.p.stdout, r"int4 .*x +\d\.\d{3}-\d\.\d{3} ")
+
     def test_bytes_are_what_each_cache_holds(self):
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
         full = 2 * 2 * L * H * d  # bytes per token, keys and values in bf16

@@ -245,11 +245,13 @@ def table(report):
           f"context, {report['continuation']} scored; full model: perplexity "
           f"{f['perplexity']:.3f}")
     w = max(len(r["label"]) for r in report["results"]) + 2
-    print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'KL/token':>11}"
-          f"{'top-1':>8}  front (perplexity, KL)")
+    print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'windows':>16}"
+          f"{'KL/token':>11}{'top-1':>8}  front (perplexity, KL)")
     for r in sorted(report["results"], key=lambda r: -r["kept"]):
+        each = r.get("ratio_windows") or [r["perplexity"] / f["perplexity"]]
         print(f"{r['label']:<{w}}{100 * r['kept']:>7.1f}%{r['perplexity']:>12.3f}"
-              f"{r['perplexity'] / f['perplexity']:>7.3f}x{r['kl']:>11.4f}"
+              f"{r['perplexity'] / f['perplexity']:>7.3f}x"
+              f"{f'{min(each):.3f}-{max(each):.3f}':>16}{r['kl']:>11.4f}"
               f"{100 * r['top1']:>7.1f}%  {'*' if r['front'] else ' '} "
               f"{'*' if r['front_kl'] else ''}")
 

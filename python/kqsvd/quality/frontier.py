@@ -66,23 +66,37 @@ def score(model, seqs, context, configs, chunk=1, progress=None):
         r = t.result()
         r["kept"] = r["bytes_context"] / base["bytes_context"]
         r["kept_end"] = r["bytes_end"] / base["bytes_end"]
+        # Each window's perplexity over the full model's on it: the spread
+        # between windows, stated beside the pooled ratio.
+        r["ratio_windows"] = [math.exp(a - b) for a, b in zip(t.window_nll, full.window_nll)]
         out.append(r)
     return base, out
 
 
 class _Sums(Tally):
     """A Tally with the bytes after the prefill and at the end (the
-    largest over the windows, which all have one length)."""
+    largest over the windows, which all have one length), and each window's
+    mean NLL and KL."""
     first = last = 0
 
+    def __init__(self):
+        super().__init__()
+        self.window_nll, self.window_kl = [], []
+
     def add(self, logp, targets, ref=None, first=0, last=0):
+        nll, kl, n = self.nll, self.kl, self.tokens
         super().add(logp, targets, ref)
+        self.window_nll.append((self.nll - nll) / (self.tokens - n))
+        self.window_kl.append((self.kl - kl) / (self.tokens - n))
         self.first, self.last = max(self.first, first), max(self.last, last)
 
     def result(self):
         r = super().result()
         r.pop("cache_bytes", None)
-        r.update(bytes_context=self.first, bytes_end=self.last)
+        r.update(bytes_context=self.first, bytes_end=self.last,
+                 perplexity_windows=[math.exp(x) for x in self.window_nll])
+        if self.compared:
+            r["kl_windows"] = list(self.window_kl)
         return r
 
 
