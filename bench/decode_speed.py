@@ -1,22 +1,33 @@
-"""Speed and memory at long context: prefill time, decode tokens/s and peak
-resident memory above the loaded model of SmolLM2-135M-Instruct with the full cache, a plain
-int4 cache and kqsvd's latents (quantized or not), at several context
-lengths.  Each (configuration, context) runs in a process of its own, so
-that the peak memory is its own.
+"""Speed and memory at long context, against the baseline users run:
+prefill time, decode tokens/s and peak resident memory above the loaded
+model of SmolLM2-135M-Instruct through `model.generate()`, with the model's
+default attention (SDPA) and generate()'s own cache for the full model,
+and each compressed configuration through the cache it ships.
 
-    .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--steps 32]
-        [--threads 2] [--config NAME ...] [--json OUT]
+    .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--batches 1,8]
+        [--steps 32] [--repeats 3] [--threads 2] [--config SPEC ...] [--json OUT]
 
-Configurations: full; int4 (the model's keys and values, keys per
-channel, values per token, groups of 32); kqsvd-32 (per head, rank 32,
-keys after RoPE: half the cache); kqsvd-32@4 (the same latent as 4-bit
-codes); g3-pre (one latent per layer's 3 KV heads, keys before RoPE, the
-fitted and tuned ranks at half the cache); g3-pre@4.  The tokens are
-random (speed does not depend on them; seed 0).  Decode: `steps` tokens
-one at a time after the prefill, timed after one warm-up step."""
+Every (configuration, context, batch) runs in a process of its own, so the
+peak memory is its own; in it, one short generate() warms up, then
+--repeats generate() calls of --steps new tokens each are timed by a
+logits processor that notes when each token's logits arrive: the prefill
+is the time to the first, the decode rate the other steps - 1 over the
+time from the first to the last.  Medians with their range over the
+repeats.  Random tokens (speed does not depend on them; seed 0), greedy.
+
+SPEC: full (SDPA, generate()'s cache); sdpa-off (the same with the eager
+attention kqsvd's loader gives, the old baseline); intB (a plain B-bit
+cache of the model's keys and values, keys per channel, values per token,
+groups of 32; kqsvd's own, as the frontier scores it); quanto:B
+(transformers' QuantizedCache, optimum-quanto, in .venv-peers); and
+kqsvd:PATH[=POLICY] (a projections file, POLICY its ranks, `stored` by
+default, with @B for B-bit codes, e.g. kqsvd:proj.h5=fixed:32@4).
+kqsvd-32, kqsvd-32@4, g3-pre and g3-pre@4 name the files of the
+docs' older tables (bench/rank_allocation.sh, bench/head_groups.sh)."""
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -24,60 +35,103 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-FILES = {"kqsvd-32": ("data/rank-allocation-post-rope/proj.h5", "fixed:32"),
-         "g3-pre": ("data/head-groups-pre-rope/g3-fitted.quality-tuned-0.5.h5", "stored")}
-CONFIGS = ["full", "int4", "kqsvd-32", "kqsvd-32@4", "g3-pre", "g3-pre@4"]
+ALIASES = {"kqsvd-32": "kqsvd:data/rank-allocation-post-rope/proj.h5=fixed:32",
+           "g3-pre": "kqsvd:data/head-groups-pre-rope/g3-fitted.quality-tuned-0.5.h5"}
+DEFAULT = ["full", "int4", "kqsvd-32", "kqsvd-32@4", "g3-pre", "g3-pre@4"]
 
 
-def one(name, context, steps, threads):
+def spec_of(name):
+    """A configuration name with its alias expanded (bits kept)."""
+    base, at, bits = name.partition("@")
+    if base in ALIASES:
+        return ALIASES[base] + (("@" + bits) if at and "=" in ALIASES[base] else
+                                ("=stored@" + bits) if at else "")
+    return name
+
+
+def install(model, info, spec):
+    """Sets the model up for `spec`; returns generate()'s extra keyword
+    arguments (a fresh cache per call, or none for generate()'s own)."""
+    import torch  # noqa: F401
+    if spec == "full":
+        model.set_attn_implementation("sdpa")
+        return lambda: {}
+    if spec == "sdpa-off":
+        return lambda: {}
+    model.set_attn_implementation("sdpa")
+    if spec.startswith("int") and spec[3:].isdigit():
+        from kqsvd.attention.cache import QuantCache
+        from kqsvd.formats.quant import QuantScheme
+        b = int(spec[3:])
+        return lambda: {"past_key_values": QuantCache(info.num_layers, QuantScheme(), (b, b))}
+    if spec.startswith("quanto:"):
+        from kqsvd.quality.peers import QuantizedCachePeer
+        peer = QuantizedCachePeer("quanto", int(spec[7:]), 32)
+        peer.check()
+        return lambda: {"past_key_values": peer.cache(model)}
+    if spec.startswith("kqsvd:"):
+        from kqsvd.attention import compress, latent_cache
+        from kqsvd.formats.projections import load_projections, policy_ranks
+        from kqsvd.formats.quant import QuantScheme, split_bits, with_bits
+        path, _, pol = spec[6:].partition("=")
+        pol, bits = split_bits(pol or "stored")
+        path = os.path.join(ROOT, path)
+        ranks = None
+        if pol != "stored":
+            got = policy_ranks(path, pol)["methods"]["kqsvd"]
+            ranks = (got["rank_k"], got["rank_v"])
+        proj = load_projections(path, "kqsvd", ranks)
+        if bits is not None:
+            proj = with_bits(proj, bits, QuantScheme())
+        compress(model, proj)
+        return lambda: {"past_key_values": latent_cache(model)}
+    raise SystemExit(f"decode_speed.py: --config {spec}: unknown")
+
+
+def one(spec, context, batch, steps, repeats, threads):
     """Runs one configuration in this process; returns its figures."""
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
     torch.set_num_threads(threads)
-    from transformers import DynamicCache
+    from transformers import LogitsProcessor, LogitsProcessorList
     from kqsvd import models
-    from kqsvd.compat import cache_kwarg, output_cache
-    from kqsvd.attention import cache_bytes, compress, latent_cache
-    from kqsvd.attention.cache import QuantCache
-    from kqsvd.formats.projections import load_projections
-    from kqsvd.formats.quant import QuantScheme, split_bits, with_bits
-    from kqsvd.formats.projections import policy_ranks
-    model, _, info = models.load(MODEL, dtype=torch.float32)
-    base, _, bits = name.partition("@")
-    if base in FILES:
-        path, pol = FILES[base]
-        ranks = None
-        if pol != "stored":
-            got = policy_ranks(os.path.join(ROOT, path), pol)["methods"]["kqsvd"]
-            ranks = (got["rank_k"], got["rank_v"])
-        proj = load_projections(os.path.join(ROOT, path), "kqsvd", ranks)
-        proj = with_bits(proj, split_bits(f"x@{bits}")[1] if bits else None, QuantScheme())
-        compress(model, proj)
-        make = lambda: latent_cache(model)  # noqa: E731
-    elif name == "int4":
-        make = lambda: QuantCache(info.num_layers, QuantScheme(), (4, 4))  # noqa: E731
-    else:
-        make = DynamicCache
-    key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
-    peak = _Peak()
+    from kqsvd.attention import cache_bytes
+    model, tok, info = models.load(MODEL, dtype=torch.float32)
+    extra = install(model, info, spec)
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context + steps + 1), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g)
+
+    def run(n, new):
+        clock = Clock()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=tok.eos_token_id, return_dict_in_generate=True,
+                             logits_processor=LogitsProcessorList([clock]), **extra())
+        t = clock.times
+        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), out.past_key_values
+
+    peak = _Peak()
     with torch.no_grad():
-        cache = make()
-        t = time.perf_counter()
-        out = model(input_ids=ids[:, :context], use_cache=True, **{key: cache},
-                    logits_to_keep=1)  # the logits of every position would dominate
-        prefill = time.perf_counter() - t
-        cache = output_cache(out)
-        for i in range(steps + 1):
-            if i == 1:
-                t = time.perf_counter()
-            p = context + i
-            out = model(input_ids=ids[:, p:p + 1], use_cache=True, **{key: cache},
-                        position_ids=torch.tensor([[p]]))
-            cache = output_cache(out)
-        decode = steps / (time.perf_counter() - t)
-    return dict(config=name, context=context, prefill_s=prefill, decode_tok_s=decode,
+        run(min(64, context), 4)  # warm-up: first calls, allocator
+        got = [run(context, steps) for _ in range(repeats)]
+    cache = got[-1][2]
+    prefill = [p for p, _, _ in got]
+    decode = [d for _, d, _ in got]
+    return dict(config=spec, context=context, batch=batch, steps=steps,
+                attn=model.config._attn_implementation,
+                prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
+                decode_tok_s=statistics.median(decode) * batch,
+                decode_range=[min(decode) * batch, max(decode) * batch],
                 cache_bytes=cache_bytes(cache, 2), peak_above_model_mb=peak.stop())
 
 
@@ -109,30 +163,46 @@ class _Peak:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--batches", default="1")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--config", action="append", choices=CONFIGS)
+    ap.add_argument("--config", action="append", help="a SPEC (see above); repeat it")
     ap.add_argument("--json")
-    ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.steps < 2 or a.repeats < 1:
+        ap.error("--steps at least 2, --repeats at least 1")
     if a.one:
-        print(json.dumps(one(a.one[0], int(a.one[1]), a.steps, a.threads)))
+        print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
+                             a.threads)))
         return 0
     rows = []
-    print(f"{'config':<12}{'context':>8}{'prefill s':>11}{'decode tok/s':>14}{'cache MB':>10}"
-          f"{'peak MB':>9}", flush=True)
+    print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
+          f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
     for n in (int(x) for x in a.contexts.split(",")):
-        for c in a.config or CONFIGS:
-            p = subprocess.run([sys.executable, __file__, "--one", c, str(n), "--steps",
-                                str(a.steps), "--threads", str(a.threads)],
-                               capture_output=True, text=True)
-            if p.returncode:
-                print(f"{c} at {n}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
-                return 1
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            rows.append(r)
-            print(f"{c:<12}{n:>8}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}"
-                  f"{r['cache_bytes'] / 2**20:>10.1f}{r['peak_above_model_mb']:>9.0f}", flush=True)
+        for b in (int(x) for x in a.batches.split(",")):
+            full = None
+            for name in a.config or DEFAULT:
+                spec = spec_of(name)
+                p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
+                                    "--steps", str(a.steps), "--repeats", str(a.repeats),
+                                    "--threads", str(a.threads)], capture_output=True, text=True)
+                if p.returncode:
+                    print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                r["name"] = name
+                label = name if not name.startswith("kqsvd:") else \
+                    "kqsvd:" + os.path.basename(name[6:])
+                full = r["decode_tok_s"] if spec == "full" else full
+                r["against_full"] = r["decode_tok_s"] / full if full else None
+                rows.append(r)
+                lo, hi = r["decode_range"]
+                x = f"{r['against_full']:.2f}" if full else "-"
+                print(f"{label:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}"
+                      f"{f'{lo:.2f}-{hi:.2f}':>16}{x:>8}{r['cache_bytes'] / 2**20:>10.1f}"
+                      f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
