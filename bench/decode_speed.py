@@ -5,7 +5,7 @@ default attention (SDPA) and generate()'s own cache for the full model,
 and each compressed configuration through the cache it ships.
 
     .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--batches 1,8]
-        [--steps 32] [--repeats 3] [--threads 2] [--config SPEC ...] [--json OUT]
+        [--steps 32] [--repeats 3] [--threads 2] [--config SPEC ...] [--json OUT [--force]]
 
 Every (configuration, context, batch) runs in a process of its own, so the
 peak memory is its own; in it, one short generate() warms up, then
@@ -36,23 +36,40 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ALIASES = {"kqsvd-32": "kqsvd:data/rank-allocation-post-rope/proj.h5=fixed:32",
-           "g3-pre": "kqsvd:data/head-groups-pre-rope/g3-fitted.quality-tuned-0.5.h5"}
+           "g3-pre": "kqsvd:data/head-groups-pre-rope/g3-fitted.quality-tuned-0.5.h5=stored"}
 DEFAULT = ["full", "int4", "kqsvd-32", "kqsvd-32@4", "g3-pre", "g3-pre@4"]
 
 
 def spec_of(name):
     """A configuration name with its alias expanded (bits kept)."""
     base, at, bits = name.partition("@")
-    if base in ALIASES:
-        return ALIASES[base] + (("@" + bits) if at and "=" in ALIASES[base] else
-                                ("=stored@" + bits) if at else "")
-    return name
+    return ALIASES[base] + at + bits if base in ALIASES else name
+
+
+def check(spec):
+    """Refuses a SPEC that cannot run (UsageError or KqsvdError, one line),
+    before any process starts; returns its projections file or None."""
+    from kqsvd.errors import UsageError
+    from kqsvd.formats.files import check_input_file
+    from kqsvd.formats.quant import BITS, split_bits
+    if spec in ("full", "sdpa-off"):
+        return None
+    if spec.startswith("int") and spec[3:].isdigit() and int(spec[3:]) in BITS:
+        return None
+    if spec in ("quanto:2", "quanto:4"):
+        return None
+    if spec.startswith("kqsvd:"):
+        path, _, pol = spec[6:].partition("=")
+        split_bits(pol or "stored")
+        check_input_file("--config", os.path.join(ROOT, path))
+        return os.path.join(ROOT, path)
+    raise UsageError(f"--config {spec}: not full, sdpa-off, intB, quanto:B or kqsvd:PATH[=POLICY]")
 
 
 def install(model, info, spec):
     """Sets the model up for `spec`; returns generate()'s extra keyword
-    arguments (a fresh cache per call, or none for generate()'s own)."""
-    import torch  # noqa: F401
+    arguments (a fresh cache per call, or none for generate()'s own);
+    `spec` has passed check()."""
     if spec == "full":
         model.set_attn_implementation("sdpa")
         return lambda: {}
@@ -64,7 +81,7 @@ def install(model, info, spec):
         from kqsvd.formats.quant import QuantScheme
         b = int(spec[3:])
         return lambda: {"past_key_values": QuantCache(info.num_layers, QuantScheme(), (b, b))}
-    if spec.startswith("quanto:"):
+    if spec.startswith("quanto:"):  # quanto's import is checked here, in the child
         from kqsvd.quality.peers import QuantizedCachePeer
         peer = QuantizedCachePeer("quanto", int(spec[7:]), 32)
         peer.check()
@@ -85,7 +102,7 @@ def install(model, info, spec):
             proj = with_bits(proj, bits, QuantScheme())
         compress(model, proj)
         return lambda: {"past_key_values": latent_cache(model)}
-    raise SystemExit(f"decode_speed.py: --config {spec}: unknown")
+    return lambda: {}
 
 
 def one(spec, context, batch, steps, repeats, threads):
@@ -169,6 +186,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", action="append", help="a SPEC (see above); repeat it")
     ap.add_argument("--json")
+    ap.add_argument("--force", action="store_true", help="replace --json if it exists")
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.steps < 2 or a.repeats < 1:
@@ -177,14 +195,22 @@ def main():
         print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
                              a.threads)))
         return 0
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.files import check_outputs, write_atomic
+    specs = [spec_of(n) for n in a.config or DEFAULT]
+    try:  # every configuration and the report's place, before minutes of work
+        inputs = [("--config", p) for p in map(check, specs) if p]
+        check_outputs([("--json", a.json)], inputs, a.force)
+    except KqsvdError as e:
+        sys.exit(f"decode_speed.py: error: {e}")
     rows = []
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
     for n in (int(x) for x in a.contexts.split(",")):
         for b in (int(x) for x in a.batches.split(",")):
             full = None
-            for name in a.config or DEFAULT:
-                spec = spec_of(name)
+            for name, spec in zip(a.config or DEFAULT, specs):
                 p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
                                     "--steps", str(a.steps), "--repeats", str(a.repeats),
                                     "--threads", str(a.threads)], capture_output=True, text=True)
@@ -204,8 +230,10 @@ def main():
                       f"{f'{lo:.2f}-{hi:.2f}':>16}{x:>8}{r['cache_bytes'] / 2**20:>10.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        def write(tmp):
+            with open(tmp, "w") as f:
+                json.dump(rows, f, indent=1)
+        write_atomic(a.json, write)
     return 0
 
 
