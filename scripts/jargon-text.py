@@ -3,7 +3,7 @@
 Debian's jargon-text package (the Jargon File 4.4.7, in the public domain):
 
     apt-get download jargon-text && dpkg -x jargon-text_*.deb /tmp/jargon
-    scripts/jargon-text.py /tmp/jargon/usr/share/doc/jargon-text/jargon.txt.gz \
+    .venv/bin/python scripts/jargon-text.py [--force] /tmp/jargon/usr/share/doc/jargon-text/jargon.txt.gz \
         examples/data/jargon-file-4.4.7.txt
 
 The file's plain-text rendering wraps paragraphs and repeats every
@@ -42,8 +42,6 @@ def keep(block, headwords):
 
 
 def main(src, dst):
-    if os.path.isdir(dst) or (os.path.exists(dst) and os.path.samefile(src, dst)):
-        sys.exit(f"jargon-text: {dst}: a folder or the input itself")
     with gzip.open(src, "rt", encoding="utf-8") as f:
         # the rendering puts no-break spaces in headings and around numbers
         lines = f.read().replace("\u00a0", " ").splitlines()
@@ -61,13 +59,23 @@ def main(src, dst):
         size += len(text.encode())
     while out[-1].startswith(":"):  # no headword without its entry at the end
         out.pop()
-    tmp = f"{dst}.{os.getpid()}.tmp"  # a whole file or none
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(out).rstrip("\n") + "\n")
-    os.replace(tmp, dst)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(out).rstrip("\n") + "\n")
+    write_atomic(dst, write)  # a whole file or none
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [x for x in sys.argv[1:] if x != "--force"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    main(*sys.argv[1:])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.files import check_outputs, write_atomic
+    try:  # no folder, no input of the run, no replacement without --force
+        check_outputs([("the output", args[1])], [("the input", args[0])],
+                      "--force" in sys.argv)
+        main(*args)
+    except KqsvdError as e:
+        sys.exit(f"jargon-text: {e}")

@@ -6,7 +6,7 @@ package's copyright file says so), read through the package's reader:
 
     apt-get install bible-kjv    # and its data, bible-kjv-text
     bible -f "Ge1:1-50:26" "Ex1:1-40:38" > /tmp/kjv.txt
-    scripts/kjv-text.py /tmp/kjv.txt examples/data/kjv-genesis-exodus.txt
+    .venv/bin/python scripts/kjv-text.py [--force] /tmp/kjv.txt examples/data/kjv-genesis-exodus.txt
 
 The reader prints one verse a line behind its reference ("Ge1:1 In the
 beginning ..."); a language model should see running prose, so each
@@ -22,8 +22,6 @@ VERSE = re.compile(r"^([A-Za-z]+)(\d+):(\d+) (.*)$")
 
 
 def main(src, dst):
-    if os.path.isdir(dst) or (os.path.exists(dst) and os.path.samefile(src, dst)):
-        sys.exit(f"kjv-text: {dst}: a folder or the input itself")
     chapters = {}  # (book, chapter) -> verses, in order
     with open(src, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -41,13 +39,23 @@ def main(src, dst):
             out += [BOOKS[b], ""]
             book = b
         out += [f"Chapter {c}.", "", " ".join(verses), ""]
-    tmp = f"{dst}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(out))
-    os.replace(tmp, dst)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("\n".join(out))
+    write_atomic(dst, write)  # a whole file or none
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = [x for x in sys.argv[1:] if x != "--force"]
+    if len(args) != 2:
         sys.exit(__doc__)
-    main(*sys.argv[1:])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.files import check_outputs, write_atomic
+    try:  # no folder, no input of the run, no replacement without --force
+        check_outputs([("the output", args[1])], [("the input", args[0])],
+                      "--force" in sys.argv)
+        main(*args)
+    except KqsvdError as e:
+        sys.exit(f"kjv-text: {e}")
