@@ -28,6 +28,10 @@ set_target_properties(kqsvd::lapacke PROPERTIES
   INTERFACE_INCLUDE_DIRECTORIES "${KQSVD_LAPACKE_INCLUDE_DIR};${KQSVD_CBLAS_INCLUDE_DIR}"
   INTERFACE_LINK_LIBRARIES "${KQSVD_LAPACKE_LIBRARY};LAPACK::LAPACK")
 
+# OpenMP (optional): the decode kernels (src/core/decode.c) share a step's
+# work among threads with it, and run on one without it.
+find_package(OpenMP COMPONENTS C)
+
 # OpenBLAS threads would oversubscribe cores shared by MPI ranks; kqsvd sets
 # them explicitly when the library lets it.
 include(CheckFunctionExists)

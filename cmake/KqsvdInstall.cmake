@@ -23,6 +23,10 @@ endforeach()
 set(_kqsvd_private_libs hdf5::hdf5 kqsvd::lapacke Threads::Threads m ${CMAKE_DL_LIBS})
 set(_kqsvd_install_libs hdf5::hdf5 ${KQSVD_LAPACKE_LIBRARY} ${LAPACK_LIBRARIES} Threads::Threads m
     ${CMAKE_DL_LIBS})
+if(TARGET OpenMP::OpenMP_C)
+  list(APPEND _kqsvd_private_libs OpenMP::OpenMP_C)
+  list(APPEND _kqsvd_install_libs ${OpenMP_C_LIBRARIES})
+endif()
 if(KQSVD_WITH_SCALAPACK)
   list(APPEND _kqsvd_private_libs kqsvd::scalapack)
   list(APPEND _kqsvd_install_libs ${KQSVD_SCALAPACK_LIBRARY})
@@ -50,6 +54,7 @@ install(TARGETS kqsvd_shared kqsvd_static EXPORT kqsvdTargets
 install(FILES ${PROJECT_SOURCE_DIR}/include/kqsvd/kqsvd.h ${PROJECT_SOURCE_DIR}/include/kqsvd/types.h
               ${PROJECT_SOURCE_DIR}/include/kqsvd/error.h
               ${PROJECT_SOURCE_DIR}/include/kqsvd/accumulator.h
+              ${PROJECT_SOURCE_DIR}/include/kqsvd/decode.h
               ${PROJECT_BINARY_DIR}/include/kqsvd/version.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kqsvd)
 install(TARGETS kqsvd RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

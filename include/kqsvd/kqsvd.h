@@ -10,6 +10,7 @@
 #define KQSVD_PUBLIC_KQSVD_H
 
 #include "kqsvd/accumulator.h"
+#include "kqsvd/decode.h"
 #include "kqsvd/error.h"
 #include "kqsvd/types.h"
 #include "kqsvd/version.h"

@@ -1,0 +1,367 @@
+/* kqsvd_codes_scores and kqsvd_codes_weigh (include/kqsvd/decode.h): a
+ * decode step's two passes over a quantized cache, reading it as codes.
+ *
+ * Work is cut in tiles of tokens (a channel block, or 32 tokens on the
+ * token axis).  Each tile's codes are decoded into a buffer of the thread
+ * (a few tens of KiB, so it stays in the core's cache) and used at once by
+ * every query of the slice; the inner loops run along a contiguous axis
+ * without a reduction (tokens for scores, columns for sums), which the
+ * compiler vectorizes without reassociating sums. */
+#include "kqsvd/decode.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <threads.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ID() omp_get_thread_num()
+#define PARALLEL_FOR _Pragma("omp parallel for num_threads(threads) schedule(static)")
+#else
+#define THREAD_ID() 0
+#define PARALLEL_FOR
+#endif
+
+#include "kqsvd_convert.h"
+#include "kqsvd_error.h"
+#include "kqsvd_isa.h"
+
+/* Tokens per tile on the token axis (the channel axis tiles by block). */
+#define TOKEN_TILE 32
+#define TILE 32 /* the tile the unrolled kernels serve */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define FMA_CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define FMA_CONTRACT
+#endif
+
+/* Bytes of a packed row of n codes. */
+static int64_t packed_width(int64_t n, int bits) { return (n + 7) / 8 * bits; }
+
+typedef struct tiling {
+  const kqsvd_codes_t *c;
+  int64_t tile;   /* tokens per tile */
+  int64_t tiles;  /* tiles per slice */
+  int64_t row;    /* bytes of one packed row: a channel's block, or a token */
+  int64_t groups; /* scales per token (token axis) */
+  int64_t held;   /* tokens each slice's arrays are laid out for */
+  int64_t width;  /* floats of the unpacking buffer: max(tile, cols) rounded up to 8 */
+  int64_t ldx;    /* a decoded token's stride: cols rounded up to TILE, the padding zero */
+} tiling_t;
+
+/* Every byte's codes as floats (2 and 4 bits), and every 12-bit half of 3
+ * packed bytes' 4 codes (3 bits): a lookup and a 16-byte copy per byte
+ * replace shifts, masks and int-to-float conversions per code, which cost
+ * more than the arithmetic the codes feed. */
+static float g_codes2[256][4], g_codes4[256][2], g_codes3[4096][4];
+static once_flag g_tables_once = ONCE_FLAG_INIT;
+
+static void make_tables(void) {
+  for (unsigned v = 0; v < 256; v++) {
+    for (unsigned k = 0; k < 4; k++) g_codes2[v][k] = (float)((v >> (2 * k)) & 3u);
+    for (unsigned k = 0; k < 2; k++) g_codes4[v][k] = (float)((v >> (4 * k)) & 15u);
+  }
+  for (unsigned v = 0; v < 4096; v++)
+    for (unsigned k = 0; k < 4; k++) g_codes3[v][k] = (float)((v >> (3 * k)) & 7u);
+}
+
+/* Decodes the codes of a packed row of n values (n rounded up to 8: rows
+ * are padded) into out. */
+static inline void unpack(const uint8_t *row, int bits, int64_t n, float *out) {
+  const int64_t words = (n + 7) / 8;
+  switch (bits) {
+  case 8:
+    for (int64_t i = 0; i < n; i++) out[i] = (float)row[i];
+    break;
+  case 4:
+    for (int64_t i = 0; i < 4 * words; i++) memcpy(out + 2 * i, g_codes4[row[i]], 8);
+    break;
+  case 3:
+    for (int64_t w = 0; w < words; w++) {
+      const uint8_t *r = row + 3 * w;
+      const unsigned v = (unsigned)r[0] | (unsigned)r[1] << 8 | (unsigned)r[2] << 16;
+      memcpy(out + 8 * w, g_codes3[v & 4095u], 16);
+      memcpy(out + 8 * w + 4, g_codes3[v >> 12], 16);
+    }
+    break;
+  case 2:
+    for (int64_t i = 0; i < 2 * words; i++) memcpy(out + 4 * i, g_codes2[row[i]], 16);
+    break;
+  default: break;
+  }
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* A float16 scale or zero, widened exactly. */
+INLINE float half(uint16_t h) { return (float)kqsvd_f16_to_f64(h); }
+
+/* Tile k of slice s decoded into x, as [tokens][cols] (transposed = 0) or
+ * [cols][tokens]; tmp holds one unpacked row.  Returns the tile's tokens. */
+INLINE int64_t decode_tile(const tiling_t *g, int64_t s, int64_t k, int transposed, float *x,
+                           float *tmp) {
+  const kqsvd_codes_t *c = g->c;
+  const int64_t cols = c->cols;
+  if (c->axis == KQSVD_AXIS_CHANNEL) {
+    const int64_t tt = g->tile, base = (s * (g->held / tt) + k) * cols;
+    for (int64_t j = 0; j < cols; j++) {
+      unpack(c->codes + (base + j) * g->row, c->bits, tt, tmp);
+      const float sc = half(c->scale[base + j]), z = half(c->zero[base + j]);
+      if (transposed) {
+        for (int64_t t = 0; t < tt; t++) x[j * tt + t] = tmp[t] * sc + z;
+      } else {
+        for (int64_t t = 0; t < tt; t++) x[t * g->ldx + j] = tmp[t] * sc + z;
+      }
+    }
+    return tt;
+  }
+  const int64_t t0 = k * g->tile, gr = c->group;
+  const int64_t tt = c->tokens - t0 < g->tile ? c->tokens - t0 : g->tile;
+  if (transposed && tt < g->tile) /* a short last tile: the kernels read whole ones */
+    for (int64_t j = 0; j < cols; j++)
+      for (int64_t t = tt; t < g->tile; t++) x[j * g->tile + t] = 0.0f;
+  for (int64_t t = 0; t < tt; t++) {
+    const int64_t tok = s * g->held + t0 + t;
+    unpack(c->codes + tok * g->row, c->bits, cols, tmp);
+    const uint16_t *scales = c->scale + tok * g->groups, *zeros = c->zero + tok * g->groups;
+    for (int64_t j0 = 0, e = 0; j0 < cols; j0 += gr, e++) {
+      const int64_t j1 = j0 + gr < cols ? j0 + gr : cols;
+      const float sc = half(scales[e]), z = half(zeros[e]);
+      if (transposed) {
+        for (int64_t j = j0; j < j1; j++) x[j * g->tile + t] = tmp[j] * sc + z;
+      } else {
+        for (int64_t j = j0; j < j1; j++) x[t * g->ldx + j] = tmp[j] * sc + z;
+      }
+    }
+  }
+  return tt;
+}
+
+/* The register blocks of the tile kernels: HB queries by TILE tokens (or
+ * columns) of accumulators, 12 AVX registers, fixed sizes the compiler
+ * unrolls.  nq is padded to a multiple of HB with zero queries. */
+#define HB 3
+
+/* One tile's scores: s[h][t] += sum_j q[h][j] xT[j][t] (q padded to a
+ * multiple of HB rows), the sums running along tokens in column order. */
+INLINE void scores_plain(const tiling_t *g, int64_t s, int64_t k, const float *q, int64_t nq,
+                         float *scores, int64_t ld, float *x) {
+  const int64_t cols = g->c->cols, tile = g->tile, nqp = (nq + HB - 1) / HB * HB;
+  const int64_t tt = decode_tile(g, s, k, 1, x, x + tile * g->ldx);
+  q += s * nqp * cols;
+  scores += s * nq * ld + k * tile;
+  if (tile == TILE) {
+    for (int64_t h0 = 0; h0 < nqp; h0 += HB) {
+      float a[HB][TILE] = {{0.0f}};
+      for (int64_t j = 0; j < cols; j++) {
+        const float *xj = x + j * TILE;
+        for (int hh = 0; hh < HB; hh++) {
+          const float qj = q[(h0 + hh) * cols + j];
+          for (int t = 0; t < TILE; t++) a[hh][t] += qj * xj[t];
+        }
+      }
+      for (int64_t hh = 0; hh < HB && h0 + hh < nq; hh++)
+        for (int64_t t = 0; t < tt; t++) scores[(h0 + hh) * ld + t] += a[hh][t];
+    }
+    return;
+  }
+  float *acc = x + tile * g->ldx + g->width;
+  for (int64_t h = 0; h < nq; h++) {
+    for (int64_t t = 0; t < tt; t++) acc[t] = 0.0f;
+    for (int64_t j = 0; j < cols; j++) {
+      const float qj = q[h * cols + j];
+      const float *xj = x + j * tile;
+      for (int64_t t = 0; t < tt; t++) acc[t] += qj * xj[t];
+    }
+    for (int64_t t = 0; t < tt; t++) scores[h * ld + t] += acc[t];
+  }
+}
+
+/* Tiles added up in float32 before their sum joins the float64 one. */
+#define FLUSH_TILES 8
+
+/* Tiles k0..k1 of slice s weighed: sum_t p[h][t] x[t][j] in float32 over
+ * up to FLUSH_TILES tiles (acc), then added to the float64 sums.  w holds a
+ * tile's weights, padded with zero rows and tokens. */
+INLINE void weigh_plain(const tiling_t *g, int64_t s, int64_t k0, int64_t k1, const float *p,
+                        int64_t nq, int64_t ld, float *x, double *sum) {
+  const int64_t cols = g->c->cols, tile = g->tile, ldx = g->ldx;
+  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  float *w = x + tile * ldx + g->width, *acc = w + nqp * tile;
+  p += s * nq * ld;
+  memset(acc, 0, (size_t)(nqp * ldx) * sizeof *acc);
+  for (int64_t k = k0; k < k1; k++) {
+    const int64_t tt = decode_tile(g, s, k, 0, x, x + tile * ldx);
+    for (int64_t h = 0; h < nqp; h++)
+      for (int64_t t = 0; t < tile; t++)
+        w[h * tile + t] = h < nq && t < tt ? p[h * ld + k * tile + t] : 0.0f;
+    if (tile == TILE) {
+      for (int64_t j0 = 0; j0 < cols; j0 += TILE)
+        for (int64_t h0 = 0; h0 < nqp; h0 += HB) {
+          float a[HB][TILE] = {{0.0f}};
+          for (int64_t t = 0; t < tt; t++) {
+            const float *xt = x + t * ldx + j0;
+            for (int hh = 0; hh < HB; hh++) {
+              const float wt = w[(h0 + hh) * TILE + t];
+              for (int j = 0; j < TILE; j++) a[hh][j] += wt * xt[j];
+            }
+          }
+          for (int hh = 0; hh < HB; hh++)
+            for (int j = 0; j < TILE; j++) acc[(h0 + hh) * ldx + j0 + j] += a[hh][j];
+        }
+    } else {
+      for (int64_t h = 0; h < nq; h++)
+        for (int64_t t = 0; t < tt; t++) {
+          const float wt = w[h * tile + t];
+          for (int64_t j = 0; j < cols; j++) acc[h * ldx + j] += wt * x[t * ldx + j];
+        }
+    }
+    if ((k - k0) % FLUSH_TILES == FLUSH_TILES - 1 || k == k1 - 1) {
+      for (int64_t h = 0; h < nq; h++)
+        for (int64_t j = 0; j < cols; j++) sum[h * cols + j] += (double)acc[h * ldx + j];
+      memset(acc, 0, (size_t)(nqp * ldx) * sizeof *acc);
+    }
+  }
+}
+
+#define SCORES_PARAMS                                                                              \
+  (const tiling_t *g, int64_t s, int64_t k, const float *q, int64_t nq, float *scores, int64_t ld, \
+   float *x)
+#define WEIGH_PARAMS                                                                             \
+  (const tiling_t *g, int64_t s, int64_t k0, int64_t k1, const float *p, int64_t nq, int64_t ld, \
+   float *x, double *sum)
+
+FMA_CONTRACT static void scores_base SCORES_PARAMS { scores_plain(g, s, k, q, nq, scores, ld, x); }
+FMA_CONTRACT static void weigh_base WEIGH_PARAMS { weigh_plain(g, s, k0, k1, p, nq, ld, x, sum); }
+#ifdef KQSVD_ISA_X86_CLONES
+#define AVX2_FN __attribute__((target("avx2,fma"))) FMA_CONTRACT
+AVX2_FN static void scores_avx2 SCORES_PARAMS { scores_plain(g, s, k, q, nq, scores, ld, x); }
+AVX2_FN static void weigh_avx2 WEIGH_PARAMS { weigh_plain(g, s, k0, k1, p, nq, ld, x, sum); }
+#else
+#define scores_avx2 scores_base
+#define weigh_avx2 weigh_base
+#endif
+
+/* Checks the description and the call's arguments; fills the tiling. */
+static kqsvd_status_t check(const char *fn, const kqsvd_codes_t *c, int64_t nq, const void *in,
+                            int64_t ld, const void *out, int threads, tiling_t *g) {
+  kqsvd_status_t st = KQSVD_OK;
+  KQSVD_CHECK(c != NULL && in != NULL && out != NULL, KQSVD_ERR_USAGE,
+              "%s: the codes, the queries or weights, and the output must not be NULL", fn);
+  KQSVD_CHECK(c->bits == 2 || c->bits == 3 || c->bits == 4 || c->bits == 8, KQSVD_ERR_USAGE,
+              "%s: bits %d is not 2, 3, 4 or 8", fn, (int)c->bits);
+  KQSVD_CHECK(c->axis == KQSVD_AXIS_CHANNEL || c->axis == KQSVD_AXIS_TOKEN, KQSVD_ERR_USAGE,
+              "%s: axis %d is neither channel (0) nor token (1)", fn, (int)c->axis);
+  KQSVD_CHECK(c->group >= 1 && c->group <= 4096, KQSVD_ERR_USAGE, "%s: group %d is not in 1..4096",
+              fn, (int)c->group);
+  KQSVD_CHECK(c->slices >= 0 && c->tokens >= 0 && c->cols >= 1 && c->cols <= (1 << 20) && nq >= 1 &&
+                  threads >= 1,
+              KQSVD_ERR_USAGE,
+              "%s: %lld slices of %lld tokens of %lld columns, %lld queries, "
+              "%d threads is not a shape",
+              fn, (long long)c->slices, (long long)c->tokens, (long long)c->cols, (long long)nq,
+              threads);
+  KQSVD_CHECK(c->axis == KQSVD_AXIS_TOKEN || c->tokens % c->group == 0, KQSVD_ERR_USAGE,
+              "%s: %lld tokens are not whole blocks of %d on the channel axis", fn,
+              (long long)c->tokens, (int)c->group);
+  KQSVD_CHECK(c->capacity == 0 || (c->capacity >= c->tokens &&
+                                   (c->axis == KQSVD_AXIS_TOKEN || c->capacity % c->group == 0)),
+              KQSVD_ERR_USAGE, "%s: capacity %lld is below %lld tokens or not whole blocks", fn,
+              (long long)c->capacity, (long long)c->tokens);
+  KQSVD_CHECK(ld >= c->tokens, KQSVD_ERR_USAGE, "%s: row length %lld is below %lld tokens", fn,
+              (long long)ld, (long long)c->tokens);
+  KQSVD_CHECK(c->tokens == 0 || c->slices == 0 ||
+                  (c->codes != NULL && c->scale != NULL && c->zero != NULL),
+              KQSVD_ERR_USAGE, "%s: codes, scale and zero must not be NULL", fn);
+  call_once(&g_tables_once, make_tables);
+  g->c = c;
+  if (c->axis == KQSVD_AXIS_CHANNEL) {
+    g->tile = c->group;
+    g->row = packed_width(c->group, c->bits);
+  } else {
+    g->tile = TOKEN_TILE;
+    g->row = packed_width(c->cols, c->bits);
+  }
+  g->tiles = (c->tokens + g->tile - 1) / g->tile;
+  g->held = c->capacity ? c->capacity : c->tokens;
+  g->groups = (c->cols + c->group - 1) / c->group;
+  g->width = ((g->tile > c->cols ? g->tile : c->cols) + 7) / 8 * 8;
+  g->ldx = (c->cols + TILE - 1) / TILE * TILE;
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *c, int64_t nq, const float *q, int64_t ld,
+                                  float *scores, int threads) {
+  kqsvd_status_t st = KQSVD_OK;
+  float *buf = NULL, *qp = NULL;
+  tiling_t g;
+  kqsvd_error_clear();
+  KQSVD_CALL(check("kqsvd_codes_scores", c, nq, q, ld, scores, threads, &g));
+  const int64_t items = c->slices * g.tiles;
+  if (items == 0) goto done;
+  if (threads > items) threads = (int)items;
+  const int64_t per = g.tile * g.ldx + 2 * g.width; /* tile, unpacked row, sums */
+  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  KQSVD_MALLOC(buf, (size_t)threads * (size_t)per, "decode tiles");
+  KQSVD_MALLOC(qp, (size_t)(c->slices * nqp * c->cols), "decode queries");
+  for (int64_t s = 0; s < c->slices; s++)
+    for (int64_t h = 0; h < nqp; h++)
+      for (int64_t j = 0; j < c->cols; j++)
+        qp[(s * nqp + h) * c->cols + j] = h < nq ? q[(s * nq + h) * c->cols + j] : 0.0f;
+  const kqsvd_isa_t isa = kqsvd_isa_active();
+  PARALLEL_FOR
+  for (int64_t i = 0; i < items; i++) {
+    float *x = buf + (size_t)THREAD_ID() * (size_t)per;
+    (isa == KQSVD_ISA_BASE ? scores_base : scores_avx2)(&g, i / g.tiles, i % g.tiles, qp, nq,
+                                                        scores, ld, x);
+  }
+done:
+  free(buf);
+  free(qp);
+  return kqsvd_api_return(st);
+}
+
+kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *c, int64_t nq, const float *p, int64_t ld,
+                                 float *out, int threads) {
+  kqsvd_status_t st = KQSVD_OK;
+  float *buf = NULL;
+  double *sums = NULL;
+  tiling_t g;
+  kqsvd_error_clear();
+  KQSVD_CALL(check("kqsvd_codes_weigh", c, nq, p, ld, out, threads, &g));
+  if (c->slices == 0 || g.tiles == 0) goto done;
+  /* A slice per item when there are enough; else each slice's tiles cut
+   * in as many chunks as threads, summed in chunk order afterwards, so the
+   * result does not depend on which thread ran which chunk. */
+  const int64_t chunks = c->slices >= threads ? 1 : (threads + c->slices - 1) / c->slices;
+  const int64_t items = c->slices * chunks, block = nq * c->cols;
+  if (threads > items) threads = (int)items;
+  /* tile, unpacked row, a tile's weights, its float32 sums */
+  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  const int64_t per = g.tile * g.ldx + g.width + nqp * g.tile + nqp * g.ldx; /* + sums */
+  KQSVD_MALLOC(buf, (size_t)threads * (size_t)per, "decode tiles");
+  memset(buf, 0, (size_t)threads * (size_t)per * sizeof *buf); /* the tiles' column padding */
+  KQSVD_MALLOC(sums, (size_t)items * (size_t)block, "decode sums");
+  memset(sums, 0, (size_t)items * (size_t)block * sizeof *sums);
+  const kqsvd_isa_t isa = kqsvd_isa_active();
+  PARALLEL_FOR
+  for (int64_t i = 0; i < items; i++) {
+    float *x = buf + (size_t)THREAD_ID() * (size_t)per;
+    const int64_t s = i / chunks, part = i % chunks;
+    const int64_t k0 = g.tiles * part / chunks, k1 = g.tiles * (part + 1) / chunks;
+    (isa == KQSVD_ISA_BASE ? weigh_base : weigh_avx2)(&g, s, k0, k1, p, nq, ld, x,
+                                                      sums + i * block);
+  }
+  for (int64_t s = 0; s < c->slices; s++)
+    for (int64_t e = 0; e < block; e++) {
+      double v = 0.0;
+      for (int64_t part = 0; part < chunks; part++) v += sums[(s * chunks + part) * block + e];
+      out[s * block + e] += (float)v;
+    }
+done:
+  free(buf);
+  free(sums);
+  return kqsvd_api_return(st);
+}

@@ -1,0 +1,174 @@
+/* The decode kernels (include/kqsvd/decode.h) against a direct reading of
+ * the documented code layout written here: codes decoded bit by bit from
+ * the packed bytes, values as code * scale + zero, sums in float64.  Every
+ * number of bits, both axes, short tiles, several slices and queries, rows
+ * longer than the tokens, 1 to 3 threads; and the refusals, which write
+ * nothing. */
+#include <stdint.h>
+#include <string.h>
+
+#include "check.h"
+#include "kqsvd/decode.h"
+#include "kqsvd_convert.h"
+#include "kqsvd_error.h"
+
+static uint64_t g_state = 88172645463325252ull;
+static uint64_t next(void) {
+  g_state ^= g_state << 13;
+  g_state ^= g_state >> 7;
+  g_state ^= g_state << 17;
+  return g_state;
+}
+static double uniform(void) { return (double)(next() >> 11) * 0x1p-53; }
+
+/* Code i of a packed row: bit k of the code is bit (bits * i + k) of the
+ * row read as one little-endian number. */
+static unsigned code_at(const uint8_t *row, int bits, int64_t i) {
+  unsigned c = 0;
+  for (int k = 0; k < bits; k++) {
+    const int64_t bit = bits * i + k;
+    c |= (unsigned)((row[bit / 8] >> (bit % 8)) & 1u) << k;
+  }
+  return c;
+}
+
+/* Value (s, t, j) of a description, in float64 from the float32 rule. */
+static double value_at(const kqsvd_codes_t *c, int64_t s, int64_t t, int64_t j) {
+  const int64_t pw_group = (c->group + 7) / 8 * c->bits, pw_cols = (c->cols + 7) / 8 * c->bits;
+  const int64_t held = c->capacity ? c->capacity : c->tokens;
+  unsigned code;
+  int64_t e;
+  if (c->axis == KQSVD_AXIS_CHANNEL) {
+    const int64_t blk = (s * (held / c->group) + t / c->group) * c->cols + j;
+    code = code_at(c->codes + blk * pw_group, c->bits, t % c->group);
+    e = blk;
+  } else {
+    const int64_t tok = s * held + t, groups = (c->cols + c->group - 1) / c->group;
+    code = code_at(c->codes + tok * pw_cols, c->bits, j);
+    e = tok * groups + j / c->group;
+  }
+  const float sc = (float)kqsvd_f16_to_f64(c->scale[e]), z = (float)kqsvd_f16_to_f64(c->zero[e]);
+  return (double)((float)code * sc + z);
+}
+
+/* capacity: 0, or the tokens the arrays are laid out for (the unused ones
+ * random too) */
+static void one_case(int bits, kqsvd_axis_t axis, int64_t slices, int64_t tokens, int64_t cols,
+                     int group, int64_t nq, int threads, int64_t capacity) {
+  const int64_t ld = tokens + 3, held = capacity ? capacity : tokens;
+  const int64_t pw = axis == KQSVD_AXIS_CHANNEL ? (group + 7) / 8 * bits : (cols + 7) / 8 * bits;
+  const int64_t rows = axis == KQSVD_AXIS_CHANNEL ? slices * (held / group) * cols : slices * held;
+  const int64_t nscale =
+      axis == KQSVD_AXIS_CHANNEL ? rows : slices * held * ((cols + group - 1) / group);
+  uint8_t *codes = malloc((size_t)(rows * pw) + 1);
+  uint16_t *scale = malloc((size_t)nscale * 2), *zero = malloc((size_t)nscale * 2);
+  float *q = malloc((size_t)(slices * nq * cols) * 4), *p = malloc((size_t)(slices * nq * ld) * 4);
+  float *scores = malloc((size_t)(slices * nq * ld) * 4);
+  float *out = malloc((size_t)(slices * nq * cols) * 4);
+  for (int64_t i = 0; i < rows * pw; i++) codes[i] = (uint8_t)next();
+  for (int64_t i = 0; i < nscale; i++) {
+    scale[i] = kqsvd_f64_to_f16(0.01 + 0.5 * uniform());
+    zero[i] = kqsvd_f64_to_f16(4.0 * uniform() - 2.0);
+  }
+  for (int64_t i = 0; i < slices * nq * cols; i++) q[i] = (float)(2.0 * uniform() - 1.0);
+  for (int64_t i = 0; i < slices * nq * ld; i++) {
+    p[i] = (float)uniform();
+    scores[i] = (float)i;
+  }
+  for (int64_t i = 0; i < slices * nq * cols; i++) out[i] = 1.0f;
+  const kqsvd_codes_t c = {slices, tokens, cols, capacity, bits, group, axis, codes, scale, zero};
+  CHECK_OK(kqsvd_codes_scores(&c, nq, q, ld, scores, threads));
+  CHECK_OK(kqsvd_codes_weigh(&c, nq, p, ld, out, threads));
+  int bad_s = 0, bad_o = 0;
+  for (int64_t s = 0; s < slices; s++)
+    for (int64_t h = 0; h < nq; h++) {
+      for (int64_t t = 0; t < ld; t++) {
+        double want = (double)((s * nq + h) * ld + t), mag = 1.0;
+        for (int64_t j = 0; t < tokens && j < cols; j++) {
+          const double v = (double)q[(s * nq + h) * cols + j] * value_at(&c, s, t, j);
+          want += v;
+          mag += fabs(v);
+        }
+        mag += fabs(want);
+        bad_s += fabs((double)scores[(s * nq + h) * ld + t] - want) > 2e-6 * mag;
+      }
+      for (int64_t j = 0; j < cols; j++) {
+        double want = 1.0, mag = 1.0;
+        for (int64_t t = 0; t < tokens; t++) {
+          const double v = (double)p[(s * nq + h) * ld + t] * value_at(&c, s, t, j);
+          want += v;
+          mag += fabs(v);
+        }
+        bad_o += fabs((double)out[(s * nq + h) * cols + j] - want) > 2e-6 * mag;
+        if (fabs((double)out[(s * nq + h) * cols + j] - want) > 2e-6 * mag)
+          fprintf(stderr, "s %lld h %lld j %lld got %.9g want %.9g mag %g\n", (long long)s,
+                  (long long)h, (long long)j, (double)out[(s * nq + h) * cols + j], want, mag);
+      }
+    }
+  CHECK(bad_s == 0 && bad_o == 0,
+        "bits %d axis %d slices %lld tokens %lld (of %lld) cols %lld group %d nq %lld threads "
+        "%d: %d scores and %d sums off",
+        bits, (int)axis, (long long)slices, (long long)tokens, (long long)held, (long long)cols,
+        group, (long long)nq, threads, bad_s, bad_o);
+  free(codes);
+  free(scale);
+  free(zero);
+  free(q);
+  free(p);
+  free(scores);
+  free(out);
+}
+
+static void refusals(void) {
+  uint8_t codes[64] = {0};
+  uint16_t scale[64] = {0};
+  float q[64] = {0}, out[64], before[64];
+  for (int i = 0; i < 64; i++) out[i] = before[i] = (float)i;
+  const kqsvd_codes_t good = {1, 8, 4, 0, 4, 8, KQSVD_AXIS_CHANNEL, codes, scale, scale};
+  kqsvd_codes_t c = good;
+  c.bits = 5;
+  CHECK(kqsvd_codes_scores(&c, 1, q, 8, out, 1) == KQSVD_ERR_USAGE, "5 bits");
+  CHECK(strstr(kqsvd_error_message(), "bits 5") != NULL, "message: %s", kqsvd_error_message());
+  c = good;
+  c.tokens = 12;
+  CHECK(kqsvd_codes_weigh(&c, 1, q, 12, out, 1) == KQSVD_ERR_USAGE, "a partial block");
+  c = good;
+  CHECK(kqsvd_codes_scores(&c, 1, q, 7, out, 1) == KQSVD_ERR_USAGE, "a short row");
+  CHECK(kqsvd_codes_scores(&c, 0, q, 8, out, 1) == KQSVD_ERR_USAGE, "no query");
+  c.capacity = 4;
+  CHECK(kqsvd_codes_scores(&c, 1, q, 8, out, 1) == KQSVD_ERR_USAGE, "capacity below tokens");
+  c.capacity = 12;
+  CHECK(kqsvd_codes_scores(&c, 1, q, 8, out, 1) == KQSVD_ERR_USAGE, "capacity not in blocks");
+  c = good;
+  CHECK(kqsvd_codes_weigh(&c, 1, q, 8, out, 0) == KQSVD_ERR_USAGE, "no thread");
+  c.codes = NULL;
+  CHECK(kqsvd_codes_weigh(&c, 1, q, 8, out, 1) == KQSVD_ERR_USAGE, "no codes");
+  c = good;
+  c.axis = (kqsvd_axis_t)7;
+  CHECK(kqsvd_codes_weigh(&c, 1, q, 8, out, 1) == KQSVD_ERR_USAGE, "axis 7");
+  CHECK(memcmp(out, before, sizeof out) == 0, "a refused call wrote its output");
+  kqsvd_error_clear();
+  c = good;
+  c.tokens = 0;
+  CHECK_OK(kqsvd_codes_scores(&c, 1, q, 8, out, 2));
+  CHECK(memcmp(out, before, sizeof out) == 0, "no tokens changed the scores");
+}
+
+int main(void) {
+  const int all_bits[] = {2, 3, 4, 8};
+  for (int b = 0; b < 4; b++)
+    for (int threads = 1; threads <= 3; threads++) {
+      /* the unrolled tiles of 32 and the plain loops, short last tiles,
+       * columns not a multiple of 8 or 32, queries not a multiple of 3 */
+      one_case(all_bits[b], KQSVD_AXIS_CHANNEL, 2, 96, 37, 32, 9, threads, 0);
+      one_case(all_bits[b], KQSVD_AXIS_CHANNEL, 3, 64, 37, 32, 9, threads, 128);
+      one_case(all_bits[b], KQSVD_AXIS_CHANNEL, 1, 40, 5, 8, 2, threads, 0);
+      one_case(all_bits[b], KQSVD_AXIS_CHANNEL, 3, 30, 70, 3, 1, threads, 0);
+      one_case(all_bits[b], KQSVD_AXIS_TOKEN, 2, 77, 37, 32, 9, threads, 0);
+      one_case(all_bits[b], KQSVD_AXIS_TOKEN, 2, 45, 37, 32, 9, threads, 80);
+      one_case(all_bits[b], KQSVD_AXIS_TOKEN, 1, 5, 64, 8, 4, threads, 0);
+      one_case(all_bits[b], KQSVD_AXIS_TOKEN, 5, 33, 3, 2, 3, threads, 0);
+    }
+  refusals();
+  return check_exit("test_decode");
+}
