@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import KqsvdError
+from . import kernel
 from .quant import store
 
 
@@ -68,6 +69,14 @@ class LatentLayer(DynamicLayer):
 
 
 
+def reads_codes(site, x):
+    """Whether a step of new keys x [b, H, T, d] at `site` attends over the
+    codes directly (function.py): one new token, keys after RoPE (before
+    RoPE every key is rebuilt and rotated, which needs its floats), and
+    the kernel available for x's device (kernel.py)."""
+    return x.shape[-2] == 1 and not site.P.pre and site.probe is None and kernel.available(x)
+
+
 class QuantLayer(DynamicLayer):
     """A cache layer holding quantized columns: `site` a compressed.Site
     whose projections carry bits (the latent's columns, per slice of
@@ -97,15 +106,34 @@ class QuantLayer(DynamicLayer):
             cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
-        ks, vs = [], []
+        codes = self.site is not None and reads_codes(self.site, key_states)
         for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
-            ks.append(sk.append(key_states if cut is None else cut(key_states, 0)))
-            vs.append(sv.append(value_states if cut is None else cut(value_states, 1)))
-        dim = 1 if self.site is None or not self.site.P.ragged else -1
-        keys, values = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim), torch.cat(vs, dim))
+            sk.append(key_states if cut is None else cut(key_states, 0), False)
+            sv.append(value_states if cut is None else cut(value_states, 1), False)
+        if codes:
+            # Shapes without data (the attention function reads the stores):
+            # a float copy of the cache is what reading codes avoids.
+            none = key_states.new_zeros(())
+            n = self.get_seq_length()
+            keys = none.expand(*key_states.shape[:2], n, key_states.shape[-1])
+            values = none.expand(*value_states.shape[:2], n, value_states.shape[-1])
+            self.site.handoff = (keys, values, self)
+            return keys, values
+        keys, values = self.read(key_states.dtype)
         if self.site is not None:
             self.site.handoff = (keys, values)
         return keys, values
+
+    def read(self, dtype):
+        """Every token's columns, dequantized: (keys, values) as the model's
+        own or the latent's, [b, H, len, n] (ranks per head: each head's
+        columns side by side)."""
+        ks = [sk.values(dtype) for sk, _ in self.stores]
+        vs = [sv.values(dtype) for _, sv in self.stores]
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        dim = 1 if self.site is None or not self.site.P.ragged else -1
+        return torch.cat(ks, dim), torch.cat(vs, dim)
 
     def get_seq_length(self, *args):
         return len(self.stores[0][0]) if self.stores else 0

@@ -60,6 +60,9 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # One table of every key's cos and sin per call, for undoing RoPE on
     # full keys and redoing it on the rebuilt ones alike.
     cos, sin = site.rotary(value, kpos) if P.pre else (None, None)
+    if latent and len(handed) > 2:  # a quantized layer's stores, read as codes
+        return _codes_attention(P, handed[2], query, attention_mask, scaling,
+                                dropout if module.training else 0.0)
     if latent:
         kc, vc = key, value
     else:
@@ -81,6 +84,43 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, cos, sin))
     if folded is not None:
         return folded.unsqueeze(2), None
+    return heads.transpose(1, 2).contiguous(), None
+
+
+def _codes_attention(P, layer, q, mask, scaling, drop):
+    """A decode step (q [b, Hq, 1, d], keys after RoPE) over a QuantLayer's
+    stores, read through the kernels (kernel.py): per slice of columns of
+    its own stores, scores (q B)(codes)^T, softmax, and the weighted sum of
+    the value codes; then B_v^T or the folded o_proj, as P.attend."""
+    b, Hq = q.shape[:2]
+    g = P.g
+    N = layer.get_seq_length()
+    if P.ragged:
+        qs = [(q[:, j * g:(j + 1) * g] @ P.Bq[j]).transpose(1, 2) for j in range(P.hkv)]
+    else:
+        qv = (q @ P.Bq).reshape(b, Hq // g, g, -1)
+        whole = layer.slices[0][0] is None
+        qs = [qv] if whole else [qv[:, j:j + 1] for j in range(len(layer.slices))]
+    outs = []
+    for qq, (sk, sv) in zip(qs, layer.stores):
+        s = sk.scores(qq, torch.zeros(*qq.shape[:3], N, dtype=torch.float32, device=q.device))
+        s.mul_(scaling)
+        if mask is not None:
+            m = mask[..., -1:, :N]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        p = torch.softmax(s, -1)
+        if drop:
+            p = F.dropout(p, drop)
+        outs.append(sv.weigh(p).to(q.dtype))                  # [b, H, g, rv]
+    if P.ragged:
+        if P.o_folded is not None:
+            return torch.cat([o.reshape(b, 1, -1) for o in outs], -1).unsqueeze(2), None
+        heads = torch.cat([o.transpose(1, 2) @ bvT for o, bvT in zip(outs, P.BvT)], 1)
+    else:
+        o = torch.cat(outs, 1).reshape(b, Hq, 1, -1)
+        if P.o_folded is not None:
+            return o.reshape(b, 1, -1).unsqueeze(2), None
+        heads = o @ P.BvT
     return heads.transpose(1, 2).contiguous(), None
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import KqsvdError
 from ..formats.quant import AXES, BITS
+from . import kernel
 
 
 def packed_width(n, bits):
@@ -128,15 +129,17 @@ class Store:
             raise KqsvdError(f"quantized cache: bits {bits}, group {group}, axis {axis}, "
                              f"residual {residual} is not a scheme (bits {BITS}, axes {AXES})")
         self.bits, self.group, self.axis, self.residual = bits, group, axis, residual
-        self.codes = self.scale = self.zero = None   # quantized tokens
+        self.codes = self.scale = self.zero = None   # quantized tokens (views of _buf)
+        self._buf = None
         self.rest = None                             # tokens held as they came
         self.done = 0                                # tokens quantized
 
     def __len__(self):
         return self.done + (0 if self.rest is None else self.rest.shape[-2])
 
-    def append(self, x):
-        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]."""
+    def append(self, x, read=True):
+        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
+        (None when not `read`)."""
         self.rest = x if self.rest is None else torch.cat([self.rest, x], -2)
         over = self.rest.shape[-2] - self.residual
         unit = self.group if self.axis == "channel" else 1
@@ -144,22 +147,44 @@ class Store:
         if take:
             self._add(self.rest[..., :take, :])
             self.rest = self.rest[..., take:, :]
-        return self.values(x.dtype)
+        return self.values(x.dtype) if read else None
 
     def _add(self, x):
         if self.axis == "channel":  # blocks of `group` tokens, each channel's one group
             b, H, T, n = x.shape
-            blocks = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
-            got = quantize(blocks, self.bits, self.group)
-        else:
-            got = quantize(x, self.bits, self.group)
-        cat = -3 if self.axis == "channel" else -2
-        if self.codes is None:
-            self.codes, self.scale, self.zero = got
-        else:
-            self.codes, self.scale, self.zero = (torch.cat([a, c], cat) for a, c in
-                                                 zip((self.codes, self.scale, self.zero), got))
-        self.done += x.shape[-2]
+            x = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
+        got = kernel.quantize(x, self.bits, self.group) or quantize(x, self.bits, self.group)
+        self._hold(got, -3 if self.axis == "channel" else -2)
+        self.done += x.shape[-2] if self.axis == "token" else x.shape[-3] * self.group
+
+    def _hold(self, got, dim):
+        """Appends new codes, scales and zeros along dim (tokens, or blocks
+        on the channel axis) to buffers that grow by an eighth at a time:
+        appending to tensors one token at a time would copy the whole cache
+        at every step.  codes, scale and zero are views of the part used."""
+        used = 0 if self.codes is None else self.codes.shape[dim]
+        new = got[0].shape[dim]
+        if self._buf is None or used + new > self._buf[0].shape[dim]:
+            cap = used + new + max(used // 8, 64 // (self.group if dim == -3 else 1), 1)
+            bufs = []
+            for i, t in enumerate(got):
+                shape = list(t.shape)
+                shape[dim] = cap
+                buf = t.new_empty(shape)
+                if used:
+                    buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
+                bufs.append(buf)
+            self._buf = bufs
+        for buf, t in zip(self._buf, got):
+            buf.narrow(dim, used, new).copy_(t)
+        self.codes, self.scale, self.zero = (b.narrow(dim, 0, used + new) for b in self._buf)
+
+    def capacity(self):
+        """Tokens each (sequence, head) slice's buffers are laid out for."""
+        if self._buf is None:
+            return 0
+        n = self._buf[0].shape[-3 if self.axis == "channel" else -2]
+        return n * self.group if self.axis == "channel" else n
 
     def values(self, dtype):
         # Dequantized at every call, never kept: a float copy of the
@@ -175,6 +200,15 @@ class Store:
         else:
             old = dequantize(self.codes, self.scale, self.zero, self.bits, self.group, n, dtype)
         return torch.cat([old, self.rest], -2)
+
+    def scores(self, q, out):
+        """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns,
+        in float32, read from the codes (kernel.py)."""
+        return kernel.scores(self, q, out)
+
+    def weigh(self, p):
+        """p [b, H, nq, N] times every token's columns: [b, H, nq, n] float32."""
+        return kernel.weigh(self, p)
 
     def nbytes(self, float_bytes=None):
         """Bytes held: codes and float16 scales as stored; the tokens held
@@ -200,13 +234,22 @@ class RunStore:
     def __len__(self):
         return len(self.parts[0])
 
-    def append(self, x):
-        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]."""
-        return torch.cat([s.append(x[..., a:b]) for s, a, b in
-                          zip(self.parts, self.cuts, self.cuts[1:])], -1)
+    def append(self, x, read=True):
+        """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
+        (None when not `read`)."""
+        got = [s.append(x[..., a:b], read) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
+        return torch.cat(got, -1) if read else None
 
     def values(self, dtype):
         return torch.cat([s.values(dtype) for s in self.parts], -1)
+
+    def scores(self, q, out):
+        for s, a, b in zip(self.parts, self.cuts, self.cuts[1:]):
+            s.scores(q[..., a:b], out)
+        return out
+
+    def weigh(self, p):
+        return torch.cat([s.weigh(p) for s in self.parts], -1)
 
     def nbytes(self, float_bytes=None):
         return sum(s.nbytes(float_bytes) for s in self.parts)
