@@ -51,28 +51,36 @@ typedef struct kqsvd_codes {
   const uint16_t *scale, *zero; /* IEEE binary16 bits */
 } kqsvd_codes_t;
 
-/* Scores: scores[s][h][t] += sum_j q[s][h][j] x[s][t][j] for the nq
- * queries of each slice (q [slices][nq][cols]) and its tokens t <
- * tokens; scores is [slices][nq][ld], ld >= tokens, so the quantized
- * tokens can be the first of a longer row.  Sums of cols products in
- * float32, as a float32 matrix product takes them.
+/* The most runs one call takes. */
+#define KQSVD_CODES_MAX_RUNS 16
+
+/* Scores over `nruns` runs of columns side by side (a cache whose columns
+ * come in runs of their own bits: all runs with the same slices, tokens,
+ * group and axis; C the sum of their columns, x[s][t] a token's C values):
+ * scores[s][h][t] += sum_j q[s][h][j] x[s][t][j] for the nq queries of
+ * each slice (q [slices][nq][C]) and its tokens t < tokens; scores is
+ * [slices][nq][ld], ld >= tokens, so the quantized tokens can be the first
+ * of a longer row.  Sums of C products in float32, as a float32 matrix
+ * product takes them.
  *
  * Not collective.  `threads` (>= 1) OpenMP threads where the library is
  * built with OpenMP.  Returns KQSVD_ERR_USAGE for an impossible
- * description (bits, group, a token count not a multiple of the group on
- * the channel axis, NULL arrays, ld < tokens) and KQSVD_ERR_NOMEM when its
- * tile buffers cannot be allocated; nothing is written then. */
-KQSVD_API kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *c, int64_t nq, const float *q,
-                                            int64_t ld, float *scores, int threads);
+ * description (bits, group, runs that disagree, a token count not a
+ * multiple of the group on the channel axis, NULL arrays, ld < tokens)
+ * and KQSVD_ERR_NOMEM when its tile buffers cannot be allocated; nothing
+ * is written then. */
+KQSVD_API kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
+                                            const float *q, int64_t ld, float *scores, int threads);
 
-/* Weighted sums: out[s][h][j] += sum_t p[s][h][t] x[s][t][j], with the
- * weights p [slices][nq][ld] (the first `tokens` of each row are read)
- * and out [slices][nq][cols].  Each tile's sum in float32, the sum over
- * tiles in float64; the split of the tokens among threads, and with it the
- * last bits of the result, depends on `threads` and `slices` only.
- * Not collective; threads and errors as kqsvd_codes_scores. */
-KQSVD_API kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *c, int64_t nq, const float *p,
-                                           int64_t ld, float *out, int threads);
+/* Weighted sums over runs side by side, as kqsvd_codes_scores: out[s][h][j]
+ * += sum_t p[s][h][t] x[s][t][j], with the weights p [slices][nq][ld] (the
+ * first `tokens` of each row are read) and out [slices][nq][C].  Each
+ * tile's sum in float32, the sum over tiles in float64; the split of the
+ * tokens among threads, and with it the last bits of the result, depends
+ * on `threads` and `slices` only.  Not collective; threads and errors as
+ * kqsvd_codes_scores. */
+KQSVD_API kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
+                                           const float *p, int64_t ld, float *out, int threads);
 
 /* Quantizes `rows` rows of n values (row r's value i at x[r * row_stride
  * + i * stride]) in groups of `group` along the row, exactly as

@@ -40,14 +40,17 @@
 static int64_t packed_width(int64_t n, int bits) { return (n + 7) / 8 * bits; }
 
 typedef struct tiling {
-  const kqsvd_codes_t *c;
-  int64_t tile;   /* tokens per tile */
-  int64_t tiles;  /* tiles per slice */
-  int64_t row;    /* bytes of one packed row: a channel's block, or a token */
-  int64_t groups; /* scales per token (token axis) */
-  int64_t held;   /* tokens each slice's arrays are laid out for */
-  int64_t width;  /* floats of the unpacking buffer: max(tile, cols) rounded up to 8 */
-  int64_t ldx;    /* a decoded token's stride: cols rounded up to TILE, the padding zero */
+  const kqsvd_codes_t *runs;
+  int64_t nruns;
+  int64_t cols;  /* all runs' columns */
+  int64_t tile;  /* tokens per tile */
+  int64_t tiles; /* tiles per slice */
+  int64_t width; /* floats of the unpacking buffer: max(tile, a run's cols) rounded up to 8 */
+  int64_t ldx;   /* a decoded token's stride: cols rounded up to TILE, the padding zero */
+  /* per run: its first column, the bytes of one packed row (a channel's
+   * block, or a token), its scales per token, its tokens per slice */
+  int64_t off[KQSVD_CODES_MAX_RUNS], row[KQSVD_CODES_MAX_RUNS], groups[KQSVD_CODES_MAX_RUNS],
+      held[KQSVD_CODES_MAX_RUNS];
 } tiling_t;
 
 /* Every byte's codes as floats (2 and 4 bits), and every 12-bit half of 3
@@ -94,44 +97,67 @@ static inline void unpack(const uint8_t *row, int bits, int64_t n, float *out) {
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* A float16 scale or zero, widened exactly. */
-INLINE float half(uint16_t h) { return (float)kqsvd_f16_to_f64(h); }
+/* A float16 scale or zero, widened exactly by moving its bits (a call
+ * through ldexp per scale cost more than decoding the codes it scales). */
+INLINE float half(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+  uint32_t bits;
+  float out;
+  if (em >= 0x7c00u) { /* Inf, NaN */
+    bits = sign | 0x7f800000u | (em & 0x3ffu) << 13;
+  } else if (em >= 0x0400u) { /* normal: the exponent rebiased from 15 to 127 */
+    bits = sign | (em + 0x1c000u) << 13;
+  } else { /* zero and subnormals: m * 2^-24, exact in float */
+    out = (float)em * 0x1p-24f;
+    memcpy(&bits, &out, sizeof bits);
+    bits |= sign;
+  }
+  memcpy(&out, &bits, sizeof out);
+  return out;
+}
 
 /* Tile k of slice s decoded into x, as [tokens][cols] (transposed = 0) or
  * [cols][tokens]; tmp holds one unpacked row.  Returns the tile's tokens. */
 INLINE int64_t decode_tile(const tiling_t *g, int64_t s, int64_t k, int transposed, float *x,
                            float *tmp) {
-  const kqsvd_codes_t *c = g->c;
-  const int64_t cols = c->cols;
-  if (c->axis == KQSVD_AXIS_CHANNEL) {
-    const int64_t tt = g->tile, base = (s * (g->held / tt) + k) * cols;
-    for (int64_t j = 0; j < cols; j++) {
-      unpack(c->codes + (base + j) * g->row, c->bits, tt, tmp);
-      const float sc = half(c->scale[base + j]), z = half(c->zero[base + j]);
-      if (transposed) {
-        for (int64_t t = 0; t < tt; t++) x[j * tt + t] = tmp[t] * sc + z;
-      } else {
-        for (int64_t t = 0; t < tt; t++) x[t * g->ldx + j] = tmp[t] * sc + z;
+  const kqsvd_codes_t *c0 = g->runs;
+  if (c0->axis == KQSVD_AXIS_CHANNEL) {
+    const int64_t tt = g->tile;
+    for (int64_t r = 0; r < g->nruns; r++) {
+      const kqsvd_codes_t *c = g->runs + r;
+      const int64_t base = (s * (g->held[r] / tt) + k) * c->cols, off = g->off[r];
+      for (int64_t j = 0; j < c->cols; j++) {
+        unpack(c->codes + (base + j) * g->row[r], c->bits, tt, tmp);
+        const float sc = half(c->scale[base + j]), z = half(c->zero[base + j]);
+        if (transposed) {
+          for (int64_t t = 0; t < tt; t++) x[(off + j) * tt + t] = tmp[t] * sc + z;
+        } else {
+          for (int64_t t = 0; t < tt; t++) x[t * g->ldx + off + j] = tmp[t] * sc + z;
+        }
       }
     }
     return tt;
   }
-  const int64_t t0 = k * g->tile, gr = c->group;
-  const int64_t tt = c->tokens - t0 < g->tile ? c->tokens - t0 : g->tile;
+  const int64_t t0 = k * g->tile, gr = c0->group;
+  const int64_t tt = c0->tokens - t0 < g->tile ? c0->tokens - t0 : g->tile;
   if (transposed && tt < g->tile) /* a short last tile: the kernels read whole ones */
-    for (int64_t j = 0; j < cols; j++)
+    for (int64_t j = 0; j < g->cols; j++)
       for (int64_t t = tt; t < g->tile; t++) x[j * g->tile + t] = 0.0f;
-  for (int64_t t = 0; t < tt; t++) {
-    const int64_t tok = s * g->held + t0 + t;
-    unpack(c->codes + tok * g->row, c->bits, cols, tmp);
-    const uint16_t *scales = c->scale + tok * g->groups, *zeros = c->zero + tok * g->groups;
-    for (int64_t j0 = 0, e = 0; j0 < cols; j0 += gr, e++) {
-      const int64_t j1 = j0 + gr < cols ? j0 + gr : cols;
-      const float sc = half(scales[e]), z = half(zeros[e]);
-      if (transposed) {
-        for (int64_t j = j0; j < j1; j++) x[j * g->tile + t] = tmp[j] * sc + z;
-      } else {
-        for (int64_t j = j0; j < j1; j++) x[t * g->ldx + j] = tmp[j] * sc + z;
+  for (int64_t r = 0; r < g->nruns; r++) {
+    const kqsvd_codes_t *c = g->runs + r;
+    const int64_t cols = c->cols, off = g->off[r];
+    for (int64_t t = 0; t < tt; t++) {
+      const int64_t tok = s * g->held[r] + t0 + t;
+      unpack(c->codes + tok * g->row[r], c->bits, cols, tmp);
+      const uint16_t *scales = c->scale + tok * g->groups[r], *zeros = c->zero + tok * g->groups[r];
+      for (int64_t j0 = 0, e = 0; j0 < cols; j0 += gr, e++) {
+        const int64_t j1 = j0 + gr < cols ? j0 + gr : cols;
+        const float sc = half(scales[e]), z = half(zeros[e]);
+        if (transposed) {
+          for (int64_t j = j0; j < j1; j++) x[(off + j) * g->tile + t] = tmp[j] * sc + z;
+        } else {
+          for (int64_t j = j0; j < j1; j++) x[t * g->ldx + off + j] = tmp[j] * sc + z;
+        }
       }
     }
   }
@@ -147,7 +173,7 @@ INLINE int64_t decode_tile(const tiling_t *g, int64_t s, int64_t k, int transpos
  * multiple of HB rows), the sums running along tokens in column order. */
 INLINE void scores_plain(const tiling_t *g, int64_t s, int64_t k, const float *q, int64_t nq,
                          float *scores, int64_t ld, float *x) {
-  const int64_t cols = g->c->cols, tile = g->tile, nqp = (nq + HB - 1) / HB * HB;
+  const int64_t cols = g->cols, tile = g->tile, nqp = (nq + HB - 1) / HB * HB;
   const int64_t tt = decode_tile(g, s, k, 1, x, x + tile * g->ldx);
   q += s * nqp * cols;
   scores += s * nq * ld + k * tile;
@@ -186,7 +212,7 @@ INLINE void scores_plain(const tiling_t *g, int64_t s, int64_t k, const float *q
  * tile's weights, padded with zero rows and tokens. */
 INLINE void weigh_plain(const tiling_t *g, int64_t s, int64_t k0, int64_t k1, const float *p,
                         int64_t nq, int64_t ld, float *x, double *sum) {
-  const int64_t cols = g->c->cols, tile = g->tile, ldx = g->ldx;
+  const int64_t cols = g->cols, tile = g->tile, ldx = g->ldx;
   const int64_t nqp = (nq + HB - 1) / HB * HB;
   float *w = x + tile * ldx + g->width, *acc = w + nqp * tile;
   p += s * nq * ld;
@@ -244,72 +270,87 @@ AVX2_FN static void weigh_avx2 WEIGH_PARAMS { weigh_plain(g, s, k0, k1, p, nq, l
 #endif
 
 /* Checks the description and the call's arguments; fills the tiling. */
-static kqsvd_status_t check(const char *fn, const kqsvd_codes_t *c, int64_t nq, const void *in,
-                            int64_t ld, const void *out, int threads, tiling_t *g) {
+/* Checks the runs and the call's arguments; fills the tiling. */
+static kqsvd_status_t check(const char *fn, const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
+                            const void *in, int64_t ld, const void *out, int threads, tiling_t *g) {
   kqsvd_status_t st = KQSVD_OK;
-  KQSVD_CHECK(c != NULL && in != NULL && out != NULL, KQSVD_ERR_USAGE,
+  KQSVD_CHECK(runs != NULL && in != NULL && out != NULL, KQSVD_ERR_USAGE,
               "%s: the codes, the queries or weights, and the output must not be NULL", fn);
-  KQSVD_CHECK(c->bits == 2 || c->bits == 3 || c->bits == 4 || c->bits == 8, KQSVD_ERR_USAGE,
-              "%s: bits %d is not 2, 3, 4 or 8", fn, (int)c->bits);
-  KQSVD_CHECK(c->axis == KQSVD_AXIS_CHANNEL || c->axis == KQSVD_AXIS_TOKEN, KQSVD_ERR_USAGE,
-              "%s: axis %d is neither channel (0) nor token (1)", fn, (int)c->axis);
-  KQSVD_CHECK(c->group >= 1 && c->group <= 4096, KQSVD_ERR_USAGE, "%s: group %d is not in 1..4096",
-              fn, (int)c->group);
-  KQSVD_CHECK(c->slices >= 0 && c->tokens >= 0 && c->cols >= 1 && c->cols <= (1 << 20) && nq >= 1 &&
-                  threads >= 1,
-              KQSVD_ERR_USAGE,
-              "%s: %lld slices of %lld tokens of %lld columns, %lld queries, "
-              "%d threads is not a shape",
-              fn, (long long)c->slices, (long long)c->tokens, (long long)c->cols, (long long)nq,
-              threads);
-  KQSVD_CHECK(c->axis == KQSVD_AXIS_TOKEN || c->tokens % c->group == 0, KQSVD_ERR_USAGE,
+  KQSVD_CHECK(nruns >= 1 && nruns <= KQSVD_CODES_MAX_RUNS && nq >= 1 && threads >= 1,
+              KQSVD_ERR_USAGE, "%s: %lld runs (1..%d), %lld queries, %d threads", fn,
+              (long long)nruns, KQSVD_CODES_MAX_RUNS, (long long)nq, threads);
+  const kqsvd_codes_t *c0 = runs;
+  KQSVD_CHECK(c0->axis == KQSVD_AXIS_CHANNEL || c0->axis == KQSVD_AXIS_TOKEN, KQSVD_ERR_USAGE,
+              "%s: axis %d is neither channel (0) nor token (1)", fn, (int)c0->axis);
+  KQSVD_CHECK(c0->group >= 1 && c0->group <= 4096, KQSVD_ERR_USAGE,
+              "%s: group %d is not in 1..4096", fn, (int)c0->group);
+  KQSVD_CHECK(c0->slices >= 0 && c0->tokens >= 0, KQSVD_ERR_USAGE,
+              "%s: %lld slices of %lld tokens is not a shape", fn, (long long)c0->slices,
+              (long long)c0->tokens);
+  KQSVD_CHECK(c0->axis == KQSVD_AXIS_TOKEN || c0->tokens % c0->group == 0, KQSVD_ERR_USAGE,
               "%s: %lld tokens are not whole blocks of %d on the channel axis", fn,
-              (long long)c->tokens, (int)c->group);
-  KQSVD_CHECK(c->capacity == 0 || (c->capacity >= c->tokens &&
-                                   (c->axis == KQSVD_AXIS_TOKEN || c->capacity % c->group == 0)),
-              KQSVD_ERR_USAGE, "%s: capacity %lld is below %lld tokens or not whole blocks", fn,
-              (long long)c->capacity, (long long)c->tokens);
-  KQSVD_CHECK(ld >= c->tokens, KQSVD_ERR_USAGE, "%s: row length %lld is below %lld tokens", fn,
-              (long long)ld, (long long)c->tokens);
-  KQSVD_CHECK(c->tokens == 0 || c->slices == 0 ||
-                  (c->codes != NULL && c->scale != NULL && c->zero != NULL),
-              KQSVD_ERR_USAGE, "%s: codes, scale and zero must not be NULL", fn);
+              (long long)c0->tokens, (int)c0->group);
+  KQSVD_CHECK(ld >= c0->tokens, KQSVD_ERR_USAGE, "%s: row length %lld is below %lld tokens", fn,
+              (long long)ld, (long long)c0->tokens);
   call_once(&g_tables_once, make_tables);
-  g->c = c;
-  if (c->axis == KQSVD_AXIS_CHANNEL) {
-    g->tile = c->group;
-    g->row = packed_width(c->group, c->bits);
-  } else {
-    g->tile = TOKEN_TILE;
-    g->row = packed_width(c->cols, c->bits);
+  g->runs = runs;
+  g->nruns = nruns;
+  g->cols = 0;
+  g->tile = c0->axis == KQSVD_AXIS_CHANNEL ? c0->group : TOKEN_TILE;
+  g->width = g->tile;
+  for (int64_t r = 0; r < nruns; r++) {
+    const kqsvd_codes_t *c = runs + r;
+    KQSVD_CHECK(c->slices == c0->slices && c->tokens == c0->tokens && c->group == c0->group &&
+                    c->axis == c0->axis,
+                KQSVD_ERR_USAGE, "%s: run %lld holds other slices, tokens, groups or axis", fn,
+                (long long)r);
+    KQSVD_CHECK(c->bits == 2 || c->bits == 3 || c->bits == 4 || c->bits == 8, KQSVD_ERR_USAGE,
+                "%s: run %lld: bits %d is not 2, 3, 4 or 8", fn, (long long)r, (int)c->bits);
+    KQSVD_CHECK(c->cols >= 1 && c->cols <= (1 << 20), KQSVD_ERR_USAGE, "%s: run %lld: %lld columns",
+                fn, (long long)r, (long long)c->cols);
+    KQSVD_CHECK(c->capacity == 0 || (c->capacity >= c->tokens &&
+                                     (c->axis == KQSVD_AXIS_TOKEN || c->capacity % c->group == 0)),
+                KQSVD_ERR_USAGE,
+                "%s: run %lld: capacity %lld is below %lld tokens or not whole "
+                "blocks",
+                fn, (long long)r, (long long)c->capacity, (long long)c->tokens);
+    KQSVD_CHECK(c->tokens == 0 || c->slices == 0 ||
+                    (c->codes != NULL && c->scale != NULL && c->zero != NULL),
+                KQSVD_ERR_USAGE, "%s: run %lld: codes, scale and zero must not be NULL", fn,
+                (long long)r);
+    g->off[r] = g->cols;
+    g->cols += c->cols;
+    g->row[r] = packed_width(c->axis == KQSVD_AXIS_CHANNEL ? c->group : c->cols, c->bits);
+    g->groups[r] = (c->cols + c->group - 1) / c->group;
+    g->held[r] = c->capacity ? c->capacity : c->tokens;
+    if (c->cols > g->width) g->width = c->cols;
   }
-  g->tiles = (c->tokens + g->tile - 1) / g->tile;
-  g->held = c->capacity ? c->capacity : c->tokens;
-  g->groups = (c->cols + c->group - 1) / c->group;
-  g->width = ((g->tile > c->cols ? g->tile : c->cols) + 7) / 8 * 8;
-  g->ldx = (c->cols + TILE - 1) / TILE * TILE;
+  g->width = (g->width + 7) / 8 * 8;
+  g->tiles = (c0->tokens + g->tile - 1) / g->tile;
+  g->ldx = (g->cols + TILE - 1) / TILE * TILE;
 done:
   return st;
 }
 
-kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *c, int64_t nq, const float *q, int64_t ld,
-                                  float *scores, int threads) {
+kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
+                                  const float *q, int64_t ld, float *scores, int threads) {
   kqsvd_status_t st = KQSVD_OK;
   float *buf = NULL, *qp = NULL;
   tiling_t g;
   kqsvd_error_clear();
-  KQSVD_CALL(check("kqsvd_codes_scores", c, nq, q, ld, scores, threads, &g));
-  const int64_t items = c->slices * g.tiles;
+  KQSVD_CALL(check("kqsvd_codes_scores", runs, nruns, nq, q, ld, scores, threads, &g));
+  const int64_t slices = runs->slices, cols = g.cols;
+  const int64_t items = slices * g.tiles;
   if (items == 0) goto done;
   if (threads > items) threads = (int)items;
   const int64_t per = g.tile * g.ldx + 2 * g.width; /* tile, unpacked row, sums */
   const int64_t nqp = (nq + HB - 1) / HB * HB;
   KQSVD_MALLOC(buf, (size_t)threads * (size_t)per, "decode tiles");
-  KQSVD_MALLOC(qp, (size_t)(c->slices * nqp * c->cols), "decode queries");
-  for (int64_t s = 0; s < c->slices; s++)
+  KQSVD_MALLOC(qp, (size_t)(slices * nqp * cols), "decode queries");
+  for (int64_t s = 0; s < slices; s++)
     for (int64_t h = 0; h < nqp; h++)
-      for (int64_t j = 0; j < c->cols; j++)
-        qp[(s * nqp + h) * c->cols + j] = h < nq ? q[(s * nq + h) * c->cols + j] : 0.0f;
+      for (int64_t j = 0; j < cols; j++)
+        qp[(s * nqp + h) * cols + j] = h < nq ? q[(s * nq + h) * cols + j] : 0.0f;
   const kqsvd_isa_t isa = kqsvd_isa_active();
   PARALLEL_FOR
   for (int64_t i = 0; i < items; i++) {
@@ -323,20 +364,21 @@ done:
   return kqsvd_api_return(st);
 }
 
-kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *c, int64_t nq, const float *p, int64_t ld,
-                                 float *out, int threads) {
+kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
+                                 const float *p, int64_t ld, float *out, int threads) {
   kqsvd_status_t st = KQSVD_OK;
   float *buf = NULL;
   double *sums = NULL;
   tiling_t g;
   kqsvd_error_clear();
-  KQSVD_CALL(check("kqsvd_codes_weigh", c, nq, p, ld, out, threads, &g));
-  if (c->slices == 0 || g.tiles == 0) goto done;
+  KQSVD_CALL(check("kqsvd_codes_weigh", runs, nruns, nq, p, ld, out, threads, &g));
+  const int64_t slices = runs->slices;
+  if (slices == 0 || g.tiles == 0) goto done;
   /* A slice per item when there are enough; else each slice's tiles cut
    * in as many chunks as threads, summed in chunk order afterwards, so the
    * result does not depend on which thread ran which chunk. */
-  const int64_t chunks = c->slices >= threads ? 1 : (threads + c->slices - 1) / c->slices;
-  const int64_t items = c->slices * chunks, block = nq * c->cols;
+  const int64_t chunks = slices >= threads ? 1 : (threads + slices - 1) / slices;
+  const int64_t items = slices * chunks, block = nq * g.cols;
   if (threads > items) threads = (int)items;
   /* tile, unpacked row, a tile's weights, its float32 sums */
   const int64_t nqp = (nq + HB - 1) / HB * HB;
@@ -354,7 +396,7 @@ kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *c, int64_t nq, const float
     (isa == KQSVD_ISA_BASE ? weigh_base : weigh_avx2)(&g, s, k0, k1, p, nq, ld, x,
                                                       sums + i * block);
   }
-  for (int64_t s = 0; s < c->slices; s++)
+  for (int64_t s = 0; s < slices; s++)
     for (int64_t e = 0; e < block; e++) {
       double v = 0.0;
       for (int64_t part = 0; part < chunks; part++) v += sums[(s * chunks + part) * block + e];

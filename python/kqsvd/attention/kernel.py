@@ -9,9 +9,10 @@ that stays in the core's cache.  They serve CPU tensors; elsewhere, or
 without the C library, or with KQSVD_DECODE=torch in the environment, the
 stores dequantize as before (the same values up to float32 round-off).
 
-`scores(store, q, out)` and `weigh(store, p)` take one quant.Store: the
-tokens it holds quantized through the kernel, the rest (residual, a
-channel block not yet complete) by a float32 product."""
+`scores(stores, cuts, q, out)` and `weigh(stores, cuts, p)` take the
+quant.Stores of one side's runs of columns: the tokens they hold
+quantized through one kernel call, the rest (residual, a channel block
+not yet complete, columns kept unquantized) by float32 products."""
 import ctypes
 import os
 
@@ -45,8 +46,8 @@ def library():
             for name in ("kqsvd_codes_scores", "kqsvd_codes_weigh"):
                 f = getattr(lib, name)
                 f.restype = ctypes.c_int
-                f.argtypes = [ctypes.POINTER(_Codes), ctypes.c_int64, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                f.argtypes = [ctypes.POINTER(_Codes), ctypes.c_int64, ctypes.c_int64,
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
             lib.kqsvd_clear_error.restype = None
             lib.kqsvd_codes_quantize.restype = ctypes.c_int
             lib.kqsvd_codes_quantize.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
@@ -65,16 +66,17 @@ def available(x):
     return x.device.type == "cpu" and x.dtype != torch.float64 and library() is not None
 
 
-def _call(name, store, a, out, ld):
-    """One kernel call on store's quantized tokens; a and out float32,
+def _call(name, stores, a, out, ld):
+    """One kernel call on the quantized tokens of stores (runs of columns
+    side by side, all holding the same tokens); a and out float32,
     contiguous, [b, H, nq, .]."""
     lib = library()
-    b, H = store.codes.shape[:2]
-    desc = _Codes(b * H, store.done, store.rest.shape[-1], store.capacity(), store.bits,
-                  store.group,
-                  _AXES[store.axis], store.codes.data_ptr(), store.scale.data_ptr(),
-                  store.zero.data_ptr())
-    st = getattr(lib, name)(ctypes.byref(desc), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
+    b, H = stores[0].codes.shape[:2]
+    descs = (_Codes * len(stores))(*[
+        _Codes(b * H, st.done, st.rest.shape[-1], st.capacity(), st.bits, st.group,
+               _AXES[st.axis], st.codes.data_ptr(), st.scale.data_ptr(), st.zero.data_ptr())
+        for st in stores])
+    st = getattr(lib, name)(descs, len(stores), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
                             torch.get_num_threads())
     if st:
         msg = lib.kqsvd_last_error().decode("utf-8", "replace")
@@ -105,27 +107,48 @@ def quantize(x, bits, group):
     return codes, scale, zero
 
 
-def scores(store, q, out):
+def _coded(stores, cuts):
+    """The stores holding codes (bits 0 holds every token as it came) with
+    their column ranges, and whether that is all of them."""
+    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st.codes is not None]
+    return got, len(got) == len(stores)
+
+
+def scores(stores, cuts, q, out):
     """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns
-    (N >= the tokens held).  Both float32, out contiguous."""
-    q = q.float().contiguous()
-    if store.codes is not None:
-        _call("kqsvd_codes_scores", store, q, out, out.shape[-1])
-    if store.rest is not None and store.rest.shape[-2]:
-        end = store.done + store.rest.shape[-2]
-        out[..., store.done:end] += q @ store.rest.float().transpose(-1, -2)
+    (N >= the tokens held), the columns cuts[i]:cuts[i + 1] held by
+    stores[i] (quant.Store).  out float32, contiguous."""
+    q = q.float()
+    coded, every = _coded(stores, cuts)
+    if coded:
+        qc = q if every else torch.cat([q[..., a:b] for _, a, b in coded], -1)
+        _call("kqsvd_codes_scores", [st for st, _, _ in coded], qc.contiguous(), out,
+              out.shape[-1])
+    for st, a, b in zip(stores, cuts, cuts[1:]):
+        if st.rest is not None and st.rest.shape[-2]:
+            end = st.done + st.rest.shape[-2]
+            out[..., st.done:end] += q[..., a:b] @ st.rest.float().transpose(-1, -2)
     return out
 
 
-def weigh(store, p):
+def weigh(stores, cuts, p):
     """p [b, H, nq, N] (N >= the tokens held) times every token's columns:
-    [b, H, nq, n] float32."""
+    [b, H, nq, n] float32, the columns cuts[i]:cuts[i + 1] held by
+    stores[i]."""
     p = p.float().contiguous()
     b, H, nq, N = p.shape
-    n = store.rest.shape[-1]
-    out = torch.zeros(b, H, nq, n, dtype=torch.float32, device=p.device)
-    if store.codes is not None:
-        _call("kqsvd_codes_weigh", store, p, out, N)
-    if store.rest is not None and store.rest.shape[-2]:
-        out += p[..., store.done:store.done + store.rest.shape[-2]] @ store.rest.float()
+    coded, every = _coded(stores, cuts)
+    out = torch.zeros(b, H, nq, cuts[-1], dtype=torch.float32, device=p.device)
+    if coded:
+        got = out if every else torch.zeros(b, H, nq, sum(b_ - a for _, a, b_ in coded),
+                                            dtype=torch.float32, device=p.device)
+        _call("kqsvd_codes_weigh", [st for st, _, _ in coded], p, got, N)
+        if not every:
+            at = 0
+            for _, a, b_ in coded:
+                out[..., a:b_] = got[..., at:at + b_ - a]
+                at += b_ - a
+    for st, a, b_ in zip(stores, cuts, cuts[1:]):
+        if st.rest is not None and st.rest.shape[-2]:
+            out[..., a:b_] += p[..., st.done:st.done + st.rest.shape[-2]] @ st.rest.float()
     return out

@@ -204,11 +204,11 @@ class Store:
     def scores(self, q, out):
         """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns,
         in float32, read from the codes (kernel.py)."""
-        return kernel.scores(self, q, out)
+        return kernel.scores([self], [0, q.shape[-1]], q, out)
 
     def weigh(self, p):
         """p [b, H, nq, N] times every token's columns: [b, H, nq, n] float32."""
-        return kernel.weigh(self, p)
+        return kernel.weigh([self], [0, self.rest.shape[-1]], p)
 
     def nbytes(self, float_bytes=None):
         """Bytes held: codes and float16 scales as stored; the tokens held
@@ -244,12 +244,10 @@ class RunStore:
         return torch.cat([s.values(dtype) for s in self.parts], -1)
 
     def scores(self, q, out):
-        for s, a, b in zip(self.parts, self.cuts, self.cuts[1:]):
-            s.scores(q[..., a:b], out)
-        return out
+        return kernel.scores(self.parts, self.cuts, q, out)
 
     def weigh(self, p):
-        return torch.cat([s.weigh(p) for s in self.parts], -1)
+        return kernel.weigh(self.parts, self.cuts, p)
 
     def nbytes(self, float_bytes=None):
         return sum(s.nbytes(float_bytes) for s in self.parts)
