@@ -94,6 +94,18 @@ KQSVD_API kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int6
                                               int group, uint8_t *codes, uint16_t *scale,
                                               uint16_t *zero);
 
+/* Quantizes rows of runs side by side: row r's run k is the cols[k]
+ * values from x[r * row_stride + cols[0] + ... + cols[k - 1]], quantized
+ * at bits[k] as kqsvd_codes_quantize does into codes[k], scale[k] and
+ * zero[k] (dense, [rows][...]).  One call for a token's runs of columns of
+ * their own bits.  Not collective; errors as kqsvd_codes_quantize, every
+ * run checked before any is written. */
+KQSVD_API kqsvd_status_t kqsvd_codes_quantize_runs(const float *x, int64_t rows, int64_t row_stride,
+                                                   int64_t nruns, const int64_t *cols,
+                                                   const int32_t *bits, int group,
+                                                   uint8_t *const *codes, uint16_t *const *scale,
+                                                   uint16_t *const *zero);
+
 #ifdef __cplusplus
 }
 #endif

@@ -164,30 +164,32 @@ INLINE int64_t decode_tile(const tiling_t *g, int64_t s, int64_t k, int transpos
   return tt;
 }
 
-/* The register blocks of the tile kernels: HB queries by TILE tokens (or
- * columns) of accumulators, 12 AVX registers, fixed sizes the compiler
- * unrolls.  nq is padded to a multiple of HB with zero queries. */
-#define HB 3
+/* The register blocks of the tile kernels: hb queries by TILE tokens (or
+ * columns) of accumulators, fixed sizes the compiler unrolls: 3 x 32 in 12
+ * of AVX2's 16 registers, 9 x 32 in 18 of AVX-512's 32 (one pass over a
+ * tile for a group of 9 query heads).  nq is padded to a multiple of hb
+ * with zero queries. */
+#define HB_MAX 9
 
 /* One tile's scores: s[h][t] += sum_j q[h][j] xT[j][t] (q padded to a
- * multiple of HB rows), the sums running along tokens in column order. */
+ * multiple of hb rows), the sums running along tokens in column order. */
 INLINE void scores_plain(const tiling_t *g, int64_t s, int64_t k, const float *q, int64_t nq,
-                         float *scores, int64_t ld, float *x) {
-  const int64_t cols = g->cols, tile = g->tile, nqp = (nq + HB - 1) / HB * HB;
+                         float *scores, int64_t ld, float *x, const int hb) {
+  const int64_t cols = g->cols, tile = g->tile, nqp = (nq + hb - 1) / hb * hb;
   const int64_t tt = decode_tile(g, s, k, 1, x, x + tile * g->ldx);
   q += s * nqp * cols;
   scores += s * nq * ld + k * tile;
   if (tile == TILE) {
-    for (int64_t h0 = 0; h0 < nqp; h0 += HB) {
-      float a[HB][TILE] = {{0.0f}};
+    for (int64_t h0 = 0; h0 < nqp; h0 += hb) {
+      float a[HB_MAX][TILE] = {{0.0f}};
       for (int64_t j = 0; j < cols; j++) {
         const float *xj = x + j * TILE;
-        for (int hh = 0; hh < HB; hh++) {
+        for (int hh = 0; hh < hb; hh++) {
           const float qj = q[(h0 + hh) * cols + j];
           for (int t = 0; t < TILE; t++) a[hh][t] += qj * xj[t];
         }
       }
-      for (int64_t hh = 0; hh < HB && h0 + hh < nq; hh++)
+      for (int64_t hh = 0; hh < hb && h0 + hh < nq; hh++)
         for (int64_t t = 0; t < tt; t++) scores[(h0 + hh) * ld + t] += a[hh][t];
     }
     return;
@@ -211,9 +213,9 @@ INLINE void scores_plain(const tiling_t *g, int64_t s, int64_t k, const float *q
  * up to FLUSH_TILES tiles (acc), then added to the float64 sums.  w holds a
  * tile's weights, padded with zero rows and tokens. */
 INLINE void weigh_plain(const tiling_t *g, int64_t s, int64_t k0, int64_t k1, const float *p,
-                        int64_t nq, int64_t ld, float *x, double *sum) {
+                        int64_t nq, int64_t ld, float *x, double *sum, const int hb) {
   const int64_t cols = g->cols, tile = g->tile, ldx = g->ldx;
-  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  const int64_t nqp = (nq + hb - 1) / hb * hb;
   float *w = x + tile * ldx + g->width, *acc = w + nqp * tile;
   p += s * nq * ld;
   memset(acc, 0, (size_t)(nqp * ldx) * sizeof *acc);
@@ -224,16 +226,16 @@ INLINE void weigh_plain(const tiling_t *g, int64_t s, int64_t k0, int64_t k1, co
         w[h * tile + t] = h < nq && t < tt ? p[h * ld + k * tile + t] : 0.0f;
     if (tile == TILE) {
       for (int64_t j0 = 0; j0 < cols; j0 += TILE)
-        for (int64_t h0 = 0; h0 < nqp; h0 += HB) {
-          float a[HB][TILE] = {{0.0f}};
+        for (int64_t h0 = 0; h0 < nqp; h0 += hb) {
+          float a[HB_MAX][TILE] = {{0.0f}};
           for (int64_t t = 0; t < tt; t++) {
             const float *xt = x + t * ldx + j0;
-            for (int hh = 0; hh < HB; hh++) {
+            for (int hh = 0; hh < hb; hh++) {
               const float wt = w[(h0 + hh) * TILE + t];
               for (int j = 0; j < TILE; j++) a[hh][j] += wt * xt[j];
             }
           }
-          for (int hh = 0; hh < HB; hh++)
+          for (int hh = 0; hh < hb; hh++)
             for (int j = 0; j < TILE; j++) acc[(h0 + hh) * ldx + j0 + j] += a[hh][j];
         }
     } else {
@@ -258,18 +260,48 @@ INLINE void weigh_plain(const tiling_t *g, int64_t s, int64_t k0, int64_t k1, co
   (const tiling_t *g, int64_t s, int64_t k0, int64_t k1, const float *p, int64_t nq, int64_t ld, \
    float *x, double *sum)
 
-FMA_CONTRACT static void scores_base SCORES_PARAMS { scores_plain(g, s, k, q, nq, scores, ld, x); }
-FMA_CONTRACT static void weigh_base WEIGH_PARAMS { weigh_plain(g, s, k0, k1, p, nq, ld, x, sum); }
+typedef void(scores_fn) SCORES_PARAMS;
+typedef void(weigh_fn) WEIGH_PARAMS;
+
+#define KERNELS(attrs, suffix, hb)                    \
+  attrs static void scores_##suffix SCORES_PARAMS {   \
+    scores_plain(g, s, k, q, nq, scores, ld, x, hb);  \
+  }                                                   \
+  attrs static void weigh_##suffix WEIGH_PARAMS {     \
+    weigh_plain(g, s, k0, k1, p, nq, ld, x, sum, hb); \
+  }
+KERNELS(FMA_CONTRACT, base, 3)
 #ifdef KQSVD_ISA_X86_CLONES
 #define AVX2_FN __attribute__((target("avx2,fma"))) FMA_CONTRACT
-AVX2_FN static void scores_avx2 SCORES_PARAMS { scores_plain(g, s, k, q, nq, scores, ld, x); }
-AVX2_FN static void weigh_avx2 WEIGH_PARAMS { weigh_plain(g, s, k0, k1, p, nq, ld, x, sum); }
-#else
-#define scores_avx2 scores_base
-#define weigh_avx2 weigh_base
+#define AVX512_FN                                                          \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512cd,fma," \
+                        "prefer-vector-width=512"))) FMA_CONTRACT
+KERNELS(AVX2_FN, avx2, 3)
+KERNELS(AVX512_FN, avx512_3, 3)
+KERNELS(AVX512_FN, avx512_9, 9)
 #endif
 
-/* Checks the description and the call's arguments; fills the tiling. */
+/* The kernels for an instruction set and a number of queries per slice,
+ * and their query block. */
+static int pick(kqsvd_isa_t isa, int64_t nq, scores_fn **scores, weigh_fn **weigh) {
+#ifdef KQSVD_ISA_X86_CLONES
+  if (isa == KQSVD_ISA_AVX512 && nq > 6) {
+    *scores = scores_avx512_9, *weigh = weigh_avx512_9;
+    return 9;
+  }
+  if (isa == KQSVD_ISA_AVX512) {
+    *scores = scores_avx512_3, *weigh = weigh_avx512_3;
+    return 3;
+  }
+  if (isa == KQSVD_ISA_AVX2) {
+    *scores = scores_avx2, *weigh = weigh_avx2;
+    return 3;
+  }
+#endif
+  *scores = scores_base, *weigh = weigh_base;
+  return 3;
+}
+
 /* Checks the runs and the call's arguments; fills the tiling. */
 static kqsvd_status_t check(const char *fn, const kqsvd_codes_t *runs, int64_t nruns, int64_t nq,
                             const void *in, int64_t ld, const void *out, int threads, tiling_t *g) {
@@ -343,20 +375,21 @@ kqsvd_status_t kqsvd_codes_scores(const kqsvd_codes_t *runs, int64_t nruns, int6
   const int64_t items = slices * g.tiles;
   if (items == 0) goto done;
   if (threads > items) threads = (int)items;
+  scores_fn *scores_k;
+  weigh_fn *weigh_k;
+  const int hb = pick(kqsvd_isa_active(), nq, &scores_k, &weigh_k);
   const int64_t per = g.tile * g.ldx + 2 * g.width; /* tile, unpacked row, sums */
-  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  const int64_t nqp = (nq + hb - 1) / hb * hb;
   KQSVD_MALLOC(buf, (size_t)threads * (size_t)per, "decode tiles");
   KQSVD_MALLOC(qp, (size_t)(slices * nqp * cols), "decode queries");
   for (int64_t s = 0; s < slices; s++)
     for (int64_t h = 0; h < nqp; h++)
       for (int64_t j = 0; j < cols; j++)
         qp[(s * nqp + h) * cols + j] = h < nq ? q[(s * nq + h) * cols + j] : 0.0f;
-  const kqsvd_isa_t isa = kqsvd_isa_active();
   PARALLEL_FOR
   for (int64_t i = 0; i < items; i++) {
     float *x = buf + (size_t)THREAD_ID() * (size_t)per;
-    (isa == KQSVD_ISA_BASE ? scores_base : scores_avx2)(&g, i / g.tiles, i % g.tiles, qp, nq,
-                                                        scores, ld, x);
+    scores_k(&g, i / g.tiles, i % g.tiles, qp, nq, scores, ld, x);
   }
 done:
   free(buf);
@@ -380,21 +413,22 @@ kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *runs, int64_t nruns, int64
   const int64_t chunks = slices >= threads ? 1 : (threads + slices - 1) / slices;
   const int64_t items = slices * chunks, block = nq * g.cols;
   if (threads > items) threads = (int)items;
+  scores_fn *scores_k;
+  weigh_fn *weigh_k;
+  const int hb = pick(kqsvd_isa_active(), nq, &scores_k, &weigh_k);
   /* tile, unpacked row, a tile's weights, its float32 sums */
-  const int64_t nqp = (nq + HB - 1) / HB * HB;
+  const int64_t nqp = (nq + hb - 1) / hb * hb;
   const int64_t per = g.tile * g.ldx + g.width + nqp * g.tile + nqp * g.ldx; /* + sums */
   KQSVD_MALLOC(buf, (size_t)threads * (size_t)per, "decode tiles");
   memset(buf, 0, (size_t)threads * (size_t)per * sizeof *buf); /* the tiles' column padding */
   KQSVD_MALLOC(sums, (size_t)items * (size_t)block, "decode sums");
   memset(sums, 0, (size_t)items * (size_t)block * sizeof *sums);
-  const kqsvd_isa_t isa = kqsvd_isa_active();
   PARALLEL_FOR
   for (int64_t i = 0; i < items; i++) {
     float *x = buf + (size_t)THREAD_ID() * (size_t)per;
     const int64_t s = i / chunks, part = i % chunks;
     const int64_t k0 = g.tiles * part / chunks, k1 = g.tiles * (part + 1) / chunks;
-    (isa == KQSVD_ISA_BASE ? weigh_base : weigh_avx2)(&g, s, k0, k1, p, nq, ld, x,
-                                                      sums + i * block);
+    weigh_k(&g, s, k0, k1, p, nq, ld, x, sums + i * block);
   }
   for (int64_t s = 0; s < slices; s++)
     for (int64_t e = 0; e < block; e++) {

@@ -33,21 +33,20 @@ static void group_range(const float *x, int64_t i0, int64_t i1, int64_t stride, 
   }
 }
 
-kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int64_t n, int64_t row_stride,
-                                    int64_t stride, int bits, int group, uint8_t *codes,
-                                    uint16_t *scale, uint16_t *zero) {
+/* Every group of rows x rows of n values is checked (shape, bits,
+ * finite float16 zero and scale) before anything is written. */
+static kqsvd_status_t check_rows(const char *fn, const float *x, int64_t rows, int64_t n,
+                                 int64_t row_stride, int64_t stride, int bits, int group,
+                                 const void *codes, const void *scale, const void *zero) {
   kqsvd_status_t st = KQSVD_OK;
-  kqsvd_error_clear();
   KQSVD_CHECK(bits == 2 || bits == 3 || bits == 4 || bits == 8, KQSVD_ERR_USAGE,
-              "kqsvd_codes_quantize: bits %d is not 2, 3, 4 or 8", bits);
+              "%s: bits %d is not 2, 3, 4 or 8", fn, bits);
   KQSVD_CHECK(group >= 1 && rows >= 0 && n >= 1, KQSVD_ERR_USAGE,
-              "kqsvd_codes_quantize: %lld rows of %lld values in groups of %d is not a shape",
-              (long long)rows, (long long)n, group);
+              "%s: %lld rows of %lld values in groups of %d is not a shape", fn, (long long)rows,
+              (long long)n, group);
   KQSVD_CHECK(rows == 0 || (x && codes && scale && zero), KQSVD_ERR_USAGE,
-              "kqsvd_codes_quantize: the values, codes, scales and zeros must not be NULL");
-  const int64_t groups = (n + group - 1) / group, pw = (n + 7) / 8 * bits;
-  const unsigned top = (1u << bits) - 1u;
-  /* Every group is checked before anything is written. */
+              "%s: the values, codes, scales and zeros must not be NULL", fn);
+  const int64_t groups = (n + group - 1) / group;
   for (int64_t r = 0; r < rows; r++)
     for (int64_t e = 0; e < groups; e++) {
       float lo, hi;
@@ -58,6 +57,15 @@ kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int64_t n, int
                   "a cached value is not finite or beyond float16's range (65504): it cannot "
                   "be quantized");
     }
+done:
+  return st;
+}
+
+/* The codes, scales and zeros of rows check_rows accepted. */
+static void write_rows(const float *x, int64_t rows, int64_t n, int64_t row_stride, int64_t stride,
+                       int bits, int group, uint8_t *codes, uint16_t *scale, uint16_t *zero) {
+  const int64_t groups = (n + group - 1) / group, pw = (n + 7) / 8 * bits;
+  const unsigned top = (1u << bits) - 1u;
   for (int64_t r = 0; r < rows; r++) {
     const float *row = x + r * row_stride;
     uint8_t *out = codes + r * pw;
@@ -81,6 +89,33 @@ kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int64_t n, int
       }
     }
   }
+}
+
+kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int64_t n, int64_t row_stride,
+                                    int64_t stride, int bits, int group, uint8_t *codes,
+                                    uint16_t *scale, uint16_t *zero) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
+  KQSVD_CALL(check_rows("kqsvd_codes_quantize", x, rows, n, row_stride, stride, bits, group, codes,
+                        scale, zero));
+  write_rows(x, rows, n, row_stride, stride, bits, group, codes, scale, zero);
+done:
+  return kqsvd_api_return(st);
+}
+
+kqsvd_status_t kqsvd_codes_quantize_runs(const float *x, int64_t rows, int64_t row_stride,
+                                         int64_t nruns, const int64_t *cols, const int32_t *bits,
+                                         int group, uint8_t *const *codes, uint16_t *const *scale,
+                                         uint16_t *const *zero) {
+  kqsvd_status_t st = KQSVD_OK;
+  kqsvd_error_clear();
+  KQSVD_CHECK(nruns >= 1 && cols && bits && codes && scale && zero, KQSVD_ERR_USAGE,
+              "kqsvd_codes_quantize_runs: %lld runs, or a NULL array", (long long)nruns);
+  for (int64_t k = 0, off = 0; k < nruns; off += cols[k], k++)
+    KQSVD_CALL(check_rows("kqsvd_codes_quantize_runs", x + off, rows, cols[k], row_stride, 1,
+                          bits[k], group, codes[k], scale[k], zero[k]));
+  for (int64_t k = 0, off = 0; k < nruns; off += cols[k], k++)
+    write_rows(x + off, rows, cols[k], row_stride, 1, bits[k], group, codes[k], scale[k], zero[k]);
 done:
   return kqsvd_api_return(st);
 }

@@ -11,6 +11,7 @@
 #include "kqsvd/decode.h"
 #include "kqsvd_convert.h"
 #include "kqsvd_error.h"
+#include "kqsvd_isa.h"
 
 static uint64_t g_state = 88172645463325252ull;
 static uint64_t next(void) {
@@ -178,6 +179,36 @@ static void every_half(void) {
   free(pp);
 }
 
+/* Runs quantized in one call are each run quantized alone; a bad value
+ * in the last run leaves every output untouched. */
+static void quantize_runs(void) {
+  enum { ROWS = 5, N = 45 };
+  const int64_t cols[3] = {7, 30, 8};
+  const int32_t bits[3] = {8, 3, 2};
+  float x[ROWS * N];
+  for (int i = 0; i < ROWS * N; i++) x[i] = (float)(6.0 * uniform() - 3.0);
+  uint8_t codes[3][ROWS * 16], want_c[ROWS * 16];
+  uint16_t scale[3][ROWS * 8], zero[3][ROWS * 8], want_s[ROWS * 8], want_z[ROWS * 8];
+  uint8_t *cp[3] = {codes[0], codes[1], codes[2]};
+  uint16_t *sp[3] = {scale[0], scale[1], scale[2]}, *zp[3] = {zero[0], zero[1], zero[2]};
+  CHECK_OK(kqsvd_codes_quantize_runs(x, ROWS, N, 3, cols, bits, 4, cp, sp, zp));
+  for (int k = 0, off = 0; k < 3; off += (int)cols[k], k++) {
+    CHECK_OK(
+        kqsvd_codes_quantize(x + off, ROWS, cols[k], N, 1, bits[k], 4, want_c, want_s, want_z));
+    const size_t pw = (size_t)(cols[k] + 7) / 8 * (size_t)bits[k],
+                 groups = (size_t)(cols[k] + 3) / 4;
+    CHECK(memcmp(codes[k], want_c, ROWS * pw) == 0, "run %d codes", k);
+    CHECK(memcmp(scale[k], want_s, ROWS * groups * 2) == 0, "run %d scales", k);
+    CHECK(memcmp(zero[k], want_z, ROWS * groups * 2) == 0, "run %d zeros", k);
+  }
+  memset(codes, 0xab, sizeof codes);
+  x[ROWS * N - 1] = NAN;
+  CHECK(kqsvd_codes_quantize_runs(x, ROWS, N, 3, cols, bits, 4, cp, sp, zp) == KQSVD_ERR_DATA,
+        "a NaN");
+  CHECK(codes[0][0] == 0xab && codes[1][0] == 0xab, "a refused call wrote codes");
+  kqsvd_error_clear();
+}
+
 static void refusals(void) {
   uint8_t codes[64] = {0};
   uint16_t scale[64] = {0};
@@ -218,6 +249,11 @@ static void refusals(void) {
 }
 
 int main(void) {
+  kqsvd_isa_t isa;
+  if (kqsvd_isa_select(&isa) != KQSVD_OK) { /* KQSVD_ISA names a set this CPU lacks */
+    printf("test_decode: skipped: %s\n", kqsvd_error_message());
+    return 77;
+  }
   const int all_bits[] = {2, 3, 4, 8};
   for (int b = 0; b < 4; b++)
     for (int threads = 1; threads <= 3; threads++) {
@@ -237,6 +273,7 @@ int main(void) {
     runs_case(KQSVD_AXIS_TOKEN, 77, threads);
   }
   every_half();
+  quantize_runs();
   refusals();
   return check_exit("test_decode");
 }
