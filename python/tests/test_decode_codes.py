@@ -20,7 +20,7 @@ from common import orthonormal_projections, tiny_lm
 from transformers import AttentionInterface
 
 from kqsvd.attention import compress, function, kernel, latent_cache
-from kqsvd.attention.quant import Store, dequantize, quantize
+from kqsvd.attention.quant import RunStore, Store, dequantize, quantize
 from kqsvd.errors import KqsvdError
 from kqsvd.formats.projections import Projections
 from kqsvd.formats.quant import QuantScheme, with_bits
@@ -121,6 +121,17 @@ class Steps(unittest.TestCase):
                                                          value_axis="channel")),
                    "keys per token, values per channel")
 
+    def test_runs_quantized_together(self):
+        """Every run quantized, on the token axis, no residual: a token's
+        runs are quantized in one library call (RunStore._together)."""
+        proj = orthonormal_projections(self.model, 10, seed=5)
+        p = with_bits(proj, (4, 4), QuantScheme(group=8, key_axis="token", residual=0))
+        L, H, d = p.num_layers, p.num_kv_heads, p.head_dim
+        cols = np.zeros((L, H, d), np.int64)
+        cols[..., :10] = [8, 4, 2, 2, 4, 3, 2, 2, 3, 4]
+        self.check(dataclasses.replace(p, bits_k=cols, bits_v=cols[:, ::-1].copy()),
+                   "runs together")
+
     def test_ranks_per_head(self):
         proj = orthonormal_projections(self.model, 12, seed=3)
         proj.rank_k_heads[:] = [9, 12]
@@ -192,6 +203,25 @@ class Products(unittest.TestCase):
             with self.assertRaises(KqsvdError) as got:
                 kernel.quantize(bad, 4, 2)
             self.assertEqual(str(got.exception), str(want.exception))
+
+    def test_runs_together_are_runs_apart(self):
+        """A RunStore's runs quantized in one call hold the codes, scales
+        and zeros each run's own store holds when fed alone."""
+        g = torch.Generator().manual_seed(2)
+        runs = [(5, 8), (20, 3), (7, 2)]
+        together = RunStore(runs, 4, "token")
+        self.assertTrue(together._together(torch.zeros(1, 1, 1, 32)))
+        apart = [Store(b, 4, "token") for _, b in runs]
+        for t in (9, 1, 1, 3):
+            x = torch.randn(2, 3, t, 32, generator=g)
+            together.append(x, read=False)
+            for st, a, b in zip(apart, together.cuts, together.cuts[1:]):
+                st.append(x[..., a:b], read=False)
+        for st, want in zip(together.parts, apart):
+            for name in ("codes", "scale", "zero"):
+                self.assertTrue(torch.equal(getattr(st, name), getattr(want, name)), name)
+        self.assertTrue(torch.equal(together.values(torch.float32),
+                                    torch.cat([st.values(torch.float32) for st in apart], -1)))
 
     def test_the_codes_are_the_stores(self):
         """The kernel reads the store's own codes: a store whose codes are

@@ -50,6 +50,9 @@ def library():
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
             lib.kqsvd_clear_error.restype = None
             lib.kqsvd_codes_quantize.restype = ctypes.c_int
+            lib.kqsvd_codes_quantize_runs.restype = ctypes.c_int
+            lib.kqsvd_codes_quantize_runs.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
             lib.kqsvd_codes_quantize.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
                 ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
             lib.kqsvd_last_error.restype = ctypes.c_char_p
@@ -84,27 +87,58 @@ def _call(name, stores, a, out, ld):
         raise KqsvdError(f"the decode kernel failed: {msg}")
 
 
-def quantize(x, bits, group):
-    """quant.quantize(x, bits, group) by libkqsvd's kqsvd_codes_quantize
-    (the same codes, scales and zeros to the bit), or None where the
-    kernels do not serve x (available())."""
+def quantize_into(x, bits, group, dest):
+    """quant.quantize(x, bits, group) written into dest = (codes, scale,
+    zero) by libkqsvd's kqsvd_codes_quantize (the same codes, scales and
+    zeros to the bit), straight into them when they are contiguous; False
+    (nothing written) where the kernels do not serve x (available())."""
     if not available(x):
-        return None
+        return False
     lib = library()
     x = x.float().contiguous()
     n = x.shape[-1]
-    rows = x.numel() // n
-    lead = x.shape[:-1]
-    codes = torch.empty(*lead, (n + 7) // 8 * bits, dtype=torch.uint8)
-    scale = torch.empty(*lead, -(-n // group), dtype=torch.float16)
-    zero = torch.empty_like(scale)
-    st = lib.kqsvd_codes_quantize(x.data_ptr(), rows, n, n, 1, bits, group, codes.data_ptr(),
-                                  scale.data_ptr(), zero.data_ptr())
+    out = [d if d.is_contiguous() else torch.empty_like(d) for d in dest]
+    st = lib.kqsvd_codes_quantize(x.data_ptr(), x.numel() // n, n, n, 1, bits, group,
+                                  *(o.data_ptr() for o in out))
     if st:
         msg = lib.kqsvd_last_error().decode("utf-8", "replace")
         lib.kqsvd_clear_error()
         raise KqsvdError(msg)
-    return codes, scale, zero
+    for d, o in zip(dest, out):
+        if o is not d:
+            d.copy_(o)
+    return True
+
+
+def quantize_runs(x, cols, bits, group, dests):
+    """quantize_into for runs of columns side by side in x [..., sum(cols)],
+    run k at bits[k] into dests[k] = (codes, scale, zero), in one call;
+    the caller has checked available(x)."""
+    lib = library()
+    x = x.float().contiguous()
+    outs = [[d if d.is_contiguous() else torch.empty_like(d) for d in dest] for dest in dests]
+    ptrs = [(ctypes.c_void_p * len(outs))(*(o[i].data_ptr() for o in outs)) for i in range(3)]
+    st = lib.kqsvd_codes_quantize_runs(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                                       len(cols), (ctypes.c_int64 * len(cols))(*cols),
+                                       (ctypes.c_int32 * len(bits))(*bits), group, *ptrs)
+    if st:
+        msg = lib.kqsvd_last_error().decode("utf-8", "replace")
+        lib.kqsvd_clear_error()
+        raise KqsvdError(msg)
+    for dest, out in zip(dests, outs):
+        for d, o in zip(dest, out):
+            if o is not d:
+                d.copy_(o)
+
+
+def quantize(x, bits, group):
+    """quant.quantize(x, bits, group) through quantize_into, or None where
+    the kernels do not serve x."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    got = (torch.empty(*lead, (n + 7) // 8 * bits, dtype=torch.uint8, device=x.device),
+           torch.empty(*lead, -(-n // group), dtype=torch.float16, device=x.device))
+    got = (got[0], got[1], torch.empty_like(got[1]))
+    return got if quantize_into(x, bits, group, got) else None
 
 
 def _coded(stores, cuts):

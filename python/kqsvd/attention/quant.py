@@ -140,7 +140,8 @@ class Store:
     def append(self, x, read=True):
         """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
         (None when not `read`)."""
-        self.rest = x if self.rest is None else torch.cat([self.rest, x], -2)
+        self.rest = x if self.rest is None or not self.rest.shape[-2] else torch.cat(
+            [self.rest, x], -2)
         over = self.rest.shape[-2] - self.residual
         unit = self.group if self.axis == "channel" else 1
         take = max(over, 0) // unit * unit if self.bits else 0  # bits 0: held as they came
@@ -153,31 +154,43 @@ class Store:
         if self.axis == "channel":  # blocks of `group` tokens, each channel's one group
             b, H, T, n = x.shape
             x = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
-        got = kernel.quantize(x, self.bits, self.group) or quantize(x, self.bits, self.group)
-        self._hold(got, -3 if self.axis == "channel" else -2)
+        lead, n = x.shape[:-1], x.shape[-1]
+        dest, commit = self._reserve([(*lead, packed_width(n, self.bits)),
+                                      (*lead, -(-n // self.group))],
+                                     -3 if self.axis == "channel" else -2, x.device)
+        if not kernel.quantize_into(x, self.bits, self.group, dest):
+            for d, t in zip(dest, quantize(x, self.bits, self.group)):
+                d.copy_(t)
+        commit()
         self.done += x.shape[-2] if self.axis == "token" else x.shape[-3] * self.group
 
-    def _hold(self, got, dim):
-        """Appends new codes, scales and zeros along dim (tokens, or blocks
-        on the channel axis) to buffers that grow by an eighth at a time:
-        appending to tensors one token at a time would copy the whole cache
-        at every step.  codes, scale and zero are views of the part used."""
+    def _reserve(self, shapes, dim, device):
+        """Room for new codes [..., pw] and scales and zeros [..., groups]
+        (shapes) along dim (tokens, or blocks on the channel axis), in
+        buffers that grow by an eighth at a time: appending to tensors one
+        token at a time would copy the whole cache at every step.  Returns
+        the new part's views (codes, scale, zero) and commit(), after which
+        codes, scale and zero are views of everything held, the new part
+        included (a failure before it leaves the store as it was)."""
         used = 0 if self.codes is None else self.codes.shape[dim]
-        new = got[0].shape[dim]
+        new = shapes[0][dim]
         if self._buf is None or used + new > self._buf[0].shape[dim]:
             cap = used + new + max(used // 8, 64 // (self.group if dim == -3 else 1), 1)
             bufs = []
-            for i, t in enumerate(got):
-                shape = list(t.shape)
+            for i, (shape, dt) in enumerate(zip((shapes[0], shapes[1], shapes[1]),
+                                                (torch.uint8, torch.float16, torch.float16))):
+                shape = list(shape)
                 shape[dim] = cap
-                buf = t.new_empty(shape)
+                buf = torch.empty(shape, dtype=dt, device=device)
                 if used:
                     buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
                 bufs.append(buf)
             self._buf = bufs
-        for buf, t in zip(self._buf, got):
-            buf.narrow(dim, used, new).copy_(t)
-        self.codes, self.scale, self.zero = (b.narrow(dim, 0, used + new) for b in self._buf)
+        bufs = self._buf
+
+        def commit():
+            self.codes, self.scale, self.zero = (b.narrow(dim, 0, used + new) for b in bufs)
+        return [b.narrow(dim, used, new) for b in bufs], commit
 
     def capacity(self):
         """Tokens each (sequence, head) slice's buffers are laid out for."""
@@ -237,8 +250,31 @@ class RunStore:
     def append(self, x, read=True):
         """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
         (None when not `read`)."""
-        got = [s.append(x[..., a:b], read) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
-        return torch.cat(got, -1) if read else None
+        if not self._together(x):
+            got = [s.append(x[..., a:b], read)
+                   for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
+            return torch.cat(got, -1) if read else None
+        # Tokens quantized as they come, every run at once: one library call
+        # (kernel.quantize_runs) where a call per run cost more than the work.
+        lead = x.shape[:-1]
+        got = [s._reserve([(*lead, packed_width(b - a, s.bits)), (*lead, -(-(b - a) // s.group))],
+                          -2, x.device) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
+        kernel.quantize_runs(x, [b - a for a, b in zip(self.cuts, self.cuts[1:])],
+                             [s.bits for s in self.parts], self.parts[0].group,
+                             [dest for dest, _ in got])
+        for s, (_, commit), a, b in zip(self.parts, got, self.cuts, self.cuts[1:]):
+            commit()
+            s.done += x.shape[-2]
+            s.rest = x[..., :0, a:b]
+        return self.values(x.dtype) if read else None
+
+    def _together(self, x):
+        """Whether new tokens x go to every run in one call: quantized as they
+        come (token axis, no residual, nothing held back, every run
+        quantized) through the library."""
+        return all(s.axis == "token" and not s.residual and s.bits and
+                   (s.rest is None or not s.rest.shape[-2]) for s in self.parts) and \
+            kernel.available(x)
 
     def values(self, dtype):
         return torch.cat([s.values(dtype) for s in self.parts], -1)
