@@ -113,8 +113,8 @@ def _codes_attention(P, layer, q, mask, scaling, drop):
         qs = [qv] if whole else [qv[:, j:j + 1] for j in range(len(layer.slices))]
     outs = []
     for qq, (sk, sv) in zip(qs, layer.stores):
+        qq = qq.float() * scaling  # the module's scaling on the r-wide queries, not on N scores
         s = sk.scores(qq, torch.zeros(*qq.shape[:3], N, dtype=torch.float32, device=q.device))
-        s.mul_(scaling)
         if mask is not None:
             m = mask[..., -1:, :N]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m

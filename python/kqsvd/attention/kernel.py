@@ -158,8 +158,16 @@ def scores(stores, cuts, q, out):
         qc = q if every else torch.cat([q[..., a:b] for _, a, b in coded], -1)
         _call("kqsvd_codes_scores", [st for st, _, _ in coded], qc.contiguous(), out,
               out.shape[-1])
-    for st, a, b in zip(stores, cuts, cuts[1:]):
-        if st.rest is not None and st.rest.shape[-2]:
+    rest = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:])
+            if st.rest is not None and st.rest.shape[-2]]
+    if rest and all(st.done == rest[0][0].done for st, _, _ in rest):
+        # runs in lockstep (a channel block filling up): one product
+        st = rest[0][0]
+        held = rest[0][0].rest if len(rest) == 1 else torch.cat([s.rest for s, _, _ in rest], -1)
+        qr = q if len(rest) == len(stores) else torch.cat([q[..., a:b] for _, a, b in rest], -1)
+        out[..., st.done:st.done + held.shape[-2]] += qr @ held.float().transpose(-1, -2)
+    else:
+        for st, a, b in rest:
             end = st.done + st.rest.shape[-2]
             out[..., st.done:end] += q[..., a:b] @ st.rest.float().transpose(-1, -2)
     return out
