@@ -19,12 +19,29 @@ SPEC: full (SDPA, generate()'s cache); sdpa-off (the same with the eager
 attention kqsvd's loader gives, the old baseline); intB (a plain B-bit
 cache of the model's keys and values, keys per channel, values per token,
 groups of 32; kqsvd's own, as the frontier scores it); quanto:B
-(transformers' QuantizedCache, optimum-quanto, in .venv-peers); and
-kqsvd:PATH[=POLICY] (a projections file, POLICY its ranks, `stored` by
-default, with @B for B-bit codes, e.g. kqsvd:proj.h5=fixed:32@4).
+(transformers' QuantizedCache, optimum-quanto, in .venv-peers; hqq:B
+likewise);
+press:NAME:KEPT (a kvpress press keeping the fraction KEPT of the prompt's
+tokens at prefill, in .venv-peers); and kqsvd:PATH[=POLICY] (a projections
+file, POLICY its ranks, `stored` by default, METHOD/POLICY for another
+method, with @B for B-bit codes, e.g. kqsvd:proj.h5=fixed:32@4).
 kqsvd-32, kqsvd-32@4, g3-pre and g3-pre@4 name the files of the
-docs' older tables (bench/rank_allocation.sh, bench/head_groups.sh)."""
+docs' older tables (bench/rank_allocation.sh, bench/head_groups.sh).
+The full cache is measured first in every (context, batch), so each
+ratio is to the full cache of the same run.
+
+    .venv-peers/bin/python3 bench/decode_speed.py --frontier REPORT.json
+        [--front-only] [--contexts N] --annotate OUT.json [--plot PNG] [--force]
+
+measures every configuration of a `kqsvd frontier` report (its files,
+quantization scheme and peers; by default at the report's context) and
+writes the report again with each result's decode figures beside its
+quality (`decode`: tokens/s, ratio to the full cache, prefill, peak
+memory), its table with a decode column and its plot with each point's
+ratio."""
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -56,56 +73,80 @@ def check(spec):
         return None
     if spec.startswith("int") and spec[3:].isdigit() and int(spec[3:]) in BITS:
         return None
-    if spec in ("quanto:2", "quanto:4"):
+    if spec in ("quanto:2", "quanto:4", "hqq:2", "hqq:4"):
+        return None
+    if spec.startswith("press:"):
+        from kqsvd.quality.peers import PRESSES
+        name, _, kept = spec[6:].partition(":")
+        try:
+            ok = name in PRESSES and 0 < float(kept) < 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UsageError(f"--config {spec}: expected press:NAME:KEPT, NAME among "
+                             f"{', '.join(PRESSES)}, KEPT a fraction in (0, 1)")
         return None
     if spec.startswith("kqsvd:"):
+        from kqsvd.formats.projections import METHODS
         path, _, pol = spec[6:].partition("=")
-        split_bits(pol or "stored")
+        method, slash, rest = (pol or "stored").partition("/")
+        if slash and method not in METHODS:
+            raise UsageError(f"--config {spec}: method '{method}' is not one of "
+                             f"{', '.join(METHODS)}")
+        split_bits(rest if slash else pol or "stored")
         check_input_file("--config", os.path.join(ROOT, path))
         return os.path.join(ROOT, path)
-    raise UsageError(f"--config {spec}: not full, sdpa-off, intB, quanto:B or kqsvd:PATH[=POLICY]")
+    raise UsageError(f"--config {spec}: not full, sdpa-off, intB, quanto:B, press:NAME:KEPT or "
+                     "kqsvd:PATH[=POLICY]")
 
 
-def install(model, info, spec):
+def install(model, info, spec, scheme, context):
     """Sets the model up for `spec`; returns generate()'s extra keyword
-    arguments (a fresh cache per call, or none for generate()'s own);
-    `spec` has passed check()."""
+    arguments (a fresh cache per call, or none for generate()'s own) and
+    the context each generate() runs in; `spec` has passed check()."""
+    none = contextlib.nullcontext
     if spec == "full":
         model.set_attn_implementation("sdpa")
-        return lambda: {}
+        return (lambda: {}), none
     if spec == "sdpa-off":
-        return lambda: {}
+        return (lambda: {}), none
     model.set_attn_implementation("sdpa")
     if spec.startswith("int") and spec[3:].isdigit():
         from kqsvd.attention.cache import QuantCache
-        from kqsvd.formats.quant import QuantScheme
-        b = int(spec[3:])
-        return lambda: {"past_key_values": QuantCache(info.num_layers, QuantScheme(), (b, b))}
-    if spec.startswith("quanto:"):  # quanto's import is checked here, in the child
+        b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
+        return (lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}), none
+    if spec.split(":")[0] in ("quanto", "hqq"):  # the backend's import is checked in the child
         from kqsvd.quality.peers import QuantizedCachePeer
-        peer = QuantizedCachePeer("quanto", int(spec[7:]), 32)
+        backend, _, bits = spec.partition(":")
+        peer = QuantizedCachePeer(backend, int(bits), scheme.group)
         peer.check()
-        return lambda: {"past_key_values": peer.cache(model)}
-    if spec.startswith("kqsvd:"):
-        from kqsvd.attention import compress, latent_cache
-        from kqsvd.formats.projections import load_projections, policy_ranks
-        from kqsvd.formats.quant import QuantScheme, split_bits, with_bits
-        path, _, pol = spec[6:].partition("=")
-        pol, bits = split_bits(pol or "stored")
-        path = os.path.join(ROOT, path)
-        ranks = None
-        if pol != "stored":
-            got = policy_ranks(path, pol)["methods"]["kqsvd"]
-            ranks = (got["rank_k"], got["rank_v"])
-        proj = load_projections(path, "kqsvd", ranks)
-        if bits is not None:
-            proj = with_bits(proj, bits, QuantScheme())
-        compress(model, proj)
-        return lambda: {"past_key_values": latent_cache(model)}
-    return lambda: {}
+        return (lambda: {"past_key_values": peer.cache(model)}), none
+    if spec.startswith("press:"):
+        from kqsvd.quality.peers import PressPeer
+        name, _, kept = spec[6:].partition(":")
+        peer = PressPeer(name, float(kept), context)
+        peer.check()
+        return (lambda: {}), (lambda: peer.prefill(model))
+    from kqsvd.attention import compress, latent_cache
+    from kqsvd.formats.projections import load_projections, policy_ranks
+    from kqsvd.formats.quant import split_bits, with_bits
+    path, _, pol = spec[6:].partition("=")
+    method, slash, rest = (pol or "stored").partition("/")
+    method, pol = (method, rest) if slash else ("kqsvd", pol or "stored")
+    pol, bits = split_bits(pol)
+    path = os.path.join(ROOT, path)
+    ranks = None
+    if pol != "stored":
+        got = policy_ranks(path, pol)["methods"][method]
+        ranks = (got["rank_k"], got["rank_v"])
+    proj = load_projections(path, method, ranks)
+    if bits is not None:
+        proj = with_bits(proj, bits, scheme)
+    compress(model, proj)
+    return (lambda: {"past_key_values": latent_cache(model)}), none
 
 
-def one(spec, context, batch, steps, repeats, threads):
+def one(spec, context, batch, steps, repeats, threads, scheme):
     """Runs one configuration in this process; returns its figures."""
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
@@ -113,8 +154,9 @@ def one(spec, context, batch, steps, repeats, threads):
     from transformers import LogitsProcessor, LogitsProcessorList
     from kqsvd import models
     from kqsvd.attention import cache_bytes
+    from kqsvd.formats.quant import QuantScheme
     model, tok, info = models.load(MODEL, dtype=torch.float32)
-    extra = install(model, info, spec)
+    extra, around = install(model, info, spec, QuantScheme(**scheme), context)
 
     class Clock(LogitsProcessor):
         def __init__(self):
@@ -130,16 +172,17 @@ def one(spec, context, batch, steps, repeats, threads):
     def run(n, new):
         clock = Clock()
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]),
-                             max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=tok.eos_token_id, return_dict_in_generate=True,
-                             logits_processor=LogitsProcessorList([clock]), **extra())
+        with around():
+            out = model.generate(input_ids=ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]),
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, return_dict_in_generate=True,
+                                 logits_processor=LogitsProcessorList([clock]), **extra())
         t = clock.times
         return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), out.past_key_values
 
     peak = _Peak()
     with torch.no_grad():
-        run(min(64, context), 4)  # warm-up: first calls, allocator
+        run(min(128, context), 4)  # warm-up: first calls, allocator (presses need a window)
         got = [run(context, steps) for _ in range(repeats)]
     cache = got[-1][2]
     prefill = [p for p, _, _ in got]
@@ -177,43 +220,114 @@ class _Peak:
         return max(self.top, _rss() - self.base) / 2**20
 
 
+def frontier_specs(report, front_only):
+    """[(label, spec, index of the report's result)] for the configurations
+    of a `kqsvd frontier` report (only those on a front with front_only);
+    raises UsageError for a configuration it cannot name."""
+    from kqsvd.errors import UsageError
+    stems = {os.path.splitext(os.path.basename(p))[0]: p for p in report["proj"]}
+    out = []
+    for i, r in enumerate(report["results"]):
+        if front_only and not (r["front"] or r["front_kl"]):
+            continue
+        label, family = r["label"], r["family"]
+        if family == "int-N cache":
+            spec = label
+        elif family.startswith("QuantizedCache"):
+            backend, _, bits = label.partition("-int")
+            spec = f"{backend}:{bits}"
+        elif family.startswith("kvpress"):
+            spec = f"press:{label}"
+        else:  # a latent: "METHOD POLICY [STEM]", the stem when the report has several files
+            head, _, stem = label.partition(" [")
+            method, _, policy = head.partition(" ")
+            path = stems.get(stem.rstrip("]")) if stem else report["proj"][0]
+            if path is None:
+                raise UsageError(f"--frontier: '{label}' names no file of the report")
+            spec = f"kqsvd:{os.path.abspath(path)}={method}/{policy}"
+        out.append((label, spec, i))
+    return out
+
+
+def annotate(report, rows, specs, setup):
+    """The frontier report with each measured result's decode figures."""
+    report = dict(report, results=[dict(r) for r in report["results"]])
+    figures = lambda r: {k: r[k] for k in ("context", "batch", "decode_tok_s",  # noqa: E731
+                                           "decode_range", "against_full", "prefill_s",
+                                           "peak_above_model_mb")}
+    report["decode_full"] = [figures(r) for r in rows if r["config"] == "full"]
+    for label, spec, i in specs:
+        got = [figures(r) for r in rows if r["config"] == spec]
+        if i is not None and got:
+            report["results"][i]["decode"] = got
+    report["decode_setup"] = setup
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--contexts")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--config", action="append", help="a SPEC (see above); repeat it")
     ap.add_argument("--json")
-    ap.add_argument("--force", action="store_true", help="replace --json if it exists")
+    ap.add_argument("--frontier", help="a kqsvd frontier report: measure its configurations")
+    ap.add_argument("--front-only", action="store_true", help="only those on a Pareto front")
+    ap.add_argument("--annotate", help="with --frontier: the report with decode figures added")
+    ap.add_argument("--plot", help="with --annotate: its plot, each point with its ratio")
+    ap.add_argument("--force", action="store_true", help="replace outputs that exist")
+    ap.add_argument("--scheme", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.steps < 2 or a.repeats < 1:
         ap.error("--steps at least 2, --repeats at least 1")
     if a.one:
         print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
-                             a.threads)))
+                             a.threads, json.loads(a.scheme))))
         return 0
+    if (a.annotate or a.front_only) and not a.frontier or a.plot and not a.annotate:
+        ap.error("--annotate and --front-only go with --frontier, --plot with --annotate")
+    if a.frontier and a.config:
+        ap.error("--frontier measures the report's configurations: no --config with it")
     sys.path.insert(0, os.path.join(ROOT, "python"))
     from kqsvd.errors import KqsvdError
-    from kqsvd.formats.files import check_outputs, write_atomic
-    specs = [spec_of(n) for n in a.config or DEFAULT]
-    try:  # every configuration and the report's place, before minutes of work
-        inputs = [("--config", p) for p in map(check, specs) if p]
-        check_outputs([("--json", a.json)], inputs, a.force)
-    except KqsvdError as e:
+    from kqsvd.formats.files import check_input_file, check_outputs, write_atomic
+    t0 = time.time()
+    try:  # every configuration and the reports' places, before minutes of work
+        report, scheme = None, {}
+        if a.frontier:
+            check_input_file("--frontier", a.frontier)
+            with open(a.frontier) as f:
+                report = json.load(f)
+            if report.get("kqsvd_format") != "frontier":
+                raise KqsvdError(f"{a.frontier}: not a kqsvd frontier report (kqsvd_format)")
+            scheme = report["scheme"]
+            named = frontier_specs(report, a.front_only)
+        else:
+            named = [(n, spec_of(n), None) for n in a.config or DEFAULT]
+        # the full cache first in every (context, batch): each ratio is to its own run's
+        named = [("full", "full", None)] + [x for x in named if x[1] != "full"]
+        inputs = [("--config", p) for p in (check(spec) for _, spec, _ in named) if p]
+        if a.frontier:
+            inputs.append(("--frontier", a.frontier))
+        check_outputs([("--json", a.json), ("--annotate", a.annotate), ("--plot", a.plot)],
+                      inputs, a.force)
+    except (KqsvdError, KeyError, ValueError) as e:
         sys.exit(f"decode_speed.py: error: {e}")
+    contexts = a.contexts or (str(report["context"]) if report else "1024,4096,8192")
     rows = []
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
-    for n in (int(x) for x in a.contexts.split(",")):
+    for n in (int(x) for x in contexts.split(",")):
         for b in (int(x) for x in a.batches.split(",")):
             full = None
-            for name, spec in zip(a.config or DEFAULT, specs):
+            for name, spec, _ in named:
                 p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
                                     "--steps", str(a.steps), "--repeats", str(a.repeats),
-                                    "--threads", str(a.threads)], capture_output=True, text=True)
+                                    "--threads", str(a.threads), "--scheme", json.dumps(scheme)],
+                                   capture_output=True, text=True)
                 if p.returncode:
                     print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
                     return 1
@@ -222,18 +336,26 @@ def main():
                 label = name if not name.startswith("kqsvd:") else \
                     "kqsvd:" + os.path.basename(name[6:])
                 full = r["decode_tok_s"] if spec == "full" else full
-                r["against_full"] = r["decode_tok_s"] / full if full else None
+                r["against_full"] = r["decode_tok_s"] / full
                 rows.append(r)
                 lo, hi = r["decode_range"]
-                x = f"{r['against_full']:.2f}" if full else "-"
-                print(f"{label:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}{r['decode_tok_s']:>14.2f}"
-                      f"{f'{lo:.2f}-{hi:.2f}':>16}{x:>8}{r['cache_bytes'] / 2**20:>10.1f}"
+                print(f"{label[:43]:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}"
+                      f"{r['decode_tok_s']:>14.2f}{f'{lo:.2f}-{hi:.2f}':>16}"
+                      f"{r['against_full']:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     if a.json:
         def write(tmp):
             with open(tmp, "w") as f:
                 json.dump(rows, f, indent=1)
         write_atomic(a.json, write)
+    if a.annotate:
+        from kqsvd.commands.cli import write_report
+        from kqsvd.commands.frontier import plot, table
+        setup = dict(steps=a.steps, repeats=a.repeats, threads=a.threads, dtype="float32",
+                     baseline="SDPA, generate()'s cache", elapsed_s=time.time() - t0)
+        out = annotate(report, rows, named, setup)
+        out["elapsed_s"] = report.get("elapsed_s", 0.0) + setup["elapsed_s"]
+        write_report(out, a.annotate, a.plot, plot, table)
     return 0
 
 

@@ -165,6 +165,34 @@ class Frontier(unittest.TestCase):
         self.assertEqual([set(a._modules) | set(a.__dict__) for a in attns], before)
         self.assertEqual(self.model.config._attn_implementation, impl)
 
+    def test_decode_figures_beside_quality(self):
+        """A report with decode figures (bench/decode_speed.py --annotate)
+        shows each configuration's rate against the full cache in its
+        table and beside its points; one without shows none."""
+        import contextlib
+        import io
+        from kqsvd.commands.frontier import plot, table
+        rep = json.loads(json.dumps(self.report))
+        first, second = rep["results"][:2]
+        fig = dict(context=CTX, batch=1, decode_tok_s=5.0, decode_range=[4.9, 5.1],
+                   against_full=0.5, prefill_s=1.0, peak_above_model_mb=10.0)
+        rep["decode_full"] = [dict(fig, decode_tok_s=10.0, against_full=1.0)]
+        first["decode"] = [fig]
+        for r, want in ((rep, True), (self.report, False)):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                table(r)
+            lines = out.getvalue().splitlines()
+            self.assertEqual("decode" in lines[1], want)
+            row = next(x for x in lines if x.startswith(first["label"] + " "))
+            self.assertEqual("0.50x" in row, want, row)
+            if want:
+                other = next(x for x in lines if x.startswith(second["label"] + " "))
+                self.assertNotIn("0.50x", other)
+        png = os.path.join(self.wd, "decode.png")
+        plot(rep)(png)
+        self.assertGreater(os.path.getsize(png), 1000)
+
     def test_bad_options(self):
         base = ["--model", self.cal.model, "--text", TEXT, "--json",
                 os.path.join(self.wd, "bad.json"), "--presses", "none"]

@@ -245,15 +245,30 @@ def table(report):
           f"context, {report['continuation']} scored; full model: perplexity "
           f"{f['perplexity']:.3f}")
     w = max(len(r["label"]) for r in report["results"]) + 2
+    # bench/decode_speed.py --annotate adds each configuration's decode rate
+    # against the full cache's, measured in one run
+    speed = "decode_full" in report
     print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'windows':>16}"
-          f"{'KL/token':>11}{'top-1':>8}  front (perplexity, KL)")
+          f"{'KL/token':>11}{'top-1':>8}{'  decode' if speed else ''}  front (perplexity, KL)")
     for r in sorted(report["results"], key=lambda r: -r["kept"]):
         each = r.get("ratio_windows") or [r["perplexity"] / f["perplexity"]]
+        rate = f"{_decode_ratio(r):>7.2f}x" if speed and "decode" in r else \
+            f"{'-':>8}" if speed else ""
         print(f"{r['label']:<{w}}{100 * r['kept']:>7.1f}%{r['perplexity']:>12.3f}"
               f"{r['perplexity'] / f['perplexity']:>7.3f}x"
               f"{f'{min(each):.3f}-{max(each):.3f}':>16}{r['kl']:>11.4f}"
-              f"{100 * r['top1']:>7.1f}%  {'*' if r['front'] else ' '} "
+              f"{100 * r['top1']:>7.1f}%{rate}  {'*' if r['front'] else ' '} "
               f"{'*' if r['front_kl'] else ''}")
+    if speed:
+        d = report["decode_full"][0]
+        print(f"decode: tokens/s against the full cache's {d['decode_tok_s']:.2f} (SDPA, "
+              f"generate()'s cache) at {d['context']} tokens, batch {d['batch']}")
+
+
+def _decode_ratio(result):
+    """A result's decode rate against the full cache's, at the first
+    context measured."""
+    return result["decode"][0]["against_full"]
 
 
 def plot(report):
@@ -273,6 +288,12 @@ def plot(report):
                     color=colors(i % colors.N), label=fam if k == 1 else None, ms=4)
             front = [p for p in pts if p[3][k - 1]]
             ax.plot([p[0] for p in front], [p[k] for p in front], "*", color="k", ms=9)
+        for r in report["results"]:  # decode rates, where measured, beside the points
+            if r["family"] == fam and "decode" in r:
+                for ax, y in zip(axes, (r["perplexity"], max(r["kl"], 1e-6))):
+                    ax.annotate(f"{_decode_ratio(r):.2f}x", (100 * r["kept"], y), fontsize=6,
+                                xytext=(3, 3), textcoords="offset points",
+                                color=colors(i % colors.N))
     axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
@@ -281,7 +302,8 @@ def plot(report):
     return figure_writer(fig, axes, ("perplexity", "KL(full || configuration) per token"),
                          "KV cache bytes kept (% of bf16)",
                          f"{report['model']}: {report['num_seqs']} windows, {report['context']} "
-                         f"+ {report['continuation']} tokens (* the Pareto front)")
+                         f"+ {report['continuation']} tokens (* the Pareto front"
+                         f"{'; Nx: decode rate against the full cache' if 'decode_full' in report else ''})")
 
 def run(a):
     import torch
