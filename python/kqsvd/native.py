@@ -19,7 +19,7 @@ NATIVE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_native")
 PACKAGES = {"libmpi.so": "libopenmpi3", "libhdf5_openmpi.so": "libhdf5-openmpi-103-1",
             "libopenblas.so": "libopenblas0", "liblapacke.so": "liblapacke",
             "libscalapack-openmpi.so": "libscalapack-openmpi2.2", "liblapack.so": "liblapack3",
-            "libgfortran.so": "libgfortran5"}
+            "libgfortran.so": "libgfortran5", "libgomp.so": "libgomp1"}
 
 
 def checkout_build():
