@@ -292,7 +292,7 @@ def plot(report):
             if r["family"] == fam and "decode" in r:
                 for ax, y in zip(axes, (r["perplexity"], max(r["kl"], 1e-6))):
                     ax.annotate(f"{_decode_ratio(r):.2f}x", (100 * r["kept"], y), fontsize=6,
-                                xytext=(3, 3), textcoords="offset points",
+                                xytext=(4, 2 + 8 * (i % 3)), textcoords="offset points",
                                 color=colors(i % colors.N))
     axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
     axes[0].set_yscale("log")
