@@ -36,13 +36,13 @@ _LIB = []  # [library or None], once looked for
 
 
 def library():
-    """libkqsvd with the two kernels typed, or None when it is not there or
-    KQSVD_DECODE=torch."""
+    """libkqsvd with the decode functions typed, or None when it is not
+    there, is older than they are, or KQSVD_DECODE=torch."""
     if os.environ.get("KQSVD_DECODE", "").lower() == "torch":
         return None
     if not _LIB:
         lib = native.load_library(required=False)
-        if lib is not None and hasattr(lib, "kqsvd_codes_scores"):
+        if lib is not None and hasattr(lib, "kqsvd_codes_quantize_runs"):
             for name in ("kqsvd_codes_scores", "kqsvd_codes_weigh"):
                 f = getattr(lib, name)
                 f.restype = ctypes.c_int
@@ -60,6 +60,14 @@ def library():
             lib = None
         _LIB.append(lib)
     return _LIB[0]
+
+
+def _check(lib, status, what=""):
+    """Raises KqsvdError with the library's message for a failed call."""
+    if status:
+        msg = lib.kqsvd_last_error().decode("utf-8", "replace")
+        lib.kqsvd_clear_error()
+        raise KqsvdError(what + msg)
 
 
 def available(x):
@@ -81,10 +89,7 @@ def _call(name, stores, a, out, ld):
         for st in stores])
     st = getattr(lib, name)(descs, len(stores), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
                             torch.get_num_threads())
-    if st:
-        msg = lib.kqsvd_last_error().decode("utf-8", "replace")
-        lib.kqsvd_clear_error()
-        raise KqsvdError(f"the decode kernel failed: {msg}")
+    _check(lib, st, "the decode kernel failed: ")
 
 
 def quantize_into(x, bits, group, dest):
@@ -100,10 +105,7 @@ def quantize_into(x, bits, group, dest):
     out = [d if d.is_contiguous() else torch.empty_like(d) for d in dest]
     st = lib.kqsvd_codes_quantize(x.data_ptr(), x.numel() // n, n, n, 1, bits, group,
                                   *(o.data_ptr() for o in out))
-    if st:
-        msg = lib.kqsvd_last_error().decode("utf-8", "replace")
-        lib.kqsvd_clear_error()
-        raise KqsvdError(msg)
+    _check(lib, st)
     for d, o in zip(dest, out):
         if o is not d:
             d.copy_(o)
@@ -121,10 +123,7 @@ def quantize_runs(x, cols, bits, group, dests):
     st = lib.kqsvd_codes_quantize_runs(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
                                        len(cols), (ctypes.c_int64 * len(cols))(*cols),
                                        (ctypes.c_int32 * len(bits))(*bits), group, *ptrs)
-    if st:
-        msg = lib.kqsvd_last_error().decode("utf-8", "replace")
-        lib.kqsvd_clear_error()
-        raise KqsvdError(msg)
+    _check(lib, st)
     for dest, out in zip(dests, outs):
         for d, o in zip(dest, out):
             if o is not d:
