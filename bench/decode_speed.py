@@ -63,12 +63,21 @@ def spec_of(name):
     return ALIASES[base] + at + bits if base in ALIASES else name
 
 
+def latent_spec(spec):
+    """kqsvd:PATH[=[METHOD/]POLICY[@B]] -> (file, method, policy, bits)."""
+    from kqsvd.formats.quant import split_bits
+    path, _, pol = spec[6:].partition("=")
+    method, slash, rest = (pol or "stored").partition("/")
+    method, pol = (method, rest) if slash else ("kqsvd", pol or "stored")
+    return (os.path.join(ROOT, path), method) + tuple(split_bits(pol))
+
+
 def check(spec):
     """Refuses a SPEC that cannot run (UsageError or KqsvdError, one line),
     before any process starts; returns its projections file or None."""
     from kqsvd.errors import UsageError
     from kqsvd.formats.files import check_input_file
-    from kqsvd.formats.quant import BITS, split_bits
+    from kqsvd.formats.quant import BITS
     if spec in ("full", "sdpa-off"):
         return None
     if spec.startswith("int") and spec[3:].isdigit() and int(spec[3:]) in BITS:
@@ -88,14 +97,12 @@ def check(spec):
         return None
     if spec.startswith("kqsvd:"):
         from kqsvd.formats.projections import METHODS
-        path, _, pol = spec[6:].partition("=")
-        method, slash, rest = (pol or "stored").partition("/")
-        if slash and method not in METHODS:
+        path, method, _, _ = latent_spec(spec)
+        if method not in METHODS:
             raise UsageError(f"--config {spec}: method '{method}' is not one of "
                              f"{', '.join(METHODS)}")
-        split_bits(rest if slash else pol or "stored")
-        check_input_file("--config", os.path.join(ROOT, path))
-        return os.path.join(ROOT, path)
+        check_input_file("--config", path)
+        return path
     raise UsageError(f"--config {spec}: not full, sdpa-off, intB, quanto:B, press:NAME:KEPT or "
                      "kqsvd:PATH[=POLICY]")
 
@@ -129,12 +136,8 @@ def install(model, info, spec, scheme, context):
         return (lambda: {}), (lambda: peer.prefill(model))
     from kqsvd.attention import compress, latent_cache
     from kqsvd.formats.projections import load_projections, policy_ranks
-    from kqsvd.formats.quant import split_bits, with_bits
-    path, _, pol = spec[6:].partition("=")
-    method, slash, rest = (pol or "stored").partition("/")
-    method, pol = (method, rest) if slash else ("kqsvd", pol or "stored")
-    pol, bits = split_bits(pol)
-    path = os.path.join(ROOT, path)
+    from kqsvd.formats.quant import with_bits
+    path, method, pol, bits = latent_spec(spec)
     ranks = None
     if pol != "stored":
         got = policy_ranks(path, pol)["methods"][method]
@@ -333,8 +336,9 @@ def main():
                     return 1
                 r = json.loads(p.stdout.strip().splitlines()[-1])
                 r["name"] = name
-                label = name if not name.startswith("kqsvd:") else \
-                    "kqsvd:" + os.path.basename(name[6:])
+                path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
+                label = "kqsvd:" + os.path.basename(path) + eq + pol \
+                    if name.startswith("kqsvd:") else name
                 full = r["decode_tok_s"] if spec == "full" else full
                 r["against_full"] = r["decode_tok_s"] / full
                 rows.append(r)

@@ -49,12 +49,9 @@ def library():
                 f.argtypes = [ctypes.POINTER(_Codes), ctypes.c_int64, ctypes.c_int64,
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
             lib.kqsvd_clear_error.restype = None
-            lib.kqsvd_codes_quantize.restype = ctypes.c_int
             lib.kqsvd_codes_quantize_runs.restype = ctypes.c_int
             lib.kqsvd_codes_quantize_runs.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3
-            lib.kqsvd_codes_quantize.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [
-                ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
             lib.kqsvd_last_error.restype = ctypes.c_char_p
         else:
             lib = None
@@ -94,36 +91,26 @@ def _call(name, stores, a, out, ld):
 
 def quantize_into(x, bits, group, dest):
     """quant.quantize(x, bits, group) written into dest = (codes, scale,
-    zero) by libkqsvd's kqsvd_codes_quantize (the same codes, scales and
-    zeros to the bit), straight into them when they are contiguous; False
-    (nothing written) where the kernels do not serve x (available())."""
+    zero) by libkqsvd (the same codes, scales and zeros to the bit),
+    straight into them when they are contiguous; False (nothing written)
+    where the kernels do not serve x (available())."""
     if not available(x):
         return False
-    lib = library()
-    x = x.float().contiguous()
-    n = x.shape[-1]
-    out = [d if d.is_contiguous() else torch.empty_like(d) for d in dest]
-    st = lib.kqsvd_codes_quantize(x.data_ptr(), x.numel() // n, n, n, 1, bits, group,
-                                  *(o.data_ptr() for o in out))
-    _check(lib, st)
-    for d, o in zip(dest, out):
-        if o is not d:
-            d.copy_(o)
+    quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
     return True
 
 
 def quantize_runs(x, cols, bits, group, dests):
     """quantize_into for runs of columns side by side in x [..., sum(cols)],
-    run k at bits[k] into dests[k] = (codes, scale, zero), in one call;
-    the caller has checked available(x)."""
+    run k at bits[k] into dests[k] = (codes, scale, zero), in one call
+    (kqsvd_codes_quantize_runs); the caller has checked available(x)."""
     lib = library()
     x = x.float().contiguous()
     outs = [[d if d.is_contiguous() else torch.empty_like(d) for d in dest] for dest in dests]
     ptrs = [(ctypes.c_void_p * len(outs))(*(o[i].data_ptr() for o in outs)) for i in range(3)]
-    st = lib.kqsvd_codes_quantize_runs(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                                       len(cols), (ctypes.c_int64 * len(cols))(*cols),
-                                       (ctypes.c_int32 * len(bits))(*bits), group, *ptrs)
-    _check(lib, st)
+    _check(lib, lib.kqsvd_codes_quantize_runs(
+        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], len(cols),
+        (ctypes.c_int64 * len(cols))(*cols), (ctypes.c_int32 * len(bits))(*bits), group, *ptrs))
     for dest, out in zip(dests, outs):
         for d, o in zip(dest, out):
             if o is not d:

@@ -154,24 +154,23 @@ class Store:
         if self.axis == "channel":  # blocks of `group` tokens, each channel's one group
             b, H, T, n = x.shape
             x = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
-        lead, n = x.shape[:-1], x.shape[-1]
-        dest, commit = self._reserve([(*lead, packed_width(n, self.bits)),
-                                      (*lead, -(-n // self.group))],
-                                     -3 if self.axis == "channel" else -2, x.device)
+        dest, commit = self._reserve(x, -3 if self.axis == "channel" else -2)
         if not kernel.quantize_into(x, self.bits, self.group, dest):
             for d, t in zip(dest, quantize(x, self.bits, self.group)):
                 d.copy_(t)
         commit()
         self.done += x.shape[-2] if self.axis == "token" else x.shape[-3] * self.group
 
-    def _reserve(self, shapes, dim, device):
-        """Room for new codes [..., pw] and scales and zeros [..., groups]
-        (shapes) along dim (tokens, or blocks on the channel axis), in
+    def _reserve(self, x, dim):
+        """Room for the codes [..., pw] and scales and zeros [..., groups] of
+        rows x [..., n] along dim (tokens, or blocks on the channel axis), in
         buffers that grow by an eighth at a time: appending to tensors one
         token at a time would copy the whole cache at every step.  Returns
         the new part's views (codes, scale, zero) and commit(), after which
         codes, scale and zero are views of everything held, the new part
         included (a failure before it leaves the store as it was)."""
+        lead, n = x.shape[:-1], x.shape[-1]
+        shapes = [(*lead, packed_width(n, self.bits)), (*lead, -(-n // self.group))]
         used = 0 if self.codes is None else self.codes.shape[dim]
         new = shapes[0][dim]
         if self._buf is None or used + new > self._buf[0].shape[dim]:
@@ -181,7 +180,7 @@ class Store:
                                                 (torch.uint8, torch.float16, torch.float16))):
                 shape = list(shape)
                 shape[dim] = cap
-                buf = torch.empty(shape, dtype=dt, device=device)
+                buf = torch.empty(shape, dtype=dt, device=x.device)
                 if used:
                     buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
                 bufs.append(buf)
@@ -256,9 +255,7 @@ class RunStore:
             return torch.cat(got, -1) if read else None
         # Tokens quantized as they come, every run at once: one library call
         # (kernel.quantize_runs) where a call per run cost more than the work.
-        lead = x.shape[:-1]
-        got = [s._reserve([(*lead, packed_width(b - a, s.bits)), (*lead, -(-(b - a) // s.group))],
-                          -2, x.device) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
+        got = [s._reserve(x[..., a:b], -2) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
         kernel.quantize_runs(x, [b - a for a, b in zip(self.cuts, self.cuts[1:])],
                              [s.bits for s in self.parts], self.parts[0].group,
                              [dest for dest, _ in got])
