@@ -77,16 +77,25 @@ def available(x):
 def _call(name, stores, a, out, ld):
     """One kernel call on the quantized tokens of stores (runs of columns
     side by side, all holding the same tokens); a and out float32,
-    contiguous, [b, H, nq, .]."""
-    lib = library()
-    b, H = stores[0].codes.shape[:2]
-    descs = (_Codes * len(stores))(*[
-        _Codes(b * H, st.done, st.rest.shape[-1], st.capacity(), st.bits, st.group,
-               _AXES[st.axis], st.codes.data_ptr(), st.scale.data_ptr(), st.zero.data_ptr())
-        for st in stores])
+    contiguous, [b, H, nq, .]; the caller has checked available()."""
+    lib = _LIB[0]
+    descs = (_Codes * len(stores))(*[_desc(st) for st in stores])
     st = getattr(lib, name)(descs, len(stores), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
                             torch.get_num_threads())
     _check(lib, st, "the decode kernel failed: ")
+
+
+def _desc(st):
+    """The descriptor of a quant.Store's quantized tokens, kept on it and
+    made again only when its buffers are (st.desc None): a decode step
+    calls the kernels twice per layer, and ctypes structures cost more to
+    build than to update."""
+    if st.desc is None:
+        b, H = st._buf[0].shape[:2]
+        st.desc = _Codes(b * H, 0, st.rest.shape[-1], st.capacity(), st.bits, st.group,
+                         _AXES[st.axis], *(t.data_ptr() for t in st._buf))
+    st.desc.tokens = st.done
+    return st.desc
 
 
 def quantize_into(x, bits, group, dest):
@@ -100,17 +109,23 @@ def quantize_into(x, bits, group, dest):
     return True
 
 
+_RUNS = {}  # (cols, bits) -> their ctypes arrays
+
+
 def quantize_runs(x, cols, bits, group, dests):
     """quantize_into for runs of columns side by side in x [..., sum(cols)],
     run k at bits[k] into dests[k] = (codes, scale, zero), in one call
     (kqsvd_codes_quantize_runs); the caller has checked available(x)."""
-    lib = library()
+    lib = _LIB[0]
     x = x.float().contiguous()
     outs = [[d if d.is_contiguous() else torch.empty_like(d) for d in dest] for dest in dests]
     ptrs = [(ctypes.c_void_p * len(outs))(*(o[i].data_ptr() for o in outs)) for i in range(3)]
+    key = (tuple(cols), tuple(bits))
+    if key not in _RUNS:  # the same runs at every step of a layer
+        _RUNS[key] = ((ctypes.c_int64 * len(cols))(*cols), (ctypes.c_int32 * len(bits))(*bits))
     _check(lib, lib.kqsvd_codes_quantize_runs(
-        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], len(cols),
-        (ctypes.c_int64 * len(cols))(*cols), (ctypes.c_int32 * len(bits))(*bits), group, *ptrs))
+        x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], len(cols), *_RUNS[key], group,
+        *ptrs))
     for dest, out in zip(dests, outs):
         for d, o in zip(dest, out):
             if o is not d:
@@ -130,7 +145,7 @@ def quantize(x, bits, group):
 def _coded(stores, cuts):
     """The stores holding codes (bits 0 holds every token as it came) with
     their column ranges, and whether that is all of them."""
-    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st.codes is not None]
+    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st._used]
     return got, len(got) == len(stores)
 
 

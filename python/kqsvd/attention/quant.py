@@ -129,10 +129,21 @@ class Store:
             raise KqsvdError(f"quantized cache: bits {bits}, group {group}, axis {axis}, "
                              f"residual {residual} is not a scheme (bits {BITS}, axes {AXES})")
         self.bits, self.group, self.axis, self.residual = bits, group, axis, residual
-        self.codes = self.scale = self.zero = None   # quantized tokens (views of _buf)
-        self._buf = None
+        self._buf = None                             # codes, scale, zero, with room
+        self._dim = -3 if axis == "channel" else -2  # along which _buf grows
+        self._used = 0                               # of _buf along _dim
         self.rest = None                             # tokens held as they came
         self.done = 0                                # tokens quantized
+        self.desc = None                             # kernel.py's descriptor, kept up
+
+    # The quantized tokens, views of _buf (None before the first): taken
+    # when asked, since a decode step asks the kernels, not these.
+    codes = property(lambda self: self._view(0))
+    scale = property(lambda self: self._view(1))
+    zero = property(lambda self: self._view(2))
+
+    def _view(self, i):
+        return self._buf[i].narrow(self._dim, 0, self._used) if self._used else None
 
     def __len__(self):
         return self.done + (0 if self.rest is None else self.rest.shape[-2])
@@ -171,8 +182,7 @@ class Store:
         included (a failure before it leaves the store as it was)."""
         lead, n = x.shape[:-1], x.shape[-1]
         shapes = [(*lead, packed_width(n, self.bits)), (*lead, -(-n // self.group))]
-        used = 0 if self.codes is None else self.codes.shape[dim]
-        new = shapes[0][dim]
+        used, new = self._used, shapes[0][dim]
         if self._buf is None or used + new > self._buf[0].shape[dim]:
             cap = used + new + max(used // 8, 64 // (self.group if dim == -3 else 1), 1)
             bufs = []
@@ -184,11 +194,11 @@ class Store:
                 if used:
                     buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
                 bufs.append(buf)
-            self._buf = bufs
+            self._buf, self.desc = bufs, None
         bufs = self._buf
 
         def commit():
-            self.codes, self.scale, self.zero = (b.narrow(dim, 0, used + new) for b in bufs)
+            self._used = used + new
         return [b.narrow(dim, used, new) for b in bufs], commit
 
     def capacity(self):
@@ -262,7 +272,8 @@ class RunStore:
         for s, (_, commit), a, b in zip(self.parts, got, self.cuts, self.cuts[1:]):
             commit()
             s.done += x.shape[-2]
-            s.rest = x[..., :0, a:b]
+            if s.rest is None or s.rest.dtype != x.dtype:
+                s.rest = x[..., :0, a:b]  # nothing held back (_together), as append keeps it
         return self.values(x.dtype) if read else None
 
     def _together(self, x):
