@@ -7,6 +7,7 @@ the same attention to float32 round-off, for every layout of the stores
 not, rotated or not, with a residual and channel blocks filling up across
 the steps.  And the store's two products against a direct dequantization
 for every number of bits and both axes."""
+import contextlib
 import dataclasses
 import os
 import unittest
@@ -19,7 +20,8 @@ from common import orthonormal_projections, tiny_lm
 
 from transformers import AttentionInterface
 
-from kqsvd.attention import compress, function, kernel, latent_cache
+from kqsvd.attention import compress, compressed, function, kernel, latent_cache, reading_codes
+from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.quant import RunStore, Store, dequantize, quantize
 from kqsvd.errors import KqsvdError
 from kqsvd.formats.projections import Projections
@@ -151,6 +153,89 @@ class Steps(unittest.TestCase):
             self.assertEqual(self.steps(proj, False)[1], 0)
         finally:
             self.model.float()
+
+
+class Plain(unittest.TestCase):
+    """A plain quantized cache (the model's own keys and values) inside
+    reading_codes(): each decode step read as codes against SDPA over the
+    same cache state dequantized; the model as it was after the block."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_lm("llama", 97, seed=4, heads=6, kv_heads=2, hidden=96)
+        torch.manual_seed(6)
+        cls.ids = torch.randint(0, 97, (2, 45))
+
+    def run_steps(self, scheme, bits, inside=True):
+        """A 30-token prompt, 15 steps; (largest relative difference of a
+        step's output read both ways, steps that read codes, last logits)."""
+        errs = []
+
+        def both(module, query, key, value, mask, *args, **kwargs):
+            plain = function.PLAIN.handoff
+            out = function.latent_attention(module, query, key, value, mask, *args, **kwargs)
+            if plain is not None and plain[0] is key:
+                kc, vc = plain[2].read(query.dtype)
+                want = function.sdpa_attention_forward(module, query, kc, vc, mask, *args,
+                                                       **kwargs)
+                errs.append(float((out[0] - want[0]).abs().max() / want[0].abs().max()))
+            return out
+
+        L = self.model.config.num_hidden_layers
+        AttentionInterface.register(function.NAME, both)
+        try:
+            with torch.no_grad(), (reading_codes(self.model) if inside
+                                   else contextlib.nullcontext()):
+                cache = QuantCache(L, scheme, bits)
+                self.model(input_ids=self.ids[:, :30], past_key_values=cache, use_cache=True)
+                for t in range(30, self.ids.shape[1]):
+                    out = self.model(input_ids=self.ids[:, t:t + 1], past_key_values=cache,
+                                     use_cache=True)
+        finally:
+            AttentionInterface.register(function.NAME, function.latent_attention)
+        return max(errs, default=float("inf")), len(errs), out.logits
+
+    def test_steps_read_codes(self):
+        self.assertIsNotNone(kernel.library(), "libkqsvd with the decode kernels is not built")
+        L = self.model.config.num_hidden_layers
+        for scheme, bits in ((QuantScheme(group=8, residual=3), (4, 4)),
+                             (QuantScheme(group=16, residual=0), (3, 2)),
+                             (QuantScheme(group=8, key_axis="token", value_axis="channel"),
+                              (8, 4))):
+            err, n, _ = self.run_steps(scheme, bits)
+            self.assertEqual(n, 15 * L, f"{scheme} {bits}: steps that read codes")
+            self.assertLess(err, 2e-6, f"{scheme} {bits}")
+
+    def test_outside_the_block_and_after_it(self):
+        for impl in ("sdpa", "eager"):
+            self.model.set_attn_implementation(impl)
+            scheme = QuantScheme(group=8, residual=2)
+            _, n, before = self.run_steps(scheme, (4, 4), inside=False)
+            self.assertEqual(n, 0)
+            self.assertEqual(self.model.config._attn_implementation, impl)
+            _, n, inside = self.run_steps(scheme, (4, 4))
+            self.assertGreater(n, 0)
+            self.assertEqual(self.model.config._attn_implementation, impl, "restored")
+            self.assertIsNone(function.PLAIN.handoff)
+            torch.testing.assert_close(inside, before, rtol=0, atol=2e-4)
+        self.model.set_attn_implementation("sdpa")
+
+    def test_a_compressed_model_given_a_plain_cache_reads_it_whole(self):
+        """Inside compressed() too, a plain cache's step hands its stores;
+        the compressed attention then projects them dequantized."""
+        proj = orthonormal_projections(self.model, 12, seed=7)
+        L = self.model.config.num_hidden_layers
+        scheme = QuantScheme(group=8, residual=2)
+        got = []
+        with torch.no_grad():
+            for inside in (False, True):
+                with compressed(self.model, proj), (reading_codes(self.model) if inside
+                                                    else contextlib.nullcontext()):
+                    cache = QuantCache(L, scheme, (4, 4))
+                    self.model(input_ids=self.ids[:, :30], past_key_values=cache, use_cache=True)
+                    got.append(self.model(input_ids=self.ids[:, 30:31], past_key_values=cache,
+                                          use_cache=True).logits)
+        torch.testing.assert_close(got[1], got[0], rtol=0, atol=1e-5)
 
 
 class Products(unittest.TestCase):

@@ -11,12 +11,15 @@ repetition) is DynamicLayer's, which works for any last dimension.
 QuantLayer holds its columns quantized (quant.py): the latent's with
 quantized projections, or the model's own keys and values (QuantCache, a
 plain quantized cache to compare with), dequantized whenever they are
-returned."""
+returned, except for a decode step the attention function reads as codes
+(function._codes_attention): the latent's after RoPE, or QuantCache's
+inside compressed.reading_codes()."""
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import KqsvdError
 from . import kernel
+from .function import PLAIN
 from .quant import store
 
 
@@ -106,7 +109,10 @@ class QuantLayer(DynamicLayer):
             cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
-        codes = self.site is not None and reads_codes(self.site, key_states)
+        if self.site is not None:
+            codes = reads_codes(self.site, key_states)
+        else:  # see compressed.reading_codes
+            codes = PLAIN.depth > 0 and key_states.shape[-2] == 1 and kernel.available(key_states)
         for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
             sk.append(key_states if cut is None else cut(key_states, 0), False)
             sv.append(value_states if cut is None else cut(value_states, 1), False)
@@ -117,7 +123,7 @@ class QuantLayer(DynamicLayer):
             n = self.get_seq_length()
             keys = none.expand(*key_states.shape[:2], n, key_states.shape[-1])
             values = none.expand(*value_states.shape[:2], n, value_states.shape[-1])
-            self.site.handoff = (keys, values, self)
+            (self.site or PLAIN).handoff = (keys, values, self)
             return keys, values
         keys, values = self.read(key_states.dtype)
         if self.site is not None:

@@ -15,6 +15,8 @@ the folded Linear.  `compress(model, None)` undoes all of it.
 `with compressed(model, proj):` does the same for a block and leaves the
 model exactly as it found it: attention implementation, config, o_proj
 modules, hooks, and any projections installed before the block.
+`with reading_codes(model):` switches only the attention function, so
+that a plain quantized cache's decode steps read codes (cache.py).
 
 Every matrix is built and checked before anything changes, so an error
 leaves the model untouched."""
@@ -30,7 +32,7 @@ from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
 from ..models import COMPRESSIBLE
 from .cache import LatentCache
-from .function import NAME, SITES
+from .function import NAME, PLAIN, SITES
 from .projection import LayerProjection
 
 
@@ -71,15 +73,12 @@ class _Install:
         self.saved, self.hook = None, None
 
     def apply(self):
-        cfg = self.model.config
-        self.saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING))
-                      for c in _configs(cfg)]
+        self.saved = _use_kqsvd(self.model)
         for s in self.sites:
             SITES[s.attn] = s
             if s.folded is not None:
                 s.o_original = s.attn.o_proj
                 s.attn.o_proj = s.folded
-        cfg._attn_implementation = NAME  # the setter reaches the sub-configs too
         self.hook = _decoder(self.model).register_forward_pre_hook(self._start_cache,
                                                                    with_kwargs=True)
         _INSTALLED[self.model] = self
@@ -89,11 +88,7 @@ class _Install:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
-        for c, v in self.saved or []:
-            if v is _MISSING:
-                c.__dict__.pop("_attn_implementation_internal", None)
-            else:
-                c.__dict__["_attn_implementation_internal"] = v
+        _restore(self.saved or [])
         for s in self.sites:
             if SITES.get(s.attn) is s:
                 del SITES[s.attn]
@@ -122,6 +117,23 @@ class _Install:
 
 _INSTALLED = weakref.WeakKeyDictionary()
 _MISSING = object()
+
+
+def _use_kqsvd(model):
+    """Switches model to the kqsvd attention function; returns what
+    _restore needs to switch it back exactly."""
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING))
+             for c in _configs(model.config)]
+    model.config._attn_implementation = NAME  # the setter reaches the sub-configs too
+    return saved
+
+
+def _restore(saved):
+    for c, v in saved:
+        if v is _MISSING:
+            c.__dict__.pop("_attn_implementation_internal", None)
+        else:
+            c.__dict__["_attn_implementation_internal"] = v
 
 
 def _configs(cfg, seen=None):
@@ -211,6 +223,31 @@ def compressed(model, proj, fold=False, probe=False):
         yield model
     finally:
         _swap(model, before)
+
+
+@contextlib.contextmanager
+def reading_codes(model):
+    """with reading_codes(model): decode steps of `model` over a plain
+    quantized cache (cache.QuantCache, the model's own keys and values)
+    read its codes through the kernels (kernel.py) instead of attending
+    over a dequantized copy, as a quantized latent cache does; on the CPU,
+    below float64, with libkqsvd (elsewhere the cache dequantizes, as
+    outside the block).  The model attends through the kqsvd attention
+    function inside the block (SDPA itself where there are no codes to
+    read) and is exactly as it was after it.  Inside the block, the
+    thread's QuantCaches serve this model only.  Yields the model.  Not
+    collective, not thread-safe; raises KqsvdError for a model whose
+    family the kqsvd attention does not support."""
+    check_transformers()
+    attention_modules(model)
+    saved = _use_kqsvd(model)
+    PLAIN.depth += 1
+    try:
+        yield model
+    finally:
+        PLAIN.depth -= 1
+        PLAIN.handoff = None
+        _restore(saved)
 
 
 def layer_projections(model):

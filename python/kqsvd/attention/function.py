@@ -16,6 +16,7 @@ exact and the compressed scores and outputs eagerly, records their
 relative squared errors per sequence (err_kq and err_out as `kqsvd
 evaluate` defines them: scores after RoPE, W^O without its bias), and
 returns the exact output, so every layer sees the full model's inputs."""
+import threading
 import weakref
 
 import torch
@@ -34,11 +35,28 @@ NAME = "kqsvd"
 SITES = weakref.WeakKeyDictionary()
 
 
+class _Plain(threading.local):
+    """A plain quantized cache's hand-off (cache.QuantCache has no Site):
+    its layers hand their stores only inside reading_codes() blocks
+    (`depth` of them open in this thread), whose model attends here."""
+    depth = 0
+    handoff = None  # (keys, values, QuantLayer) of the step in progress
+
+
+PLAIN = _Plain()
+
+
 def latent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      **kwargs):
     # dropout sixth, as transformers' SDPA function has it: kvpress wraps
     # every registered attention function and passes it by position.
     site = SITES.get(module)
+    plain, PLAIN.handoff = PLAIN.handoff, None
+    if plain is not None and plain[0] is key and plain[1] is value:
+        if site is None:  # the model's own keys and values, read as codes
+            return _codes_attention(None, plain[2], query, attention_mask, scaling,
+                                    dropout if module.training else 0.0, key.shape[1])
+        key, value = plain[2].read(query.dtype)  # a compressed model given a plain cache
     if site is None:  # a module of a model not (or no longer) compressed
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
@@ -46,12 +64,14 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise KqsvdError("compressed attention does not support logit soft-capping")
     P = site.P
     T, N = query.shape[2], key.shape[2]
+    handed, site.handoff = site.handoff, None
+    latent = handed is not None and handed[0] is key and handed[1] is value
+    if latent and len(handed) > 2:  # a quantized layer's stores, read as codes
+        return _codes_attention(P, handed[2], query, attention_mask, scaling,
+                                dropout if module.training else 0.0)
     pos = kwargs.get("position_ids")
     if pos is None:
         pos = torch.arange(N - T, N, device=query.device)[None]
-    kpos = key_positions(pos, T, N)
-    handed, site.handoff = site.handoff, None
-    latent = handed is not None and handed[0] is key and handed[1] is value
     if site.probe is not None:
         if latent or N != T:
             raise KqsvdError("probe mode measures whole sequences: call the model with "
@@ -59,10 +79,7 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         return _probe(module, site, query, key, value, attention_mask, scaling, pos)
     # One table of every key's cos and sin per call, for undoing RoPE on
     # full keys and redoing it on the rebuilt ones alike.
-    cos, sin = site.rotary(value, kpos) if P.pre else (None, None)
-    if latent and len(handed) > 2:  # a quantized layer's stores, read as codes
-        return _codes_attention(P, handed[2], query, attention_mask, scaling,
-                                dropout if module.training else 0.0)
+    cos, sin = site.rotary(value, key_positions(pos, T, N)) if P.pre else (None, None)
     if latent:
         kc, vc = key, value
     else:
@@ -97,15 +114,18 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return heads.transpose(1, 2).contiguous(), None
 
 
-def _codes_attention(P, layer, q, mask, scaling, drop):
+def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):
     """A decode step (q [b, Hq, 1, d], keys after RoPE) over a QuantLayer's
     stores, read through the kernels (kernel.py): per slice of columns of
     its own stores, scores (q B)(codes)^T, softmax, and the weighted sum of
-    the value codes; then B_v^T or the folded o_proj, as P.attend."""
+    the value codes; then B_v^T or the folded o_proj, as P.attend.  P None:
+    the model's own keys and values of hkv heads (B the identity)."""
     b, Hq = q.shape[:2]
-    g = P.g
+    g = Hq // hkv if P is None else P.g
     N = layer.get_seq_length()
-    if P.ragged:
+    if P is None:
+        qs = [q.reshape(b, hkv, g, -1)]
+    elif P.ragged:
         qs = [(q[:, j * g:(j + 1) * g] @ P.Bq[j]).transpose(1, 2) for j in range(P.hkv)]
     else:
         qv = (q @ P.Bq).reshape(b, Hq // g, g, -1)
@@ -122,6 +142,8 @@ def _codes_attention(P, layer, q, mask, scaling, drop):
         if drop:
             p = F.dropout(p, drop)
         outs.append(sv.weigh(p).to(q.dtype))                  # [b, H, g, rv]
+    if P is None:
+        return outs[0].reshape(b, Hq, 1, -1).transpose(1, 2).contiguous(), None
     if P.ragged:
         if P.o_folded is not None:
             return torch.cat([o.reshape(b, 1, -1) for o in outs], -1).unsqueeze(2), None
