@@ -5,7 +5,8 @@ default attention (SDPA) and generate()'s own cache for the full model,
 and each compressed configuration through the cache it ships.
 
     .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--batches 1,8]
-        [--steps 32] [--repeats 3] [--threads 2] [--config SPEC ...] [--json OUT [--force]]
+        [--steps 32] [--repeats 3] [--threads 2] [--prefill-chunk N] [--mmap-threshold B]
+        [--config SPEC ...] [--json OUT [--force]]
 
 Every (configuration, context, batch) runs in a process of its own, so the
 peak memory is its own; in it, one short generate() warms up, then
@@ -14,11 +15,17 @@ logits processor that notes when each token's logits arrive: the prefill
 is the time to the first, the decode rate the other steps - 1 over the
 time from the first to the last.  Medians with their range over the
 repeats.  Random tokens (speed does not depend on them; seed 0), greedy.
+--prefill-chunk N prefills N tokens at a time (generate()'s
+prefill_chunk_size); --mmap-threshold B fixes glibc's mmap threshold
+(by default it rises to 32 MiB as large blocks are freed, and the heap
+then keeps freed activations: peak RSS measures the allocator's
+retention as much as what is live).  Both apply to every configuration.
 
 SPEC: full (SDPA, generate()'s cache); sdpa-off (the same with the eager
 attention kqsvd's loader gives, the old baseline); intB (a plain B-bit
 cache of the model's keys and values, keys per channel, values per token,
-groups of 32; kqsvd's own, as the frontier scores it); quanto:B
+groups of 32; kqsvd's own, as the frontier scores it, its decode steps
+read as codes inside kqsvd.attention.reading_codes); quanto:B
 (transformers' QuantizedCache, optimum-quanto, in .venv-peers; hqq:B
 likewise);
 press:NAME:KEPT (a kvpress press keeping the fraction KEPT of the prompt's
@@ -119,9 +126,11 @@ def install(model, info, spec, scheme, context):
         return (lambda: {}), none
     model.set_attn_implementation("sdpa")
     if spec.startswith("int") and spec[3:].isdigit():
+        from kqsvd.attention import reading_codes
         from kqsvd.attention.cache import QuantCache
         b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
-        return (lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}), none
+        return ((lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}),
+                lambda: reading_codes(model))
     if spec.split(":")[0] in ("quanto", "hqq"):  # the backend's import is checked in the child
         from kqsvd.quality.peers import QuantizedCachePeer
         backend, _, bits = spec.partition(":")
@@ -149,8 +158,9 @@ def install(model, info, spec, scheme, context):
     return (lambda: {"past_key_values": latent_cache(model)}), none
 
 
-def one(spec, context, batch, steps, repeats, threads, scheme):
-    """Runs one configuration in this process; returns its figures."""
+def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
+    """Runs one configuration in this process (its prompt prefilled in
+    pieces of `chunk` tokens, when given); returns its figures."""
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
     torch.set_num_threads(threads)
@@ -179,7 +189,9 @@ def one(spec, context, batch, steps, repeats, threads, scheme):
             out = model.generate(input_ids=ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]),
                                  max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  pad_token_id=tok.eos_token_id, return_dict_in_generate=True,
-                                 logits_processor=LogitsProcessorList([clock]), **extra())
+                                 logits_processor=LogitsProcessorList([clock]),
+                                 prefill_chunk_size=chunk if chunk and n > chunk else None,
+                                 **extra())
         t = clock.times
         return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), out.past_key_values
 
@@ -190,7 +202,7 @@ def one(spec, context, batch, steps, repeats, threads, scheme):
     cache = got[-1][2]
     prefill = [p for p, _, _ in got]
     decode = [d for _, d, _ in got]
-    return dict(config=spec, context=context, batch=batch, steps=steps,
+    return dict(config=spec, context=context, batch=batch, steps=steps, prefill_chunk=chunk,
                 attn=model.config._attn_implementation,
                 prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
                 decode_tok_s=statistics.median(decode) * batch,
@@ -274,6 +286,12 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="prefill the prompt N tokens at a time (generate()'s "
+                         "prefill_chunk_size), for every configuration alike")
+    ap.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                    help="glibc's mmap threshold in every run (MALLOC_MMAP_THRESHOLD_): "
+                         "fixed, freed activations go back to the system")
     ap.add_argument("--config", action="append", help="a SPEC (see above); repeat it")
     ap.add_argument("--json")
     ap.add_argument("--frontier", help="a kqsvd frontier report: measure its configurations")
@@ -284,11 +302,13 @@ def main():
     ap.add_argument("--scheme", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.steps < 2 or a.repeats < 1:
-        ap.error("--steps at least 2, --repeats at least 1")
+    if a.steps < 2 or a.repeats < 1 or any(v is not None and v < 1 for v in (
+            a.prefill_chunk, a.mmap_threshold)):
+        ap.error("--steps at least 2, --repeats at least 1, --prefill-chunk and "
+                 "--mmap-threshold at least 1")
     if a.one:
         print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
-                             a.threads, json.loads(a.scheme))))
+                             a.threads, json.loads(a.scheme), a.prefill_chunk)))
         return 0
     if (a.annotate or a.front_only) and not a.frontier or a.plot and not a.annotate:
         ap.error("--annotate and --front-only go with --frontier, --plot with --annotate")
@@ -320,7 +340,9 @@ def main():
     except (KqsvdError, KeyError, ValueError) as e:
         sys.exit(f"decode_speed.py: error: {e}")
     contexts = a.contexts or (str(report["context"]) if report else "1024,4096,8192")
-    rows = []
+    rows, env = [], dict(os.environ)
+    if a.mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
     for n in (int(x) for x in contexts.split(",")):
@@ -329,13 +351,15 @@ def main():
             for name, spec, _ in named:
                 p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
                                     "--steps", str(a.steps), "--repeats", str(a.repeats),
-                                    "--threads", str(a.threads), "--scheme", json.dumps(scheme)],
-                                   capture_output=True, text=True)
+                                    "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
+                                   + (["--prefill-chunk", str(a.prefill_chunk)]
+                                      if a.prefill_chunk else []),
+                                   capture_output=True, text=True, env=env)
                 if p.returncode:
                     print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
                     return 1
                 r = json.loads(p.stdout.strip().splitlines()[-1])
-                r["name"] = name
+                r["name"], r["mmap_threshold"] = name, a.mmap_threshold
                 path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
                 label = "kqsvd:" + os.path.basename(path) + eq + pol \
                     if name.startswith("kqsvd:") else name
@@ -356,6 +380,7 @@ def main():
         from kqsvd.commands.cli import write_report
         from kqsvd.commands.frontier import plot, table
         setup = dict(steps=a.steps, repeats=a.repeats, threads=a.threads, dtype="float32",
+                     prefill_chunk=a.prefill_chunk, mmap_threshold=a.mmap_threshold,
                      baseline="SDPA, generate()'s cache", elapsed_s=time.time() - t0)
         out = annotate(report, rows, named, setup)
         out["elapsed_s"] = report.get("elapsed_s", 0.0) + setup["elapsed_s"]
