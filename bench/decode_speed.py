@@ -5,8 +5,8 @@ default attention (SDPA) and generate()'s own cache for the full model,
 and each compressed configuration through the cache it ships.
 
     .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--batches 1,8]
-        [--steps 32] [--repeats 3] [--threads 2] [--prefill-chunk N] [--mmap-threshold B]
-        [--config SPEC ...] [--json OUT [--force]]
+        [--steps 32] [--repeats 3] [--rounds 1] [--threads 2] [--prefill-chunk N]
+        [--mmap-threshold B] [--config SPEC ...] [--json OUT [--force]]
 
 Every (configuration, context, batch) runs in a process of its own, so the
 peak memory is its own; in it, one short generate() warms up, then
@@ -14,7 +14,10 @@ peak memory is its own; in it, one short generate() warms up, then
 logits processor that notes when each token's logits arrive: the prefill
 is the time to the first, the decode rate the other steps - 1 over the
 time from the first to the last.  Medians with their range over the
-repeats.  Random tokens (speed does not depend on them; seed 0), greedy.
+repeats; with --rounds R, the whole list of configurations runs R times
+in turn and each ratio is the median of the rounds' ratios, each to its
+own round's full cache (on a shared machine, speed drifts between runs).
+Random tokens (speed does not depend on them; seed 0), greedy.
 --prefill-chunk N prefills N tokens at a time (generate()'s
 prefill_chunk_size); --mmap-threshold B fixes glibc's mmap threshold
 (by default it rises to 32 MiB as large blocks are freed, and the heap
@@ -279,6 +282,50 @@ def annotate(report, rows, specs, setup):
     return report
 
 
+def measure(named, n, b, a, scheme, env):
+    """Every configuration of `named` at context n and batch b, the full
+    cache first, --rounds times in turn (full, A, B, ..., full, A, B,
+    ...): a row per configuration, its figures the medians over rounds and
+    its ratio the median of each round's ratio to that round's full cache,
+    so that the machine's drift between rounds cancels.  None (after a
+    message) when a run fails."""
+    runs = {spec: [] for _, spec, _ in named}
+    for k in range(a.rounds):
+        for name, spec, _ in named:
+            p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
+                                "--steps", str(a.steps), "--repeats", str(a.repeats),
+                                "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
+                               + (["--prefill-chunk", str(a.prefill_chunk)]
+                                  if a.prefill_chunk else []),
+                               capture_output=True, text=True, env=env)
+            if p.returncode:
+                print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
+                return None
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+            r["against_full"] = r["decode_tok_s"] / runs["full"][k]["decode_tok_s"] \
+                if spec != "full" else 1.0
+            runs[spec].append(r)
+            if a.rounds > 1:
+                print(f"  round {k + 1}/{a.rounds} {name[:60]}: {r['decode_tok_s']:.2f} "
+                      f"tokens/s, {r['against_full']:.2f}x", file=sys.stderr, flush=True)
+    med = statistics.median
+    out = []
+    for name, spec, _ in named:
+        got = runs[spec]
+        r = dict(got[-1], name=name, mmap_threshold=a.mmap_threshold, rounds=a.rounds)
+        if a.rounds > 1:
+            r.update(prefill_s=med(x["prefill_s"] for x in got),
+                     decode_tok_s=med(x["decode_tok_s"] for x in got),
+                     decode_range=[min(x["decode_range"][0] for x in got),
+                                   max(x["decode_range"][1] for x in got)],
+                     against_full=med(x["against_full"] for x in got),
+                     against_full_range=[min(x["against_full"] for x in got),
+                                         max(x["against_full"] for x in got)],
+                     peak_above_model_mb=max(x["peak_above_model_mb"] for x in got))
+        out.append(r)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts")
@@ -286,6 +333,9 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times in turn; ratios are "
+                         "the median of each round's")
     ap.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="prefill the prompt N tokens at a time (generate()'s "
                          "prefill_chunk_size), for every configuration alike")
@@ -302,10 +352,10 @@ def main():
     ap.add_argument("--scheme", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.steps < 2 or a.repeats < 1 or any(v is not None and v < 1 for v in (
-            a.prefill_chunk, a.mmap_threshold)):
-        ap.error("--steps at least 2, --repeats at least 1, --prefill-chunk and "
-                 "--mmap-threshold at least 1")
+    if a.steps < 2 or a.repeats < 1 or a.rounds < 1 or any(
+            v is not None and v < 1 for v in (a.prefill_chunk, a.mmap_threshold)):
+        ap.error("--steps at least 2, --repeats and --rounds at least 1, --prefill-chunk "
+                 "and --mmap-threshold at least 1")
     if a.one:
         print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
                              a.threads, json.loads(a.scheme), a.prefill_chunk)))
@@ -347,24 +397,13 @@ def main():
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
     for n in (int(x) for x in contexts.split(",")):
         for b in (int(x) for x in a.batches.split(",")):
-            full = None
-            for name, spec, _ in named:
-                p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
-                                    "--steps", str(a.steps), "--repeats", str(a.repeats),
-                                    "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
-                                   + (["--prefill-chunk", str(a.prefill_chunk)]
-                                      if a.prefill_chunk else []),
-                                   capture_output=True, text=True, env=env)
-                if p.returncode:
-                    print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
-                    return 1
-                r = json.loads(p.stdout.strip().splitlines()[-1])
-                r["name"], r["mmap_threshold"] = name, a.mmap_threshold
+            got = measure(named, n, b, a, scheme, env)
+            if got is None:
+                return 1
+            for name, r in zip((x[0] for x in named), got):
                 path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
                 label = "kqsvd:" + os.path.basename(path) + eq + pol \
                     if name.startswith("kqsvd:") else name
-                full = r["decode_tok_s"] if spec == "full" else full
-                r["against_full"] = r["decode_tok_s"] / full
                 rows.append(r)
                 lo, hi = r["decode_range"]
                 print(f"{label[:43]:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}"
@@ -381,6 +420,7 @@ def main():
         from kqsvd.commands.frontier import plot, table
         setup = dict(steps=a.steps, repeats=a.repeats, threads=a.threads, dtype="float32",
                      prefill_chunk=a.prefill_chunk, mmap_threshold=a.mmap_threshold,
+                     rounds=a.rounds,
                      baseline="SDPA, generate()'s cache", elapsed_s=time.time() - t0)
         out = annotate(report, rows, named, setup)
         out["elapsed_s"] = report.get("elapsed_s", 0.0) + setup["elapsed_s"]
