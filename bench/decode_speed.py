@@ -305,9 +305,9 @@ def measure(named, n, b, a, scheme, env):
             r["against_full"] = r["decode_tok_s"] / runs["full"][k]["decode_tok_s"] \
                 if spec != "full" else 1.0
             runs[spec].append(r)
-            if a.rounds > 1:
-                print(f"  round {k + 1}/{a.rounds} {name[:60]}: {r['decode_tok_s']:.2f} "
-                      f"tokens/s, {r['against_full']:.2f}x", file=sys.stderr, flush=True)
+            turn = f"round {k + 1}/{a.rounds} " if a.rounds > 1 else ""
+            print(f"  {turn}{name[:60]} at {n} x {b}: {r['decode_tok_s']:.2f} tokens/s, "
+                  f"{r['against_full']:.2f}x", file=sys.stderr, flush=True)
     med = statistics.median
     out = []
     for name, spec, _ in named:
