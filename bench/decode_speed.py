@@ -312,17 +312,15 @@ def measure(named, n, b, a, scheme, env):
     out = []
     for name, spec, _ in named:
         got = runs[spec]
-        r = dict(got[-1], name=name, mmap_threshold=a.mmap_threshold, rounds=a.rounds)
-        if a.rounds > 1:
-            r.update(prefill_s=med(x["prefill_s"] for x in got),
-                     decode_tok_s=med(x["decode_tok_s"] for x in got),
-                     decode_range=[min(x["decode_range"][0] for x in got),
-                                   max(x["decode_range"][1] for x in got)],
-                     against_full=med(x["against_full"] for x in got),
-                     against_full_range=[min(x["against_full"] for x in got),
-                                         max(x["against_full"] for x in got)],
-                     peak_above_model_mb=max(x["peak_above_model_mb"] for x in got))
-        out.append(r)
+        out.append(dict(got[-1], name=name, mmap_threshold=a.mmap_threshold, rounds=a.rounds,
+                        prefill_s=med(x["prefill_s"] for x in got),
+                        decode_tok_s=med(x["decode_tok_s"] for x in got),
+                        decode_range=[min(x["decode_range"][0] for x in got),
+                                      max(x["decode_range"][1] for x in got)],
+                        against_full=med(x["against_full"] for x in got),
+                        against_full_range=[min(x["against_full"] for x in got),
+                                            max(x["against_full"] for x in got)],
+                        peak_above_model_mb=max(x["peak_above_model_mb"] for x in got)))
     return out
 
 

@@ -76,8 +76,10 @@ def reads_codes(site, x):
     """Whether a step of new keys x [b, H, T, d] at `site` attends over the
     codes directly (function.py): one new token, keys after RoPE (before
     RoPE every key is rebuilt and rotated, which needs its floats), and
-    the kernel available for x's device (kernel.py)."""
-    return x.shape[-2] == 1 and not site.P.pre and site.probe is None and kernel.available(x)
+    the kernel available for x's device (kernel.py).  site None: a plain
+    quantized cache, which reads codes inside compressed.reading_codes()."""
+    here = PLAIN.depth > 0 if site is None else not site.P.pre and site.probe is None
+    return x.shape[-2] == 1 and here and kernel.available(x)
 
 
 class QuantLayer(DynamicLayer):
@@ -109,10 +111,7 @@ class QuantLayer(DynamicLayer):
             cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
-        if self.site is not None:
-            codes = reads_codes(self.site, key_states)
-        else:  # see compressed.reading_codes
-            codes = PLAIN.depth > 0 and key_states.shape[-2] == 1 and kernel.available(key_states)
+        codes = reads_codes(self.site, key_states)
         for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
             sk.append(key_states if cut is None else cut(key_states, 0), False)
             sv.append(value_states if cut is None else cut(value_states, 1), False)
