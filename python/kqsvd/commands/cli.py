@@ -88,6 +88,25 @@ def between(least, most):
     return parse
 
 
+def listed(parse):
+    """A comma-separated list of items each read by `parse` (one of the
+    types above): at least one item, no empty item, none given twice (a
+    repeated configuration would only run twice)."""
+    def read(text):
+        items = [x.strip() for x in text.split(",")]
+        if not text.strip() or not all(items):
+            raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of values")
+        out = []
+        for x in items:
+            v = parse(x)
+            if v in out:
+                raise argparse.ArgumentTypeError(f"'{x}' is given twice")
+            out.append(v)
+        return out
+    read.__name__ = f"list of {parse.__name__}"
+    return read
+
+
 def window_options(ap):
     """The options that cut a model's windows from a text, for the commands
     that run a model on --num-seqs windows of --seq-len tokens."""

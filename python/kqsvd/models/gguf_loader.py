@@ -38,7 +38,7 @@ import torch
 from .gguf_arch import GGUFError, build_model, load_tensors, select
 from .gguf_arch import get_field as _get
 
-__all__ = ["GGUFError", "is_gguf", "load_gguf"]
+__all__ = ["GGUFError", "is_gguf", "load_gguf", "read_config"]
 
 
 # Llama-3 pre-tokenizer split (llama.cpp "llama-bpe"): contractions, letter runs
@@ -195,6 +195,26 @@ def _build_tokenizer(reader, path, max_len):
 
 
 # ----------------------------------------------------------------------------- model
+
+def read_config(path):
+    """What the file says of the model's shape, without its tensors: a
+    namespace with a transformers config's size fields (model_type,
+    num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+    hidden_size, max_position_embeddings, sliding_window), for the checks
+    a command makes before it loads the weights.  Raises GGUFError as
+    load_gguf does for the header."""
+    import types
+    import transformers
+    reader = _open_reader(path)
+    spec, meta = select(reader, path)
+    hp = spec.hparams(meta)
+    return types.SimpleNamespace(
+        model_type=getattr(transformers, spec.config_class).model_type,
+        num_hidden_layers=hp["num_hidden_layers"], num_attention_heads=hp["num_attention_heads"],
+        num_key_value_heads=hp["num_key_value_heads"], head_dim=hp["head_dim"],
+        hidden_size=hp["hidden_size"], max_position_embeddings=hp["max_position_embeddings"],
+        sliding_window=hp.get("sliding_window"))
+
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):
     """Load a GGUF file of a supported architecture (see the module docstring).

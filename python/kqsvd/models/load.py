@@ -285,6 +285,30 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     return model, tok, info
 
 
+def describe(name):
+    """(ModelInfo, config) of a model without its weights, in a fraction of
+    a second: what a command checks its options against (positions,
+    head_dim) before it spends the load.  config: the transformers config
+    of a folder, the GGUF header's sizes for a file (gguf_loader.read_config).
+    Raises KqsvdError as load() does for a missing or unsupported model."""
+    from ..compat import check_transformers
+    check_transformers()
+    path = resolve(name)
+    if os.path.isfile(path):
+        from . import gguf_loader
+        if not gguf_loader.is_gguf(path):
+            raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
+        cfg = gguf_loader.read_config(path)
+    else:
+        from transformers import AutoConfig
+        refuse_architecture(path, config_model_type(path))
+        try:
+            cfg = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise KqsvdError(f"{path}: transformers cannot read its config.json: {e}") from None
+    return info_of(path, cfg), cfg
+
+
 def check_positions(info, cfg, seq_len, flags=False, label=None):
     """Refuses sequences the model cannot attend over as the contract's plain
     causal mask says (past max_position_embeddings or a sliding window).
