@@ -52,14 +52,15 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
                                           kqsvd_checkpoint_pos_t pos, int64_t nvals,
                                           const double *state) {
   kqsvd_status_t st = KQSVD_OK;
-  char tmp[PATH_MAX + 8], fp[32], sum[32];
+  char tmp[PATH_MAX + 32] = "", fp[32], sum[32];
   hid_t file = -1, space = -1, ds = -1;
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "checkpoint path too long: %.64s...", path);
-  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  KQSVD_CHECK(kqsvd_tmp_path(path, tmp, sizeof tmp) == 0, KQSVD_ERR_USAGE,
+              "checkpoint path too long: %.64s...", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
   checksum(fp, pos, nvals, state, sum);
   kqsvd_signal_track(tmp);
-  file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  file = H5Fcreate(tmp, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
   KQSVD_CHECK(file >= 0, KQSVD_ERR_IO, "%s: cannot create checkpoint file", tmp);
   KQSVD_CALL(kqsvd_h5_put_str(file, "kqsvd_format", "checkpoint"));
   KQSVD_CALL(kqsvd_h5_put_str(file, "fingerprint", fp));
@@ -81,15 +82,14 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
     goto done;
   }
   file = -1;
-  KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
-              strerror(errno));
+  KQSVD_CALL(kqsvd_publish(tmp, path));
 done:
-  if (st != KQSVD_OK) kqsvd_error_context(tmp);
+  if (st != KQSVD_OK && tmp[0]) kqsvd_error_context(tmp);
   kqsvd_h5_close(&ds);
   kqsvd_h5_close(&space);
   kqsvd_h5_close(&file);
-  if (st != KQSVD_OK) remove(tmp);
-  kqsvd_signal_untrack(tmp);
+  if (st != KQSVD_OK && tmp[0]) remove(tmp);
+  if (tmp[0]) kqsvd_signal_untrack(tmp);
   return st;
 }
 

@@ -68,7 +68,7 @@ kqsvd_status_t kqsvd_proj_create(const char *path, MPI_Comm comm, const kqsvd_pr
   /* MPI_COMM_NULL: one process writes with the default driver, no MPI needed
    * (the accumulator's kqsvd_result_write). */
   if (comm != MPI_COMM_NULL) KQSVD_H5(H5Pset_fapl_mpio(fapl, comm, MPI_INFO_NULL));
-  w->file = H5Fcreate(path, H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
+  w->file = H5Fcreate(path, H5F_ACC_EXCL, H5P_DEFAULT, fapl);
   if (w->file < 0) {
     kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
     kqsvd_error_clear();

@@ -78,12 +78,11 @@ static void put_report(FILE *f, const kqsvd_report_t *r) {
 
 kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
   kqsvd_status_t st = KQSVD_OK;
-  char tmp[PATH_MAX + 32];
+  char tmp[PATH_MAX + 32] = "";
   FILE *f = NULL;
-  snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
-  kqsvd_signal_track(tmp);
-  f = fopen(tmp, "w");
+  f = kqsvd_tmp_open(path, tmp, sizeof tmp);
   KQSVD_CHECK(f, KQSVD_ERR_IO, "%s: cannot create the report: %s", path, strerror(errno));
+  kqsvd_signal_track(tmp);
   put_report(f, r);
   const int werr = ferror(f);
   const int cerr = fclose(f);
@@ -93,7 +92,7 @@ kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
   KQSVD_CALL(kqsvd_publish(tmp, path));
 done:
   if (f) fclose(f);
-  if (st != KQSVD_OK) remove(tmp);
-  kqsvd_signal_untrack(tmp);
+  if (st != KQSVD_OK && tmp[0]) remove(tmp);
+  if (tmp[0]) kqsvd_signal_untrack(tmp);
   return st;
 }

@@ -9,7 +9,7 @@
 #include <string.h>
 
 struct kqsvd_writer {
-  char path[PATH_MAX], tmp[PATH_MAX + 8];
+  char path[PATH_MAX], tmp[PATH_MAX + 32];
   hid_t file, mtype;
   hid_t dset[3]; /* keys, values, queries; or o_proj in dset[0] */
   kqsvd_dtype_t type;
@@ -29,14 +29,17 @@ static kqsvd_status_t writer_new(const char *path, const kqsvd_dims_t *dims, kqs
   w->type = t;
   w->d = dims->head_dim;
   snprintf(w->path, sizeof w->path, "%s", path);
-  snprintf(w->tmp, sizeof w->tmp, "%s.tmp", path);
+  KQSVD_CHECK(kqsvd_tmp_path(path, w->tmp, sizeof w->tmp) == 0, KQSVD_ERR_USAGE,
+              "%.64s...: path too long", path);
   kqsvd_signal_track(w->tmp);
-  w->file = H5Fcreate(w->tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  w->file = H5Fcreate(w->tmp, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
   if (w->file < 0) {
     kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
     kqsvd_error_clear();
-    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create file (does the folder exist and is it writable?)",
-               w->tmp);
+    KQSVD_FAIL(KQSVD_ERR_IO,
+               "%s: cannot create its temporary file %s (does the folder exist and is it "
+               "writable?)",
+               w->path, w->tmp);
   }
   KQSVD_CALL(kqsvd_h5_mem_type(t, &w->mtype));
   KQSVD_CALL(kqsvd_h5_write_dims(w->file, format, dims, 1));

@@ -10,6 +10,7 @@
 
 #include "kqsvd_cli.h"
 #include "kqsvd_manifest.h"
+#include "kqsvd_util.h"
 
 /* DIR/NAME.KIND: the paths, each ended by a NUL byte, in the order
  * calibrate --manifest uses.  NUL is the one byte no path can hold, so no
@@ -17,11 +18,12 @@
 static kqsvd_status_t write_list(const char *dir, const char *name, const char *kind, char **paths,
                                  int n) {
   kqsvd_status_t st = KQSVD_OK;
-  char file[PATH_MAX];
+  char file[PATH_MAX], tmp[PATH_MAX + 32] = "";
   FILE *f = NULL;
   KQSVD_CHECK(snprintf(file, sizeof file, "%s/%s.%s", dir, name, kind) < (int)sizeof file,
               KQSVD_ERR_USAGE, "--lists %s: path too long", dir);
-  f = fopen(file, "w");
+  /* Renamed when complete, and never over a device or FIFO of that name. */
+  f = kqsvd_tmp_open(file, tmp, sizeof tmp);
   KQSVD_CHECK(f, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
   for (int k = 0; k < n; k++) {
     fputs(paths[k], f);
@@ -31,8 +33,11 @@ static kqsvd_status_t write_list(const char *dir, const char *name, const char *
   const int closed = fclose(f);
   f = NULL;
   KQSVD_CHECK(!failed && closed == 0, KQSVD_ERR_IO, "cannot write %s: %s", file, strerror(errno));
+  KQSVD_CALL(kqsvd_publish(tmp, file));
+  tmp[0] = '\0';
 done:
   if (f) fclose(f);
+  if (tmp[0]) remove(tmp);
   return st;
 }
 

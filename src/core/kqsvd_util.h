@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "kqsvd_error.h"
 
@@ -28,6 +29,24 @@ void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
 /* Creates a folder and its missing parents, like `mkdir -p`; returns 0 or
  * -1 with errno set. */
 int kqsvd_mkdir_p(const char *path);
+
+/* Longest suffix kqsvd appends to an output's name while writing it
+ * (kqsvd_tmp_path: ".tmp-", a process id, "-" and a counter). */
+#define KQSVD_TMP_SUFFIX_MAX 20
+
+/* Writes into tmp (n bytes) the temporary name an output `path` is
+ * written under: "PATH.tmp-PID-N", N counting the names this process has
+ * made, so that two writers in one process (threads, a checkpoint and an
+ * output) never share one.  Create it exclusively (O_EXCL, H5F_ACC_EXCL),
+ * so that a link planted under that name is never followed.  Returns 0,
+ * or -1 when the name does not fit.  Thread-safe. */
+int kqsvd_tmp_path(const char *path, char *tmp, size_t n);
+
+/* A text output's temporary file: names it (kqsvd_tmp_path, into tmp) and
+ * opens it for writing, created exclusively.  NULL with errno set when it
+ * cannot be made (tmp is then "" if the name did not fit).  The caller
+ * closes it and hands it to kqsvd_publish, or removes it. */
+FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n);
 
 /* Renames the finished temporary file `tmp` to `path`, unless `path` has
  * become something rename() must not replace (a device, FIFO, socket or

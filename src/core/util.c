@@ -2,12 +2,15 @@
 #include "kqsvd_util.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 double kqsvd_now(void) {
   struct timespec t;
@@ -84,6 +87,30 @@ int kqsvd_mkdir_p(const char *path) {
     }
   if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
   return 0;
+}
+
+int kqsvd_tmp_path(const char *path, char *tmp, size_t n) {
+  static _Atomic unsigned long made;
+  const unsigned long k = atomic_fetch_add(&made, 1) % 100000;
+  const int w = snprintf(tmp, n, "%s.tmp-%ld-%lu", path, (long)getpid(), k);
+  return w >= 0 && (size_t)w < n ? 0 : -1;
+}
+
+FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n) {
+  if (kqsvd_tmp_path(path, tmp, n) != 0) {
+    tmp[0] = '\0';
+    errno = ENAMETOOLONG;
+    return NULL;
+  }
+  const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
+  FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+  if (fd >= 0 && !f) {
+    const int e = errno;
+    close(fd);
+    remove(tmp);
+    errno = e;
+  }
+  return f;
 }
 
 kqsvd_status_t kqsvd_publish(const char *tmp, const char *path) {

@@ -121,7 +121,7 @@ kqsvd_status_t calib_finish(calib_t *c) {
   t0 = kqsvd_now();
 
   /* One temporary name for all ranks, unique to this run. */
-  if (root) snprintf(tmp, sizeof tmp, "%s.tmp-%ld", c->cfg.out_path, (long)getpid());
+  if (root) kqsvd_tmp_path(c->cfg.out_path, tmp, sizeof tmp); /* fits: checked with --out */
   KQSVD_MPI(MPI_Bcast(tmp, (int)sizeof tmp, MPI_CHAR, 0, comm));
   kqsvd_signal_track(tmp);
   /* Test hook: a signal while the output is being written. */

@@ -155,10 +155,6 @@ kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int n
                                      const char *const *named, const char *const *named_opts,
                                      char **shards, int nshards);
 
-/* Longest suffix kqsvd appends to an output's name while writing it
- * (".tmp-" and a process id). */
-#define KQSVD_TMP_SUFFIX_MAX 16
-
 /* Checks that output `path` (given as option `opt`, NULL for none) can be
  * made in place: if it exists, it is a regular file once links are
  * followed (force or not: a device or FIFO is never replaced); its folder
@@ -171,6 +167,14 @@ kqsvd_status_t kqsvd_check_output_place(const char *opt, const char *path);
  * character, kqsvd_check_output_place, and it does not exist unless
  * `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force);
+
+/* Checks before any work that folder output `dir` (given as option `opt`)
+ * can be filled: if it exists it is a folder once links are followed (not
+ * a file, device, FIFO or socket); otherwise the nearest folder above it
+ * that exists is one; and the folder that exists takes a new file (as
+ * kqsvd_check_output_place).  Creates nothing.  Not collective.  Errors:
+ * KQSVD_ERR_USAGE naming `opt` and `dir`. */
+kqsvd_status_t kqsvd_check_folder_output(const char *opt, const char *dir);
 
 /* Checks a --checkpoint folder before any work: not the output's path, not
  * a file, creatable and writable (as kqsvd_check_output_place), and

@@ -223,7 +223,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "%.64s...: path too long", path);
   KQSVD_CALL(kqsvd_check_output_place(NULL, path));
   KQSVD_CHECK(!(opt && opt->force) ? stat(path, &sb) != 0 : 1, KQSVD_ERR_USAGE,
-              "%s exists; set force in kqsvd_write_options_t to replace it", path);
+              "%s exists; it is replaced only when asked to (force)", path);
   const char *hash = opt && opt->inputs_hash && *opt->inputs_hash ? opt->inputs_hash : NULL;
   KQSVD_CHECK(!hash || strlen(hash) < 64, KQSVD_ERR_USAGE,
               "kqsvd_result_write: inputs_hash longer than 63 characters");
@@ -233,7 +233,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CHECK(!opt || opt->seq_len >= 0, KQSVD_ERR_USAGE,
               "kqsvd_result_write: seq_len is %lld, expected 0 (unknown) or more",
               (long long)(opt ? opt->seq_len : 0));
-  snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path, (long)getpid());
+  kqsvd_tmp_path(path, tmp, sizeof tmp); /* fits: path is under PATH_MAX */
   kqsvd_proj_meta_t meta;
   memset(&meta, 0, sizeof meta);
   snprintf(meta.dims.model, sizeof meta.dims.model, "%s", opt && opt->model ? opt->model : "");
