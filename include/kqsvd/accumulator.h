@@ -136,10 +136,16 @@ KQSVD_API kqsvd_status_t kqsvd_acc_factor(const kqsvd_acc_t *acc, kqsvd_tensor_t
 KQSVD_API int64_t kqsvd_acc_tokens(const kqsvd_acc_t *acc);
 
 /* Writes the factors to `path` in kqsvd's checkpoint format
- * (docs/formats.md, section 7), under a temporary name renamed when
- * complete, with a checksum.  Not collective.  Errors: KQSVD_ERR_IO,
- * KQSVD_ERR_HDF5, naming the path. */
-KQSVD_API kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *acc, const char *path);
+ * (docs/formats.md, section 7), with a checksum, under a unique temporary
+ * name in path's folder renamed when complete.  `path` is checked before
+ * anything is written, as `kqsvd calibrate --out` is: never a folder, a
+ * device, a FIFO or a socket (links followed), force or not; an existing
+ * file is replaced only when `force` is non-zero; its folder must take a
+ * new file.  The rename looks again, so a name that became a device
+ * meanwhile is left as it is.  Not collective.  Errors: KQSVD_ERR_USAGE
+ * for a path refused so (nothing written), KQSVD_ERR_IO, KQSVD_ERR_HDF5,
+ * naming the path. */
+KQSVD_API kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *acc, const char *path, int force);
 /* Replaces the factors with those saved in `path` by an accumulator of
  * the same shape and options.  Not collective.  Errors: KQSVD_ERR_INPUT
  * naming the file for another shape or options, a damaged file (checksum)

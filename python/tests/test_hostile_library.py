@@ -206,6 +206,44 @@ class Library(unittest.TestCase):
         grouped.absorb("keys", 0, 0, np.ones((5, 2 * D)))  # the group's width is taken
         grouped.close()
 
+    def test_closed_handles(self):
+        """Every call on a closed Calibrator or Result raises KqsvdError
+        naming the state; none reaches the C library with a NULL handle
+        (tokens() read 0 there, ranks() dereferenced NULL)."""
+        cal = Calibrator(L, HKV, GROUP, D, HIDDEN)
+        for layer in range(L):
+            cal.absorb_oproj(layer, np.zeros((HIDDEN, HKV * GROUP * D)))
+        res = cal.finish("fixed:4")
+        cal.close()
+        res.close()
+        path = os.path.join(self.out, "x.h5")
+        calls = {"tokens()": lambda: cal.tokens(),
+                 "absorb()": lambda: cal.absorb("keys", 0, 0, np.zeros((2, D))),
+                 "absorb_oproj()": lambda: cal.absorb_oproj(0, np.zeros((HIDDEN, HKV * GROUP * D))),
+                 "factor()": lambda: cal.factor("keys", 0, 0),
+                 "save()": lambda: cal.save(path), "load()": lambda: cal.load(self.proj),
+                 "reduce()": lambda: cal.reduce(None), "finish()": lambda: cal.finish("fixed:4")}
+        for what, call in calls.items():
+            self.refused(kqsvd.KqsvdError, call, f"Calibrator.{what}", "closed")
+        for what, call in {"ranks()": lambda: res.ranks("kqsvd"),
+                           "matrix()": lambda: res.matrix("kqsvd", "key_down", 0, 0),
+                           "sigma()": lambda: res.sigma("kqsvd", False, 0, 0),
+                           "write()": lambda: res.write(path)}.items():
+            self.refused(kqsvd.KqsvdError, call, f"Result.{what}", "closed")
+        cal.close()  # twice: nothing to free
+
+    def test_arguments_in_the_callers_words(self):
+        """What the library says names the Python call and its arguments,
+        not the command line's flags nor the C library's functions."""
+        cal = Calibrator(L, HKV, GROUP, D, HIDDEN)
+        self.refused(kqsvd.UsageError, lambda: cal.reduce(object()), "comm", "mpi4py")
+        line = self.refused(kqsvd.UsageError, lambda: cal.finish("fixed:4", beta=2.0),
+                            "finish(ranks='fixed:4', beta=2.0)", "o_proj", "absorb_oproj()")
+        line += self.refused(kqsvd.UsageError, lambda: cal.finish("bogus:1"), "bogus:1")
+        for flag in ("--ranks", "--beta", "kqsvd_", "force in"):
+            self.assertNotIn(flag, line)
+        cal.close()
+
     # -- 3: Result.write onto what is not a regular file ---------------------
     # (python/tests/test_hostile_outputs.py)
 

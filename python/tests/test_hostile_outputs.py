@@ -1,9 +1,12 @@
-"""Outputs of the library call kqsvd_result_write (Result.write in the
-binding) that must never be replaced, force or not: a device node, a FIFO,
-a link to a device, and a file in a folder nobody may write to (mode 0555,
-read-only for root too).  Each case raises UsageError naming the path,
-leaves the node as it was and nothing else in its folder.  The device is a
-twin of /dev/null made with mknod, so making it needs root."""
+"""Outputs of the library's writers, kqsvd_result_write and kqsvd_acc_save
+(Result.write and Calibrator.save in the binding), that must never be
+replaced, force or not: a device node, a FIFO, a link to a device, and a
+file in a folder nobody may write to (mode 0555, read-only for root too);
+and an existing file, replaced only with force.  Each case raises
+UsageError naming the path in the caller's words, leaves the node as it
+was and nothing else in its folder.  The device is a twin of /dev/null
+made with mknod, so making it needs root (Calibrator.save once turned the
+machine's /dev/null into a regular file)."""
 import os
 import stat
 import unittest
@@ -17,36 +20,40 @@ from kqsvd.calibration.binding import Calibrator
 ROOT = os.geteuid() == 0
 
 
-def tiny_result():
-    """The result of a 1-layer, 1-head, d = 4 accumulator on random rows."""
+def tiny():
+    """A 1-layer, 1-head, d = 4 accumulator on random rows, and its result."""
     rng = np.random.default_rng(5)
     cal = Calibrator(layers=1, kv_heads=1, group=1, head_dim=4, hidden=4)
     for tensor in ("keys", "queries", "values"):
         cal.absorb(tensor, 0, 0, rng.standard_normal((8, 4)))
     cal.absorb_oproj(0, rng.standard_normal((4, 4)))
-    return cal.finish("fixed:2")
+    return cal, cal.finish("fixed:2")
 
 
 class HostileOutputs(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.result = tiny_result()
+        cls.cal, cls.result = tiny()
+        cls.writers = {"Result.write": lambda p, force: cls.result.write(p, force=force),
+                       "Calibrator.save": lambda p, force: cls.cal.save(p, force=force)}
 
     def setUp(self):
         self.wd = workdir("hostile-outputs")
 
-    def refused(self, path, *words):
-        """write(path, force=True) raises UsageError naming path and words,
-        and the folder holds what it held before."""
+    def refused(self, path, *words, force=True):
+        """Each writer raises UsageError naming path and words, and the
+        folder holds what it held before."""
         folder = os.path.dirname(path)
         before = sorted(os.listdir(folder))
-        with self.assertRaises(kqsvd.UsageError) as e:
-            self.result.write(path, force=True)
-        msg = str(e.exception)
-        self.assertEqual(len(msg.splitlines()), 1, msg)
-        for w in (path, *words):
-            self.assertIn(w, msg)
-        self.assertEqual(sorted(os.listdir(folder)), before, f"left behind after: {msg}")
+        for name, write in self.writers.items():
+            with self.assertRaises(kqsvd.UsageError, msg=name) as e:
+                write(path, force)
+            msg = str(e.exception)
+            self.assertEqual(len(msg.splitlines()), 1, msg)
+            for w in (path, *words):
+                self.assertIn(w, msg, name)
+            self.assertNotIn("kqsvd_", msg, f"{name}: the C library's names")
+            self.assertEqual(sorted(os.listdir(folder)), before, f"{name} left: {msg}")
         return msg
 
     @unittest.skipUnless(ROOT, "mknod of a character device needs root")
@@ -81,15 +88,27 @@ class HostileOutputs(unittest.TestCase):
         finally:
             os.chmod(ro, 0o755)
 
+    def test_folder(self):
+        self.refused(self.wd, "folder")
+
     def test_regular_file_still_replaced(self):
-        """The refusals above are not of every existing output."""
+        """The refusals above are not of every existing output: a file is
+        kept without force, and replaced with it."""
         path = os.path.join(self.wd, "proj.h5")
-        with open(path, "w") as f:
-            f.write("old")
-        self.result.write(path, force=True)
-        with open(path, "rb") as f:
-            self.assertEqual(f.read(8), b"\x89HDF\r\n\x1a\n")
-        self.assertEqual(sorted(os.listdir(self.wd)), ["proj.h5"])
+        for name, write in self.writers.items():
+            with open(path, "w") as f:
+                f.write("old")
+            self.refused(path, "exists", "force=True", force=False)
+            with open(path) as f:
+                self.assertEqual(f.read(), "old", name)
+            write(path, True)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89HDF\r\n\x1a\n", name)
+            self.assertEqual(sorted(os.listdir(self.wd)), ["proj.h5"], name)
+        again = Calibrator(layers=1, kv_heads=1, group=1, head_dim=4, hidden=4)
+        again.load(path)
+        np.testing.assert_array_equal(again.factor("keys", 0, 0), self.cal.factor("keys", 0, 0))
+        again.close()
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ static void grouped(int rank, int size, const char *ckpt_of_ungrouped) {
   /* Checkpoints: the grouped state round-trips; a per-head one is refused. */
   char path[220];
   snprintf(path, sizeof path, "%s.grouped.h5", ckpt_of_ungrouped);
-  CHECK_OK(kqsvd_acc_save(acc, path));
+  CHECK_OK(kqsvd_acc_save(acc, path, 0));
   CHECK_OK(kqsvd_acc_init(&shape, &opt, &back));
   CHECK_OK(kqsvd_acc_load(back, path));
   CHECK(memcmp(kqsvd_acc_state(acc), kqsvd_acc_state(back),
@@ -212,7 +212,7 @@ int main(int argc, char **argv) {
   snprintf(path, sizeof path, "%s/kqsvd-acc-%d-%d.h5", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp",
            (int)getpid(), rank);
   snprintf(proj, sizeof proj, "%s.proj.h5", path);
-  CHECK_OK(kqsvd_acc_save(acc, path));
+  CHECK_OK(kqsvd_acc_save(acc, path, 0));
   CHECK_OK(kqsvd_acc_init(&shape, &opt, &back));
   CHECK_OK(kqsvd_acc_load(back, path));
   CHECK(memcmp(kqsvd_acc_state(acc), kqsvd_acc_state(back),

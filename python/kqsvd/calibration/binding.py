@@ -83,7 +83,7 @@ def library():
         "kqsvd_acc_absorb_oproj": (I, [P, I64, P, I, I64, I64]),
         "kqsvd_acc_factor": (I, [P, I, I64, I64, P]),
         "kqsvd_acc_tokens": (I64, [P]),
-        "kqsvd_acc_save": (I, [P, ctypes.c_char_p]),
+        "kqsvd_acc_save": (I, [P, ctypes.c_char_p, I]),
         "kqsvd_acc_load": (I, [P, ctypes.c_char_p]),
         "kqsvd_acc_reduce": (I, [P, P, I]),
         "kqsvd_acc_finish": (I, [P, ctypes.POINTER(_FinishOptions), ctypes.POINTER(P)]),
@@ -103,10 +103,25 @@ def library():
     return lib
 
 
+# The C library's messages name its own functions and fields; a Python
+# caller is told of the methods and arguments it called.
+_C_NAMES = {"kqsvd_acc_absorb_oproj": "absorb_oproj()", "kqsvd_acc_absorb": "absorb()",
+            "kqsvd_acc_finish": "finish()", "kqsvd_acc_factor": "factor()",
+            "kqsvd_acc_save": "save()", "kqsvd_acc_load": "load()",
+            "kqsvd_acc_reduce": "reduce()", "kqsvd_result_write": "Result.write()",
+            "kqsvd_acc_init": "Calibrator()", "(force)": "(force=True)"}
+
+
+def _python_words(msg):
+    for c, py in _C_NAMES.items():
+        msg = msg.replace(c, py)
+    return msg
+
+
 def _check(status, what):
     if status == 0:
         return
-    msg = library().kqsvd_last_error().decode("utf-8", "replace")
+    msg = _python_words(library().kqsvd_last_error().decode("utf-8", "replace"))
     library().kqsvd_clear_error()
     name = STATUS[status] if 0 <= status < len(STATUS) else str(status)
     cls = UsageError if status == ERR_USAGE else KqsvdError
@@ -158,6 +173,14 @@ class _Handle:
     def __del__(self):
         self.close()
 
+    def _live(self, what):
+        """The handle, or KqsvdError when close() has freed it: the C
+        library must never see a NULL or freed handle."""
+        if not self._h:
+            raise KqsvdError(f"{type(self).__name__}.{what}: this {type(self).__name__} is "
+                             "closed (close() was called); make a new one")
+        return self._h
+
     def close(self):
         if self._h and self._release:
             free, ptr, byref = self._release
@@ -206,9 +229,10 @@ class Result(_Handle):
 
     def ranks(self, method):
         """(rank_k, rank_v) lists over layers."""
+        h = self._live("ranks()")
         m = METHODS.index(_one_of("method", method, METHODS))
         lib, L = library(), self.shape.layers
-        rk, rv = lib.kqsvd_result_rank_k(self._h, m), lib.kqsvd_result_rank_v(self._h, m)
+        rk, rv = lib.kqsvd_result_rank_k(h, m), lib.kqsvd_result_rank_v(h, m)
         return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
 
     def matrix(self, method, which, layer, kv_head):
@@ -217,9 +241,10 @@ class Result(_Handle):
         import numpy as np
         d = self.shape.head_dim
         names = ("key_down", "query_down", "value_down", "value_up")
+        h = self._live("matrix()")
         k = names.index(_one_of("which", which, names))
         m, layer, kv_head = self._item(method, layer, kv_head)
-        p = library().kqsvd_result_matrix(self._h, m, k, layer, kv_head)
+        p = library().kqsvd_result_matrix(h, m, k, layer, kv_head)
         if not p:
             raise UsageError(f"no matrix {which} of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(d, d)).copy()
@@ -228,8 +253,9 @@ class Result(_Handle):
         """The d singular values ordering one item's key (values False) or
         value columns."""
         import numpy as np
+        h = self._live("sigma()")
         m, layer, kv_head = self._item(method, layer, kv_head)
-        p = library().kqsvd_result_sigma(self._h, m, int(bool(values)), layer, kv_head)
+        p = library().kqsvd_result_sigma(h, m, int(bool(values)), layer, kv_head)
         if not p:
             raise UsageError(f"no spectrum of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(self.shape.head_dim,)).copy()
@@ -242,6 +268,7 @@ class Result(_Handle):
         attributes of those names.  The C library refuses a path that
         is a folder, a device, a FIFO or a socket (also with force), or that
         exists without force, and a folder it cannot create a file in."""
+        h = self._live("write()")
         where = _path("path", path)
         for name, v in (("model", model), ("inputs_hash", inputs_hash)):
             if v is not None and not isinstance(v, str):
@@ -251,7 +278,7 @@ class Result(_Handle):
         opt = _WriteOptions((model or "").encode(), _whole("tokens", tokens), 1 if causal else 0,
                             1 if force else 0, inputs_hash.encode() if inputs_hash else None,
                             rope.encode() if rope else None, _whole("seq_len", seq_len))
-        _check(library().kqsvd_result_write(self._h, where, ctypes.byref(opt)),
+        _check(library().kqsvd_result_write(h, where, ctypes.byref(opt)),
                f"writing {os.fsdecode(where)}")
 
 
@@ -296,6 +323,7 @@ class Calibrator(_Handle):
         KV head kv_head, or "queries" of its group's query head `query`.
         With head_groups G, keys and values are [T, G head_dim] rows of the
         group whose first KV head is kv_head."""
+        h = self._live("absorb()")
         t, layer, kv_head = self._where(tensor, layer, kv_head)
         query = _whole("query", query, 0, self.shape.group - 1)
         ptr, dt, n, stride, keep = rows_of(rows)
@@ -306,12 +334,13 @@ class Calibrator(_Handle):
                                                     f"{self.shape.head_dim})"
                                                     if width != self.shape.head_dim else
                                                     " (head_dim)"))
-        _check(library().kqsvd_acc_absorb(self._h, t, layer, kv_head, query, ptr, dt, n, stride),
+        _check(library().kqsvd_acc_absorb(h, t, layer, kv_head, query, ptr, dt, n, stride),
                f"{tensor} of layer {layer}")
 
     def absorb_oproj(self, layer, weight):
         """Folds a layer's output projection weight [D, Hq d] (torch's
         nn.Linear layout)."""
+        h = self._live("absorb_oproj()")
         s = self.shape
         layer = _whole("layer", layer, 0, s.layers - 1)
         ptr, dt, n, stride, keep = rows_of(weight)
@@ -319,42 +348,63 @@ class Calibrator(_Handle):
         if keep.shape[1] != want:
             raise UsageError(f"o_proj of layer {layer} is {keep.shape[1]} wide; expected Hq d = "
                              f"{want}")
-        _check(library().kqsvd_acc_absorb_oproj(self._h, layer, ptr, dt, n, stride),
+        _check(library().kqsvd_acc_absorb_oproj(h, layer, ptr, dt, n, stride),
                f"o_proj of layer {layer}")
 
     def tokens(self):
-        return library().kqsvd_acc_tokens(self._h)
+        """Rows folded so far into the keys of (layer 0, KV head 0)."""
+        return library().kqsvd_acc_tokens(self._live("tokens()"))
 
     def factor(self, tensor, layer, kv_head):
         """The current d x d R factor (numpy, upper triangular); keys and
         values under head_groups G: the group's (G d) x (G d) one."""
         import numpy as np
+        h = self._live("factor()")
         t, layer, kv_head = self._where(tensor, layer, kv_head)
         d = self.shape.head_dim * (1 if tensor == "queries" else self.head_groups)
         R = np.zeros((d, d))
-        _check(library().kqsvd_acc_factor(self._h, t, layer, kv_head, R.ctypes.data),
+        _check(library().kqsvd_acc_factor(h, t, layer, kv_head, R.ctypes.data),
                f"factor of {tensor}")
         return R
 
-    def save(self, path):
-        _check(library().kqsvd_acc_save(self._h, _path("path", path)), f"saving {path}")
+    def save(self, path, force=False):
+        """The factors in kqsvd's checkpoint format (docs/formats.md 7),
+        written under a unique temporary name and renamed.  Refused
+        (UsageError, nothing written) when path is a folder, a device, a
+        FIFO or a socket, force or not; when it exists and force is
+        false; when its folder is missing or takes no new file."""
+        h = self._live("save()")
+        where = _path("path", path)
+        _check(library().kqsvd_acc_save(h, where, 1 if force else 0),
+               f"saving {os.fsdecode(where)}")
 
     def load(self, path):
-        _check(library().kqsvd_acc_load(self._h, _path("path", path)), f"loading {path}")
+        h = self._live("load()")
+        where = _path("path", path)
+        _check(library().kqsvd_acc_load(h, where), f"loading {os.fsdecode(where)}")
 
     def reduce(self, comm, root=0):
         """Collective over an mpi4py communicator: every process's factors
         merged onto `root`.  One process (or comm None): nothing to do."""
-        if comm is None or comm.Get_size() == 1:
+        h = self._live("reduce()")
+        if comm is None:
             return
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            MPI = None
+        if MPI is None or not isinstance(comm, MPI.Comm):
+            raise UsageError(f"comm = {comm!r}: expected an mpi4py communicator or None")
+        if comm.Get_size() == 1:
+            return
         root = _whole("root", root, 0, comm.Get_size() - 1)
-        _check(library().kqsvd_acc_reduce(self._h, ctypes.c_void_p(MPI._handleof(comm)), root),
+        _check(library().kqsvd_acc_reduce(h, ctypes.c_void_p(MPI._handleof(comm)), root),
                "reducing the factors")
 
     def finish(self, ranks="eps:0.1", beta=1.0):
         """The three methods' projections, spectra and ranks (a Result)."""
         import math
+        h = self._live("finish()")
         if not isinstance(ranks, str):
             raise UsageError(f"ranks = {ranks!r}: expected a policy string such as 'eps:0.1', "
                              "'fixed:16' or 'budget:0.25'")
@@ -362,12 +412,12 @@ class Calibrator(_Handle):
                 not math.isfinite(beta) or beta <= 0:
             raise UsageError(f"beta = {beta!r}: expected a number above 0")
         opt = _FinishOptions(float(beta), ranks.encode())
-        h = ctypes.c_void_p()
-        _check(library().kqsvd_acc_finish(self._h, ctypes.byref(opt), ctypes.byref(h)),
-               f"solving (--ranks {ranks}, --beta {beta})")
+        res = ctypes.c_void_p()
+        _check(library().kqsvd_acc_finish(h, ctypes.byref(opt), ctypes.byref(res)),
+               f"finish(ranks={ranks!r}, beta={beta!r})")
         G = self.head_groups
         s = self.shape
-        return Result(h.value, _Shape(s.layers, s.kv_heads // G, s.group * G, s.head_dim * G,
+        return Result(res.value, _Shape(s.layers, s.kv_heads // G, s.group * G, s.head_dim * G,
                                       s.hidden))
 
 

@@ -160,9 +160,7 @@ class Checkpoint:
         from ..formats.files import write_atomic
         state = f"{self.stem}-{done:06d}.h5"
         path = os.path.join(self.folder, state)
-        if os.path.exists(path):
-            os.remove(path)
-        cal.save(path)
+        cal.save(path, force=True)  # a state this rank wrote before an interruption
         def write(tmp):
             with open(tmp, "w") as f:
                 json.dump({"inputs": self.inputs, "done": done, "state": state}, f)
