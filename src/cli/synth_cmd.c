@@ -1,14 +1,18 @@
 /* kqsvd synth: a deterministic synthetic cache set in the contract format.
  * Ranks write shards round-robin; rank 0 also writes the model file. */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "kqsvd_cli.h"
 #include "kqsvd_mpi.h"
+#include "kqsvd_pipeline.h"
 #include "kqsvd_synth.h"
 #include "kqsvd_util.h"
 #include "kqsvd_writer.h"
@@ -18,7 +22,7 @@ typedef struct {
   kqsvd_synth_config_t cfg;
   int64_t seqs, shards, causal, skip;
   kqsvd_dtype_t dtype;
-  int uneven, help;
+  int uneven, help, force;
   kqsvd_progress_mode_t progress;
 } synth_opts_t;
 
@@ -35,6 +39,7 @@ static void synth_help(void) {
          "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
          "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
          "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n"
+         "  --force (replace the set DIR holds: its model.h5 and every shard-NNNN.h5)\n"
          "  --skip-seqs N [0] (start N sequences into the stream: with the same\n"
          "                    options otherwise, a validation set disjoint from the\n"
          "                    calibration set made with --seqs N; the offset follows\n"
@@ -61,7 +66,8 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     O_NAME,
     O_PROGRESS,
     O_MINLEN,
-    O_SKIP
+    O_SKIP,
+    O_FORCE
   };
   static const struct option longopts[] = {{"out", required_argument, NULL, O_OUT},
                                            {"layers", required_argument, NULL, O_LAYERS},
@@ -81,6 +87,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
                                            {"min-seq-len", required_argument, NULL, O_MINLEN},
                                            {"skip-seqs", required_argument, NULL, O_SKIP},
                                            {"progress", required_argument, NULL, O_PROGRESS},
+                                           {"force", no_argument, NULL, O_FORCE},
                                            {"help", no_argument, NULL, 'h'},
                                            {NULL, 0, NULL, 0}};
   kqsvd_synth_config_t *c = &o->cfg;
@@ -111,6 +118,7 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
     case O_CAUSAL: KQSVD_CALL(kqsvd_opt_int("--causal", optarg, 0, 1, &o->causal)); break;
     case O_SEED: KQSVD_CALL(kqsvd_opt_int("--seed", optarg, 0, INT64_MAX, &seed)); break;
     case O_UNEVEN: o->uneven = 1; break;
+    case O_FORCE: o->force = 1; break;
     case O_NAME: o->name = optarg; break;
     case O_MINLEN:
       KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len));
@@ -133,6 +141,47 @@ static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
   if (c->min_seq_len == 0) c->min_seq_len = c->max_seq_len / 2 + 1;
   c->seed = (uint64_t)seed;
 done:
+  return st;
+}
+
+/* Whether `name` is a file of a set: model.h5 or shard-NNNN.h5. */
+static int of_a_set(const char *name) {
+  int n = -1;
+  if (strcmp(name, "model.h5") == 0) return 1;
+  return strncmp(name, "shard-", 6) == 0 && sscanf(name + 6, "%*[0-9].h5%n", &n) == 0 &&
+         n > 0 && name[6 + n] == '\0';
+}
+
+/* The set --out already holds, checked before any work (rank 0): none, or
+ * with --force regular files that remove_set() then deletes, so that no
+ * shard of an older set, of another shape perhaps, stays beside the new
+ * one.  Without --force an existing set is kept. */
+static kqsvd_status_t check_set(const synth_opts_t *o, int remove_it) {
+  kqsvd_status_t st = KQSVD_OK;
+  DIR *d = opendir(o->out);
+  int64_t n = 0, model = 0;
+  char path[PATH_MAX];
+  if (!d) return KQSVD_OK; /* made by the run (kqsvd_check_folder_output) */
+  for (struct dirent *e; (e = readdir(d));) {
+    if (!of_a_set(e->d_name)) continue;
+    struct stat sb;
+    KQSVD_CHECK(snprintf(path, sizeof path, "%s/%s", o->out, e->d_name) < (int)sizeof path,
+                KQSVD_ERR_USAGE, "--out %s: path too long", o->out);
+    KQSVD_CHECK(lstat(path, &sb) == 0 && (S_ISREG(sb.st_mode) || S_ISLNK(sb.st_mode)),
+                KQSVD_ERR_USAGE, "--out %s: %s is not a regular file; remove it first", o->out,
+                path);
+    KQSVD_CHECK(!remove_it || unlink(path) == 0, KQSVD_ERR_IO, "%s: cannot remove it: %s", path,
+                strerror(errno));
+    model += strcmp(e->d_name, "model.h5") == 0;
+    n++;
+  }
+  KQSVD_CHECK(n == 0 || o->force, KQSVD_ERR_USAGE,
+              "--out %s already holds a cache set (%s%lld shard file%s); give --force to "
+              "replace it",
+              o->out, model ? "model.h5 and " : "", (long long)(n - model),
+              n - model == 1 ? "" : "s");
+done:
+  closedir(d);
   return st;
 }
 
@@ -274,9 +323,14 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
   dims.layers = o.cfg.layers, dims.heads = o.cfg.heads, dims.kv_heads = o.cfg.kv_heads;
   dims.head_dim = o.cfg.head_dim, dims.hidden = o.cfg.hidden, dims.causal = o.causal;
 
+  /* --out before any work, on rank 0: what is wrong with it, exit 2. */
+  if (cli->rank == 0) local = kqsvd_check_folder_output("--out", o.out);
+  if (cli->rank == 0 && local == KQSVD_OK) local = check_set(&o, 0);
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
   if (cli->rank == 0 && kqsvd_mkdir_p(o.out) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
                             o.out, strerror(errno));
+  if (cli->rank == 0 && local == KQSVD_OK && o.force) local = check_set(&o, 1);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
   /* Skipped sequences only move the start along the token stream, so the
    * set is disjoint from one made without skipping, from the same model. */
@@ -291,11 +345,11 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
   kqsvd_progress_init(&prog, o.progress, "synth", tokens, 0);
   KQSVD_CALL(kqsvd_monitor_init(cli->comm, tokens * o.cfg.layers, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &mon));
-  local = cli->rank == 0 ? write_model(&o, gen, &dims) : KQSVD_OK;
-  if (local == KQSVD_OK)
-    local = write_shards(cli, &o, gen, &dims, lens + o.skip, first, base, &done_rows, mon);
+  local = write_shards(cli, &o, gen, &dims, lens + o.skip, first, base, &done_rows, mon);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(mon));
   KQSVD_CALL(kqsvd_monitor_finish(mon, done_rows, local));
+  /* Last, as the exporter does: a set with model.h5 is a whole one. */
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, cli->rank == 0 ? write_model(&o, gen, &dims) : KQSVD_OK));
   if (cli->rank == 0) {
     char tok[32];
     printf("wrote %s/model.h5 and %lld %s shards (%s tokens in %lld sequences, %lld layers, "

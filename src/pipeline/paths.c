@@ -69,6 +69,40 @@ done:
   return st;
 }
 
+kqsvd_status_t kqsvd_check_folder_output(const char *opt, const char *dir) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat sb;
+  char where[PATH_MAX], name[PATH_MAX + 64];
+  KQSVD_CHECK(*dir, KQSVD_ERR_USAGE, "%s: give a folder", opt);
+  KQSVD_CHECK(strlen(dir) + 32 < PATH_MAX, KQSVD_ERR_USAGE, "%s: the path is too long", opt);
+  snprintf(name, sizeof name, "%s %s", opt, dir);
+  for (const char *c = dir; *c; c++)
+    KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
+                "%s: the path holds a control character (byte 0x%02x)", opt,
+                (unsigned)(unsigned char)*c);
+  if (stat(dir, &sb) == 0)
+    KQSVD_CHECK(S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
+                "%s is %s, not a folder; give a folder (made if missing)", name,
+                S_ISREG(sb.st_mode) ? "a file" : "a device, FIFO or socket");
+  /* The part that exists decides: the run makes the rest. */
+  snprintf(where, sizeof where, "%s", dir);
+  while (stat(where, &sb) != 0) {
+    char *slash = strrchr(where, '/');
+    if (!slash)
+      snprintf(where, sizeof where, ".");
+    else if (slash == where)
+      where[1] = '\0';
+    else
+      *slash = '\0';
+    if (strcmp(where, ".") == 0 || strcmp(where, "/") == 0) break;
+  }
+  KQSVD_CHECK(stat(where, &sb) == 0 && S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
+              "%s: %s is not a folder", name, where);
+  KQSVD_CALL(probe_folder(name, where));
+done:
+  return st;
+}
+
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
   kqsvd_status_t st = KQSVD_OK;
   const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;

@@ -23,6 +23,7 @@ hf_export_runs  export_hf.py resumes after a crash; batches, device maps, BOS, w
 hf_minilm       all-MiniLM-L6-v2 exported, calibrated, evaluated vs the reference (.venv)
 few_rows        more ranks than rows (np 6, 8, 13 on 5 rows): no hang, the 1-rank result
 options         output and checkpoint arguments refused before any work
+synth_outputs   synth --out: an existing set kept without --force, replaced whole with it; not a folder
 skip_done       --skip-done sees a shard rewritten with the same size and mtime
 hostile_files   overflowing seq_lens, mistagged bf16, virtual and external data, long strings
 checkpoints     damaged checkpoints refused by name; an intact one resumes bit for bit
@@ -53,7 +54,7 @@ from scenarios_qr import qr_gram, qr_scalapack  # noqa: E402
 from scenarios_head_ranks import head_ranks  # noqa: E402
 from scenarios_groups import head_groups  # noqa: E402
 from scenarios_hardening import (checkpoints, few_rows, hostile_files, options,  # noqa: E402
-                                 signals, skip_done)
+                                 signals, skip_done, synth_outputs)
 from scenarios_examples import examples_usage  # noqa: E402
 from scenarios_hf import hf_export, hf_export_runs, hf_minilm  # noqa: E402
 from scenarios_library import accumulator, calibrate_ref, pipeline  # noqa: E402
@@ -69,7 +70,7 @@ SCENARIOS = {f.__name__: f for f in
               eval_memory, figures, manifest, slurm, hf_export, hf_export_runs, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
               signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
-              calibrate_ref, pipeline, head_ranks, head_groups)}
+              calibrate_ref, pipeline, head_ranks, head_groups, synth_outputs)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:

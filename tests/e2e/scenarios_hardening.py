@@ -11,8 +11,8 @@ import time
 import h5py
 import numpy as np
 
-from harness import (KQSVD, calibrate, check, finish, load_proj, max_rel_diff, refused_output, run,
-                     small_set, special_outputs, synth)
+from harness import (KQSVD, calibrate, check, digests, finish, load_proj, max_rel_diff,
+                     refused_output, run, small_set, special_outputs, synth, workdir)
 
 # d = 4 <= rows, so every factor has full rank and the projections are unique.
 TINY = dict(layers=2, heads=4, kv_heads=2, head_dim=4, hidden=16)
@@ -164,6 +164,63 @@ def special_places(wd, model, shards):
     check(stat.S_ISFIFO(os.stat(late).st_mode), "a FIFO made mid-run was replaced")
     check(not leftovers(os.path.dirname(late)), f"leftovers: {leftovers(os.path.dirname(late))}")
     os.chmod(ro, 0o755)
+
+
+def synth_outputs():
+    """kqsvd synth --out: an existing set is kept without --force and
+    replaced whole with it (no shard of the older set beside the new one,
+    on 1 and 2 ranks); a file, FIFO, device or a link to one, and a
+    read-only folder, are refused before any work, exit 2, naming --out."""
+    wd = workdir("synth_outputs")
+    tiny = dict(TINY, seqs=4, seq_len=8, progress="off")
+    out = os.path.join(wd, "set")
+    args = lambda extra: ["synth", "--out", out, *[x for k, v in tiny.items()  # noqa: E731
+                                                  for x in ("--" + k.replace("_", "-"), str(v))],
+                          *extra]
+    run(args(["--shards", "3"]))
+    sums = digests(glob.glob(os.path.join(out, "*.h5")))
+    p = run(args(["--shards", "1"]), expect=None)
+    refused(p, "--out", out, "already holds a cache set", "model.h5 and 3 shard files",
+            "--force", code=2)
+    check(digests(glob.glob(os.path.join(out, "*.h5"))) == sums, "a refused synth changed the set")
+    for np_ in (1, 2):
+        run(args(["--shards", "1", "--force"]), np_=np_)
+        have = sorted(os.listdir(out))
+        check(have == ["model.h5", "shard-0000.h5"], f"np {np_}: stale files after --force: {have}")
+        with h5py.File(os.path.join(out, "shard-0000.h5"), "r") as f:
+            check(int(f["seq_lens"].shape[0]) == 4, "the one new shard holds every sequence")
+        run(args(["--shards", "2", "--force"]), np_=np_)
+    # Not a folder: said of --out, before any work, exit 2.
+    nodes = special_outputs(os.path.join(wd, "special"))
+    plain = os.path.join(wd, "special", "file.h5")
+    with open(plain, "w") as f:
+        f.write("x")
+    nodes[plain] = stat.S_ISREG
+    for path, is_kind in nodes.items():
+        p = run(["synth", "--out", path, "--progress", "off"], expect=None)
+        refused(p, f"--out {path}", "not a folder", code=2)
+        check(p.stderr.count("\n") == 1, f"one line: {p.stderr[:300]}")
+        check(is_kind(os.stat(path).st_mode), f"{path} is no longer what it was")
+    check(sorted(os.listdir(os.path.join(wd, "special"))) ==
+          sorted(os.path.basename(p) for p in nodes), "synth wrote beside the special files")
+    # A read-only folder (mode 0555, for root too), itself or above --out.
+    ro = os.path.join(wd, "ro")
+    os.makedirs(ro)
+    os.chmod(ro, 0o555)
+    for path in (ro, os.path.join(ro, "new", "set")):
+        refused(run(["synth", "--out", path, "--progress", "off"], expect=None), "--out", path,
+                "read-only (mode 0555)", code=2)
+    check(os.listdir(ro) == [], f"synth wrote into a read-only folder: {os.listdir(ro)}")
+    os.chmod(ro, 0o755)
+    # A set whose shard name is a FIFO is not replaced, --force or not.
+    odd = os.path.join(wd, "odd")
+    os.makedirs(odd)
+    os.mkfifo(os.path.join(odd, "shard-0000.h5"))
+    for extra in ([], ["--force"]):
+        refused(run(["synth", "--out", odd, "--progress", "off", *extra], expect=None),
+                "shard-0000.h5", "not a regular file", code=2)
+    check(stat.S_ISFIFO(os.stat(os.path.join(odd, "shard-0000.h5")).st_mode), "FIFO replaced")
+    finish("synth_outputs")
 
 
 def skip_done():
