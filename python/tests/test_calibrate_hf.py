@@ -293,6 +293,33 @@ class InSitu(unittest.TestCase):
         self.assertIn("rank-0-of-1.json: field 'inputs' differs", p.stderr)
         self.assertFalse(os.path.exists(cut + ".2"))
 
+    def test_a_signal_after_the_last_window(self):
+        """SIGINT or SIGTERM after the last window is folded stops the run
+        as at any other moment (exit 75, said once, no output), and the
+        same command then resumes from the checkpoints to the whole run's
+        file; without --checkpoint it says nothing was kept."""
+        import signal
+        whole = os.path.join(self.wd, "late-whole.h5")
+        insitu(self.model, whole, num_seqs=4)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            out, ckpt = (os.path.join(self.wd, f"late-{sig.name}{x}") for x in (".h5", "-ck"))
+            late = {"KQSVD_TEST_SIGNAL_AFTER_FOLD": str(int(sig))}
+            for extra, says in ((["--checkpoint", ckpt], "run the same command to resume"),
+                                ([], "nothing kept")):
+                p = insitu(self.model, out, *extra, num_seqs=4, expect=None, env=late)
+                self.assertEqual(p.returncode, 75, p.stderr)
+                lines = [x for x in p.stderr.splitlines() if "stopped by signal" in x]
+                self.assertEqual(len(lines), 1, p.stderr)
+                self.assertIn(says, lines[0])
+                self.assertNotIn("Traceback", p.stderr)
+                self.assertFalse(os.path.exists(out))
+                self.assertEqual([f for f in os.listdir(self.wd) if f.startswith(".late")], [])
+            p = insitu(self.model, out, "--checkpoint", ckpt, num_seqs=4)
+            self.assertIn("resuming: 4 of 4 sequences", p.stderr)
+            a, b = datasets(out), datasets(whole)
+            for k in a:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
     def test_slurm_job(self):
         """slurm/calibrate_hf.sbatch on a real SLURM, 2 tasks: the output
         equals a 1-rank run; a job with bad input fails with the message

@@ -22,7 +22,7 @@ import time
 
 from ..calibration.capture import KEYS
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_input_file, check_outputs
+from ..formats.files import Staged, check_folder_output, check_input_file, check_outputs, write_all
 
 HELP = __doc__.split("\n\n")[0] + """
 
@@ -198,29 +198,31 @@ def run(args):
         log(comm, f"{args.out} is up to date (made from these inputs and options): nothing to do")
         return
     try:
+        inputs = [("--model", models.resolve(args.model)), ("--text", args.text)]
         if rank == 0:
-            check_outputs([("--out", args.out)], [("--model", models.resolve(args.model)),
-                                                  ("--text", args.text)],
-                          args.force or args.skip_done)
+            check_outputs([("--out", args.out)], inputs, args.force or args.skip_done)
+        if args.checkpoint:
+            check_folder_output("--checkpoint", args.checkpoint)
+        models.check_device(args.device, flags=True)
+        # What the model's header says, checked before the load: nothing is
+        # made (the checkpoint folder included) for options it refuses.
+        info, cfg = models.describe(args.model)
+        models.check_positions(info, cfg, args.seq_len, flags=True)
+        rope = rope_of(info.model_type, args.keys)
+        if info.num_kv_heads % args.head_groups:
+            raise UsageError(f"--head-groups {args.head_groups} does not divide the "
+                             f"{info.num_kv_heads} KV heads of {args.model}")
+        check_policy(args.ranks, args.beta, info.head_dim * args.head_groups)
+        dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
+        model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
+        seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
+                                                "train", bos=not args.no_bos, flags=True)
         if args.checkpoint:
             try:
                 os.makedirs(args.checkpoint, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"--checkpoint {args.checkpoint}: cannot make the folder: "
                                  f"{e.strerror}") from None
-            if os.path.realpath(os.path.dirname(os.path.abspath(args.out))).startswith(
-                    os.path.realpath(args.checkpoint) + os.sep):
-                raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}")
-        models.check_device(args.device, flags=True)
-        dtype = {"f32": torch.float32, "f64": torch.float64}[args.dtype]
-        model, tok, info = models.load(args.model, lm_head=False, device=args.device, dtype=dtype)
-        models.check_positions(info, model.config, args.seq_len, flags=True)
-        rope = rope_of(info.model_type, args.keys)
-        if info.num_kv_heads % args.head_groups:
-            raise UsageError(f"--head-groups {args.head_groups} does not divide the "
-                             f"{info.num_kv_heads} KV heads of {args.model}")
-        seqs, ntok, _, _ = models.token_windows(tok, args.text, args.seq_len, args.num_seqs,
-                                                "train", bos=not args.no_bos, flags=True)
         def new_cal():
             return Calibrator(info.num_layers, info.num_kv_heads,
                               info.num_heads // info.num_kv_heads, info.head_dim, info.hidden_size,
@@ -231,7 +233,6 @@ def run(args):
         on_device = TorchFold(info, args.device, "gram" if args.qr == "gram" else "qr",
                               args.head_groups) if args.fold == "torch" or (
             args.fold == "auto" and args.device != "cpu") else None
-        check_policy(args.ranks, args.beta, info.head_dim * args.head_groups)
     except (KqsvdError, OSError) as e:
         err = e
     agree(comm, err)
@@ -286,40 +287,63 @@ def run(args):
         if stop["signal"]:
             raise InterruptedError
 
+    def stopped():
+        """Collective: whether a signal reached any rank.  Every rank
+        stops together, at the same point, so none waits in a collective."""
+        hit = stop["signal"] or 0
+        hit = comm.allreduce(hit, op=max_op()) if comm else hit
+        if hit:
+            log(comm, f"stopped by signal {hit}: " +
+                (f"checkpoints in {args.checkpoint}; run the same command to resume"
+                 if ckpt else "no --checkpoint, nothing kept"))
+            raise SystemExit(EXIT_INTERRUPTED)
+
     t0 = time.time()
     try:
         fold_sequences(model, info, seqs[first + done:last], on_device or cal, args.device, after,
                        rope, args.head_groups)
     except InterruptedError:
-        log(comm, f"stopped by signal {stop['signal']}: " +
-            (f"checkpoints in {args.checkpoint}; run the same command to resume"
-             if ckpt else "no --checkpoint, nothing kept"))
-        raise SystemExit(EXIT_INTERRUPTED)
+        pass  # every rank learns of it in stopped()
     except KqsvdError as e:
         err = KqsvdError(f"rank {rank}: {e}" if comm else str(e))
     agree(comm, err)
+    test_signal = int(os.environ.get("KQSVD_TEST_SIGNAL_AFTER_FOLD", "0"))  # tests: a late signal
+    if test_signal and rank == 0:
+        os.kill(os.getpid(), test_signal)
+    stopped()
     seconds = time.time() - t0
     if on_device:
         on_device.into(cal)
     cal.reduce(comm, 0)
-    if rank == 0:
-        for l, w in enumerate(attention_out_proj(model, info.model_type)):
-            cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
-        res = cal.finish(args.ranks, args.beta)
-        res.write(args.out, model=args.model_name or args.model,
-                  tokens=args.num_seqs * args.seq_len, causal=info.causal,
-                  force=args.force or args.skip_done, inputs_hash=made_from, rope=rope,
-                  seq_len=args.seq_len)
-        rk, rv = res.ranks("kqsvd")
-        print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections of "
-              f"{info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on {size} "
-              f"rank{'s' if size > 1 else ''}{', keys before RoPE' if rope == 'pre' else ''} in "
-              f"{seconds:.2f} s, no caches written; kqsvd ranks "
-              f"{args.ranks}: rank_k {rk}, rank_v {rv}")
+    # Staged: a signal while solving or writing leaves no output, and is
+    # said (exit 75) as during the fold; the checkpoints stay until the end.
+    with Staged() as staged:
+        res = None
+        if rank == 0:
+            for l, w in enumerate(attention_out_proj(model, info.model_type)):
+                cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
+            res = cal.finish(args.ranks, args.beta)
+            res.write(staged.tmp(args.out), model=args.model_name or args.model,
+                      tokens=args.num_seqs * args.seq_len, causal=info.causal, force=True,
+                      inputs_hash=made_from, rope=rope, seq_len=args.seq_len)
+        stopped()
+        if rank == 0:
+            write_all([], staged)
+            rk, rv = res.ranks("kqsvd")
+            print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections "
+                  f"of {info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on "
+                  f"{size} rank{'s' if size > 1 else ''}"
+                  f"{', keys before RoPE' if rope == 'pre' else ''} in {seconds:.2f} s, no caches "
+                  f"written; kqsvd ranks {args.ranks}: rank_k {rk}, rank_v {rv}")
     if ckpt:
         if comm:
             comm.Barrier()  # the output exists before any checkpoint goes
         ckpt.remove()
+
+
+def max_op():
+    from mpi4py import MPI
+    return MPI.MAX
 
 
 def parse(argv):
@@ -373,6 +397,14 @@ def parse(argv):
     if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
                          "missing)")
+    if args.checkpoint:
+        # The run deletes its checkpoint files at the end; an output among
+        # them (even one named like them) would go with them.
+        ck = os.path.realpath(args.checkpoint)
+        out = os.path.realpath(args.out)
+        if out == ck or out.startswith(ck + os.sep):
+            raise UsageError(f"--out {args.out} lies inside --checkpoint {args.checkpoint}, whose "
+                             "files the run deletes; write it elsewhere")
     return args
 
 
