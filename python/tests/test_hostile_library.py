@@ -148,6 +148,58 @@ class Library(unittest.TestCase):
                 one_line(self, cm.exception, bad, f"'{attr}'")
                 os.remove(bad)
 
+    def test_bits_stored_as_groups(self):
+        """A bits field that is an HDF5 group, not a dataset, in either
+        form: one KqsvdError naming the file and the field (it was h5py's
+        TypeError in load_projections, the quality command and the
+        frontier, which all read bits here)."""
+        for form, side in (("heads", "k"), ("cols", "k"), ("cols", "v")):
+            with self.subTest(form=form, side=side):
+                bad = os.path.join(self.out, "bad.h5")
+                shutil.copyfile(self.bits, bad)
+                with h5py.File(bad, "r+") as f:
+                    g = f["kqsvd"]
+                    b = {s: g[f"bits_{s}_heads"][...] for s in "kv"}
+                    for s in "kv":
+                        del g[f"bits_{s}_heads"]
+                        name = f"bits_{s}_{form}"
+                        if s == side:
+                            g.create_group(name)
+                        else:  # the other side as a well-formed dataset of its form
+                            cols = np.zeros((L, HKV, D), np.int32)
+                            cols[:, :, :4] = 4
+                            g[name] = b[s] if form == "heads" else cols
+                with self.assertRaises(kqsvd.KqsvdError) as cm:
+                    load_projections(bad, "kqsvd")
+                self.assertNotIsInstance(cm.exception, kqsvd.UsageError)
+                one_line(self, cm.exception, bad, f"'kqsvd/bits_{side}_{form}'", "group",
+                         "dataset")
+                os.remove(bad)
+
+    def test_seq_len_bounded_by_tokens(self):
+        """seq_len, the longest calibration window, is no more than the
+        tokens the file saw: 2^62 or 2^64 - 1 beside tokens = 512 only
+        silenced the short-window warning."""
+        from kqsvd.formats.projections import calibrated_seq_len, window_warning
+        bad = os.path.join(self.out, "window.h5")
+        shutil.copyfile(self.proj, bad)
+        for tokens, seq_len, ok in ((512, 256, True), (512, 512, True), (512, 513, False),
+                                    (512, np.int64(2 ** 62), False),
+                                    (512, np.uint64(2 ** 64 - 1), False),
+                                    (0, np.int64(2 ** 62), False), (0, 4096, True)):
+            with self.subTest(tokens=tokens, seq_len=seq_len):
+                with h5py.File(bad, "r+") as f:
+                    f.attrs["tokens"] = np.int64(tokens)
+                    f.attrs["seq_len"] = seq_len
+                if ok:
+                    self.assertEqual(calibrated_seq_len(bad), int(seq_len))
+                    continue
+                for call in (calibrated_seq_len, lambda p: window_warning(p, 100)):
+                    with self.assertRaises(kqsvd.KqsvdError) as cm:
+                        call(bad)
+                    one_line(self, cm.exception, bad, "'seq_len'")
+        os.remove(bad)
+
     # -- 8, 19, 21: the binding's arguments, under its documented name -------
     def test_documented_name(self):
         from kqsvd import Calibrator as C

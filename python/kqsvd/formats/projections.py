@@ -461,14 +461,21 @@ def calibrated_seq_len(path):
     """The file's `seq_len` attribute (docs/formats.md 5.3): the longest
     window it was calibrated on, in tokens; None for a file that does not
     record it.  Raises KqsvdError naming the file for a value that is not a
-    positive whole number."""
+    positive whole number, or that exceeds the file's `tokens` (all the
+    tokens it saw; a window is never longer)."""
     with h5io.open_file(path, "projections") as f:
         if "seq_len" not in f.attrs:
             return None
         v = np.asarray(f.attrs["seq_len"])
-    if v.shape != () or v.dtype.kind not in "iu" or int(v) < 1:
+        tokens = np.asarray(f.attrs.get("tokens", 0))
+    if v.shape != () or v.dtype.kind not in "iu" or not 1 <= int(v) <= 1 << 40:
         raise KqsvdError(f"{path}: attribute 'seq_len' = {v.tolist()!r}: expected a positive "
-                         "whole number of tokens")
+                         "whole number of tokens (at most 2^40)")
+    # 0 or a malformed count is "unknown" (the contract's readers judge 'tokens').
+    seen = int(tokens) if tokens.shape == () and tokens.dtype.kind in "iu" else 0
+    if seen > 0 and int(v) > seen:
+        raise KqsvdError(f"{path}: attribute 'seq_len' = {int(v)} exceeds attribute 'tokens' = "
+                         f"{seen}: no calibration window is longer than all its tokens")
     return int(v)
 
 

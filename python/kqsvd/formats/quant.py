@@ -151,8 +151,12 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
                          "bits_k_cols and bits_v_cols")
     cols = names is forms[1]
     shape, allowed = ((L, H, d), COL_BITS) if cols else ((L, H), (0,) + BITS)
+    import h5py
     bits = []
     for i, n in enumerate(names):
+        if not isinstance(f[n], h5py.Dataset):
+            raise KqsvdError(f"{path}: '{n}' is an HDF5 group; expected a dataset of "
+                             f"{list(shape)} whole numbers")
         b = f[n][...]
         if b.shape != shape or not np.issubdtype(b.dtype, np.integer) or \
                 not np.isin(b, allowed).all():
