@@ -41,6 +41,17 @@ def rotation(site, values, cache_kwargs, kwargs, past):
     return site.rotary(values, pos)
 
 
+def _installed(site):
+    """site, still installed in its model; else KqsvdError: the cache's
+    columns are latents of projections that are gone, which no attention
+    can read (it was a raw torch error)."""
+    if not site.live:
+        raise KqsvdError("this latent cache belongs to a compressed model that no longer is: its "
+                         "projections were removed (compress(model, None), or the end of a "
+                         "compressed() block); start a new cache")
+    return site
+
+
 class LatentLayer(DynamicLayer):
     """A cache layer of one attention module; `site` is that module's
     installation (compressed.Site): its projections, and where the layer
@@ -63,7 +74,7 @@ class LatentLayer(DynamicLayer):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
         past = self.keys.shape[-2] if self.keys.dim() > 1 else 0  # empty until the first update
-        cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs, past)
+        cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs, past)
         kc, vc = self.site.P.project(key_states, value_states, cos, sin)
         self.keys = torch.cat([self.keys, kc], dim=-2)
         self.values = torch.cat([self.values, vc], dim=-2)
@@ -108,7 +119,7 @@ class QuantLayer(DynamicLayer):
         if self.stores is None:
             self.lazy_initialization(key_states, value_states)
         if self.site is not None:
-            cos, sin = rotation(self.site, value_states, cache_kwargs, kwargs,
+            cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
         codes = reads_codes(self.site, key_states)

@@ -18,6 +18,14 @@ modules, hooks, and any projections installed before the block.
 `with reading_codes(model):` switches only the attention function, so
 that a plain quantized cache's decode steps read codes (cache.py).
 
+How they compose: the model attends through the kqsvd function while
+anything needs it, projections installed (compress, compressed) or a
+reading_codes() block open, in any order; when the last of them goes,
+the implementation the model had before the first returns.  So
+compress() inside a reading_codes() block keeps its projections working
+after the block, and compress(model, None) after it gives back the
+model's own implementation, not the block's.
+
 Every matrix is built and checked before anything changes, so an error
 leaves the model untouched."""
 import contextlib
@@ -39,13 +47,15 @@ from .projection import LayerProjection
 class Site:
     """One attention module's installation: its projections P, the model's
     rotary embedding (keys before RoPE), probe mode's records, the
-    original o_proj while a folded one stands in, and the latent cache's
-    hand-off to the attention function."""
+    original o_proj while a folded one stands in, the latent cache's
+    hand-off to the attention function, and whether it is installed now
+    (`live`: a cache of a removed installation must not be used)."""
 
     def __init__(self, attn, P, rotary, probe, folded):
         self.attn, self.P, self.rotary = attn, P, rotary
         self.probe = [] if probe else None
         self.folded, self.o_original, self.handoff = folded, None, None
+        self.live = False
 
 
 def _decoder(model):
@@ -70,12 +80,13 @@ class _Install:
 
     def __init__(self, model, sites):
         self.model, self.sites = model, sites
-        self.saved, self.hook = None, None
+        self.hook = None
 
     def apply(self):
-        self.saved = _use_kqsvd(self.model)
+        _acquire(self.model, self)
         for s in self.sites:
             SITES[s.attn] = s
+            s.live = True
             if s.folded is not None:
                 s.o_original = s.attn.o_proj
                 s.attn.o_proj = s.folded
@@ -88,8 +99,9 @@ class _Install:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
-        _restore(self.saved or [])
+        _release(self.model, self)
         for s in self.sites:
+            s.live = False
             if SITES.get(s.attn) is s:
                 del SITES[s.attn]
             if s.o_original is not None:
@@ -117,6 +129,39 @@ class _Install:
 
 _INSTALLED = weakref.WeakKeyDictionary()
 _MISSING = object()
+# model -> (what _restore needs, the holders that need the kqsvd function):
+# one record per model, so that installations and reading_codes() blocks
+# may end in any order and the last one gives the model back its own.
+_SWITCHED = weakref.WeakKeyDictionary()
+
+
+def _acquire(model, holder):
+    """The model attends through the kqsvd function at least while
+    `holder` (an installation or a reading_codes() block) holds it."""
+    saved, holders = _SWITCHED.get(model, (None, []))
+    if not holders:
+        saved = _use_kqsvd(model)
+    _SWITCHED[model] = (saved, holders + [holder])
+
+
+def _release(model, holder):
+    """holder no longer needs the kqsvd function; the last one to go
+    restores the implementation the model had before the first came."""
+    saved, holders = _SWITCHED.get(model, (None, []))
+    holders = [h for h in holders if h is not holder]
+    if holders:
+        _SWITCHED[model] = (saved, holders)
+        return
+    _SWITCHED.pop(model, None)
+    _restore(saved or [])
+
+
+def _check_model(model, call):
+    """UsageError for a `model` that is not a transformers model (the
+    attribute errors of a string or None otherwise)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise UsageError(f"{call}: model must be a transformers model (a torch module with a "
+                         f"config), not {type(model).__name__}")
 
 
 def _use_kqsvd(model):
@@ -148,6 +193,7 @@ def _configs(cfg, seen=None):
 
 def _build(model, proj, fold, probe):
     """The installation of proj in model, built and checked, not applied."""
+    _check_model(model, "compress")
     if not isinstance(proj, Projections):
         hint = " (a path: load it with kqsvd.load_projections first)" if isinstance(
             proj, (str, os.PathLike)) else ""
@@ -196,6 +242,7 @@ def compress(model, proj, fold=False, probe=False):
     an unsupported model or transformers, or projections of other sizes;
     the model is then unchanged."""
     check_transformers()
+    _check_model(model, "compress")
     _swap(model, None if proj is None else _build(model, proj, fold, probe))
     return model
 
@@ -236,18 +283,22 @@ def reading_codes(model):
     function inside the block (SDPA itself where there are no codes to
     read) and is exactly as it was after it.  Inside the block, the
     thread's QuantCaches serve this model only.  Yields the model.  Not
-    collective, not thread-safe; raises KqsvdError for a model whose
-    family the kqsvd attention does not support."""
+    collective, not thread-safe; raises UsageError for a model that is not
+    a transformers model, KqsvdError for a model whose family the kqsvd
+    attention does not support.  Projections installed inside the block
+    keep the kqsvd function after it (module docstring)."""
     check_transformers()
+    _check_model(model, "reading_codes")
     attention_modules(model)
-    saved = _use_kqsvd(model)
+    block = object()
+    _acquire(model, block)
     PLAIN.depth += 1
     try:
         yield model
     finally:
         PLAIN.depth -= 1
         PLAIN.handoff = None
-        _restore(saved)
+        _release(model, block)
 
 
 def layer_projections(model):
@@ -269,6 +320,7 @@ def probe_errors(model):
 def latent_cache(model):
     """A new, empty latent cache for a model with projections installed, to
     pass as past_key_values (the model starts one by itself otherwise)."""
+    _check_model(model, "latent_cache")
     inst = _INSTALLED.get(model)
     if inst is None:
         raise KqsvdError("no projections are installed in this model: call compress() first")
