@@ -16,10 +16,8 @@ for p in $packages; do
 done
 if [ -n "$missing" ]; then
   echo "bootstrap: installing$missing" >&2
-  sudo=""
-  [ "$(id -u)" -ne 0 ] && sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  # shellcheck disable=SC2086 # one word a package
+  "$root/scripts/apt-install.sh" $missing  # waits for another apt holding the lock
 fi
 
 # shellcheck disable=SC2086

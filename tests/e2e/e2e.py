@@ -24,6 +24,7 @@ hf_minilm       all-MiniLM-L6-v2 exported, calibrated, evaluated vs the referenc
 few_rows        more ranks than rows (np 6, 8, 13 on 5 rows): no hang, the 1-rank result
 options         output and checkpoint arguments refused before any work
 synth_outputs   synth --out: an existing set kept without --force, replaced whole with it; not a folder
+apt_lock        scripts/apt-install.sh waits for another apt holding its locks, within a bound (root)
 skip_done       --skip-done sees a shard rewritten with the same size and mtime
 hostile_files   overflowing seq_lens, mistagged bf16, virtual and external data, long strings
 checkpoints     damaged checkpoints refused by name; an intact one resumes bit for bit
@@ -61,6 +62,7 @@ from scenarios_library import accumulator, calibrate_ref, pipeline  # noqa: E402
 from scenarios_manifest import manifest_reader  # noqa: E402
 from scenarios_nompi import gpu_abi, nompi  # noqa: E402
 from scenarios_ranks import ranks_cmd  # noqa: E402
+from scenarios_setup import apt_lock  # noqa: E402
 from scenarios_slurm import manifest, slurm, slurm_scripts  # noqa: E402
 
 SCENARIOS = {f.__name__: f for f in
@@ -70,7 +72,7 @@ SCENARIOS = {f.__name__: f for f in
               eval_memory, figures, manifest, slurm, hf_export, hf_export_runs, hf_minilm, qr_gram,
               qr_scalapack, gpu, few_rows, options, skip_done, hostile_files, checkpoints,
               signals, examples_usage, manifest_reader, slurm_scripts, ranks_cmd, accumulator,
-              calibrate_ref, pipeline, head_ranks, head_groups, synth_outputs)}
+              calibrate_ref, pipeline, head_ranks, head_groups, synth_outputs, apt_lock)}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in SCENARIOS:
