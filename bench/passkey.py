@@ -10,92 +10,270 @@ presses and kqsvd's stored files, each through its own cache.
 
 The presses need kvpress (.venv-peers; --presses none without it).  Each
 trial prefills its whole context: about 9 s at 2,048 tokens, 32 s at 4,096
-and 2 minutes at 8,192 on 2 cores in float32 for the full model."""
+and 2 minutes at 8,192 on 2 cores in float32 for the full model.
+
+Everything is checked before the model loads, as the package's commands
+check it (docs/guide/commands.md): every option, the text (UTF-8), each
+--proj file (readable, of the model's sizes), kvpress for the presses, each
+length against the model's positions, and the report's place.  Errors are
+one line: exit 2 for the command line and the output, 1 for an input file,
+130 for Ctrl-C or SIGTERM; the report is written only when every trial has
+run, under a temporary name renamed at the end."""
 import argparse
 import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
+from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.formats.quant import BITS
+from kqsvd.quality.peers import PRESSES
+
+PROG = "passkey.py"
+TEXT = os.path.join("examples", "data", "jargon-file-4.4.7.txt")
+# Relative to the current folder, as before; made only when the report is
+# written, so that a run that fails leaves no empty folder behind.
+DEFAULT_JSON = os.path.join("data", "passkey", "passkey.json")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--text", default="examples/data/jargon-file-4.4.7.txt")
-    ap.add_argument("--proj", action="append", default=[], help="a kqsvd file, its stored policy")
-    ap.add_argument("--lengths", default="2048")
-    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
-    ap.add_argument("--plain", default="4,3")
-    ap.add_argument("--presses", default="expected:0.25,expected:0.125")
+def _depth(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0 <= v <= 1:  # NaN and the infinities fail this too
+        raise argparse.ArgumentTypeError(f"{text} is not a depth in [0, 1] (the share of the "
+                                         "filler before the key)")
+    return v
+
+
+def _bits(text):
+    v = count(1)(text)
+    if v not in BITS:
+        raise argparse.ArgumentTypeError(f"{text} bits: expected one of "
+                                         f"{', '.join(map(str, BITS))}")
+    return v
+
+
+def _press(text):
+    name, colon, kept = text.partition(":")
+    if name not in PRESSES or not colon:
+        raise argparse.ArgumentTypeError(f"'{text}' is not PRESS:KEPT, PRESS one of "
+                                         f"{', '.join(PRESSES)}")
+    try:
+        f = float(kept)
+    except ValueError:
+        f = -1.0
+    if not 0 < f < 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"'{text}': the share kept, '{kept}', is not a "
+                                         "fraction in (0, 1)")
+    return name, f
+
+
+def _or_none(read):
+    """read, or no item for 'none' (or nothing), as the frontier takes
+    --plain and --presses."""
+    def parse(text):
+        return [] if text.strip() in ("", "none") else read(text)
+    parse.__name__ = read.__name__
+    return parse
+
+
+def parse(argv):
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                    help="model folder, GGUF file or id (offline) [%(default)s]")
+    ap.add_argument("--text", help=f"UTF-8 text whose second half is the filler [{TEXT} of "
+                    "this repository]")
+    ap.add_argument("--proj", action="append", default=[],
+                    help="a kqsvd projections file, run with its stored policy; repeat it to "
+                    "compare files")
+    ap.add_argument("--lengths", type=listed(count(1)), default="2048",
+                    help="tokens of each prompt, question included, at most the model's "
+                    "max_position_embeddings less the answer's; comma-separated [%(default)s]")
+    ap.add_argument("--depths", type=listed(_depth), default="0.1,0.3,0.5,0.7,0.9",
+                    help="where the key sits, each a share of the filler in [0, 1] "
+                    "[%(default)s]")
+    ap.add_argument("--plain", type=_or_none(listed(_bits)), default="4,3",
+                    help=f"bits of plain quantized caches, each one of "
+                    f"{', '.join(map(str, BITS))}, or none [%(default)s]")
+    ap.add_argument("--presses", type=_or_none(listed(_press)),
+                    default="expected:0.25,expected:0.125",
+                    help=f"kvpress presses PRESS:KEPT, PRESS one of {', '.join(PRESSES)} and "
+                    "KEPT the share of the context kept, or none [%(default)s]")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="data/passkey/passkey.json")
+    ap.add_argument("--seed", type=count(0), default=0, help="draws the keys [0]")
+    ap.add_argument("--json", help=f"the report [{DEFAULT_JSON} in the current folder, its "
+                    "folders made when the report is written]; a --json given must be in a "
+                    "folder that exists")
     ap.add_argument("--force", action="store_true", help="replace the report if it exists")
-    a = ap.parse_args()
-    from kqsvd.errors import KqsvdError
-    from kqsvd.formats.files import check_input_file, check_outputs, write_atomic
-    try:  # every input and the report's place, before minutes of work
-        check_input_file("--text", a.text)
-        for path in a.proj:
-            check_input_file("--proj", path)
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        check_outputs([("--json", a.json)], [("--text", a.text)] +
-                      [("--proj", p) for p in a.proj], a.force)
-    except KqsvdError as e:
-        sys.exit(f"passkey.py: error: {e}")
+    a = ap.parse_args(argv)
+    a.windows = {}  # each press's window of queries, from check()
+    if a.text is None:
+        a.text = os.path.join(ROOT, TEXT)
+    return a
+
+
+def _stem(path):
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _check_window(name, length, context, window):
+    if context <= window:
+        raise UsageError(f"--lengths {length}: the press {name} needs a context (the prompt less "
+                         f"its question) of more than its window of {window} tokens")
+
+
+def check(a):
+    """Every check that needs no model weights, in the order a user would
+    fix them: the options, the inputs, the model's header, the output.
+    Returns the text, the projections and the folders to make for the
+    report (the default's, where missing)."""
+    from kqsvd import models
+    from kqsvd.formats.files import check_folder_output, check_input_file, check_outputs
+    from kqsvd.formats.projections import check_sizes, file_sizes, load_projections
+    from kqsvd.quality.peers import PressPeer, need
+    from kqsvd.quality.retrieval import DIGITS
+    check_input_file("--text", a.text)
+    try:
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise KqsvdError(f"--text {a.text}: not UTF-8 text (byte {e.start})") from None
+    projs, seen = [], {}
+    for path in a.proj:
+        check_input_file("--proj", path)
+        st = os.stat(path)  # a link to a file given already is that file
+        if (st.st_dev, st.st_ino) in seen:
+            raise UsageError(f"--proj {path}: the same file as --proj {seen[st.st_dev, st.st_ino]}")
+        seen[st.st_dev, st.st_ino] = path
+        projs.append(load_projections(path, "kqsvd"))
+    stems = {}
+    for path in a.proj:  # the report has one row per name
+        if _stem(path) in stems:
+            raise UsageError(f"--proj {path}: named [{_stem(path)}] in the report, as --proj "
+                             f"{stems[_stem(path)]} is; give the files names of their own")
+        stems[_stem(path)] = path
+    for name, kept in a.presses:
+        try:  # kvpress importable, and with this transformers
+            PressPeer(name, kept, 1 << 20).check()
+        except UsageError as e:
+            raise UsageError(f"--presses {name}:{kept:g}: {e} (or give --presses none)") from None
+        # SnapKV scores the context by its last window_size queries, and
+        # fails inside kvpress on a shorter one
+        a.windows[name] = getattr(getattr(need("kvpress", name), PRESSES[name])(), "window_size", 0)
+        for n in a.lengths:
+            _check_window(name, n, n, a.windows[name])
+    info, cfg = models.describe(a.model)
+    if not info.causal:
+        raise KqsvdError(f"{a.model}: the passkey needs a causal decoder, not '{info.model_type}'")
+    for path in a.proj:
+        check_sizes(file_sizes(path, ("kqsvd",)), path, info.sizes(), a.model)
+    # The answer's tokens stay within the model's positions: a length at the
+    # limit is the prompt and answer together.
+    limit = getattr(cfg, "max_position_embeddings", None)
+    for n in a.lengths if limit else ():
+        if n > limit - DIGITS - 1:
+            raise UsageError(f"--lengths {n}: at most {limit - DIGITS - 1}, the model's "
+                             f"max_position_embeddings = {limit} less the answer's {DIGITS + 1} "
+                             "tokens")
+    inputs = [("--text", a.text), ("--model", info.path)] + [("--proj", p) for p in a.proj]
+    path, missing = a.json or DEFAULT_JSON, []
+    folder = os.path.dirname(os.path.abspath(path))
+    if a.json is None and not os.path.lexists(folder):
+        check_folder_output("--json", os.path.dirname(path), inputs)
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+    else:
+        check_outputs([("--json", path)], inputs, a.force)
+    a.json = path
+    return text, projs, missing[::-1]
+
+
+def write(path, report, folders):
+    """The report, under a temporary name renamed when complete, in
+    `folders` made first (outermost first) and removed again should the
+    write fail or be interrupted."""
+    from kqsvd.formats.files import write_atomic
+
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+    made = []
+    try:
+        for d in folders:
+            if not os.path.isdir(d):  # made meanwhile by another run: not ours to remove
+                os.mkdir(d)
+                made.append(d)
+        write_atomic(path, dump)
+    except BaseException:
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        raise
+
+
+def run(a):
+    text, projs, folders = check(a)
     import torch
     from kqsvd import models
-    from kqsvd.formats.projections import load_projections
     from kqsvd.formats.quant import QuantScheme
     from kqsvd.quality.configs import Latent, PlainQuant
-    from kqsvd.quality.retrieval import DIGITS, accuracy, passkey
+    from kqsvd.quality.peers import PressPeer
+    from kqsvd.quality.retrieval import DIGITS, accuracy, passkey, passkey_prompt
     t0 = time.time()
-    model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
-    with open(a.text, encoding="utf-8") as f:
-        ids = tok(f.read(), add_special_tokens=False)["input_ids"]
-    filler = ids[len(ids) // 2:]  # the validation half: text no file was calibrated on
-    configs = [PlainQuant(int(b), QuantScheme()) for b in a.plain.split(",") if b]
-    if a.presses != "none":
-        from kqsvd.quality.peers import PressPeer
-        for item in a.presses.split(","):
-            name, _, kept = item.partition(":")
-            configs.append(PressPeer(name, float(kept), 1 << 20))
+    configs = [PlainQuant(b, QuantScheme()) for b in a.plain]
+    configs += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
     kept = {}
-    for path in a.proj:
-        p = load_projections(path, "kqsvd")
-        tag = f" [{os.path.splitext(os.path.basename(path))[0]}]"
-        configs.append(Latent("stored", "kqsvd", p, tag))
+    for path, p in zip(a.proj, projs):
+        configs.append(Latent("stored", "kqsvd", p, f" [{_stem(path)}]"))
         kept[configs[-1].label] = p.cache_kept()
-    # The answer's tokens stay within the model's positions: a length at the
-    # limit (8,192 for SmolLM2) is the prompt and answer together.
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    lengths = [min(int(x), limit - DIGITS - 1) for x in a.lengths.split(",")]
-    depths = [float(x) for x in a.depths.split(",")]
-    n = len(lengths) * len(depths) * (1 + len(configs))
+    model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    filler = ids[len(ids) // 2:]  # the validation half: text no file was calibrated on
+    for n in a.lengths:  # too little filler, or context: said before the first trial
+        try:
+            context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
+        except UsageError as e:
+            raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
+        for name, window in a.windows.items():
+            _check_window(name, n, len(context), window)
+    total = len(a.lengths) * len(a.depths) * (1 + len(configs))
     done = [0]
 
     def progress():
         done[0] += 1
-        print(f"passkey: {done[0]}/{n} answers, {time.time() - t0:.0f} s", file=sys.stderr,
+        print(f"passkey: {done[0]}/{total} answers, {time.time() - t0:.0f} s", file=sys.stderr,
               flush=True)
-    rows = passkey(model, tok, filler, lengths, depths, configs, a.seed, progress)
-    report = dict(model=a.model, text=os.path.basename(a.text), lengths=lengths, depths=depths,
-                  dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
+    rows = passkey(model, tok, filler, a.lengths, a.depths, configs, a.seed, progress)
+    report = dict(model=a.model, text=os.path.basename(a.text), lengths=a.lengths,
+                  depths=a.depths, dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
-
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-    write_atomic(a.json, write)
+    write(a.json, report, folders)
     w = max(len(k) for k in rows) + 2
-    print(f"{'configuration':<{w}}" + "".join(f"{n:>8}" for n in lengths))
+    print(f"{'configuration':<{w}}" + "".join(f"{n:>8}" for n in a.lengths))
     for label, got in rows.items():
-        print(f"{label:<{w}}" + "".join(f"{100 * accuracy(got, n):>7.0f}%" for n in lengths))
-    print(f"passkey: {len(depths)} depths per length, wrote {a.json} in "
+        print(f"{label:<{w}}" + "".join(f"{100 * accuracy(got, n):>7.0f}%" for n in a.lengths))
+    print(f"passkey: {len(a.depths)} depths per length, wrote {a.json} in "
           f"{time.time() - t0:.0f} s")
 
 
+def main(argv=None):
+    """The exit status of the command line argv (sys.argv's without it)."""
+    try:
+        return run_command(PROG, lambda: run(parse(argv)))
+    except SystemExit as e:  # --help
+        return e.code
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,6 +9,7 @@ when a long document is cached for questions to come.
 
 The answer is right when its first run of digits is the key, no more and
 no fewer digits (SmolLM2 sometimes appends one)."""
+import numbers
 import re
 
 import numpy as np
@@ -24,19 +25,38 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 DIGITS = 5
 
 
+def _check_prompt(length, depth):
+    """UsageError naming a length or depth passkey_prompt cannot place:
+    a depth outside [0, 1] puts the key before the filler's start or past
+    its end, and NaN or an infinity cannot be rounded to a token."""
+    def shown(v):  # numpy's repr of its scalars would say np.float64(nan)
+        return str(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else repr(v)
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+        raise UsageError(f"passkey: length {shown(length)} is not a whole number of tokens")
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Real) or not 0 <= depth <= 1:
+        raise UsageError(f"passkey: depth {shown(depth)} is not a number in [0, 1] (the share "
+                         "of the filler before the key)")
+
+
 def passkey_prompt(tok, filler, length, depth, key):
     """(context ids, question ids) of `length` tokens in all: INTRO, then
     the filler's tokens (a list of ids) with NEEDLE inserted after `depth`
     (0..1) of them.  UsageError when length leaves no room for filler or
-    needs more filler than given."""
+    needs more filler than given, when it is not a whole number, and when
+    depth is not a number in [0, 1] (NaN and the infinities included)."""
+    _check_prompt(length, depth)
+
     def enc(s):
         return tok(s, add_special_tokens=False)["input_ids"]
     head, needle, question = enc(INTRO), enc(NEEDLE.format(key=key)), enc(QUESTION)
     body = length - len(head) - len(needle) - len(question)
-    if body < 1 or body > len(filler):
-        raise UsageError(f"passkey: {length} tokens need {max(body, 1)} tokens of filler "
-                         f"(the text gives {len(filler)}), and at least "
-                         f"{len(head) + len(needle) + len(question) + 1} in all")
+    if body < 1:
+        raise UsageError(f"passkey: a prompt of {length} tokens leaves no room for filler: the "
+                         f"instructions, key and question take {length - body}, so at least "
+                         f"{length - body + 1}")
+    if body > len(filler):
+        raise UsageError(f"passkey: a prompt of {length} tokens needs {body} tokens of filler; "
+                         f"the text gives {len(filler)}")
     at = int(round(body * depth))
     return head + filler[:at] + needle + filler[at:body], question
 
