@@ -4,7 +4,7 @@ model of SmolLM2-135M-Instruct through `model.generate()`, with the model's
 default attention (SDPA) and generate()'s own cache for the full model,
 and each compressed configuration through the cache it ships.
 
-    .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8192] [--batches 1,8]
+    .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8160] [--batches 1,8]
         [--steps 32] [--repeats 3] [--rounds 1] [--threads 2] [--prefill-chunk N]
         [--mmap-threshold B] [--config SPEC ...] [--json OUT [--force]]
 
@@ -17,7 +17,11 @@ time from the first to the last.  Medians with their range over the
 repeats; with --rounds R, the whole list of configurations runs R times
 in turn and each ratio is the median of the rounds' ratios, each to its
 own round's full cache (on a shared machine, speed drifts between runs).
-Random tokens (speed does not depend on them; seed 0), greedy.
+Random tokens (speed does not depend on them; seed 0), greedy.  Each
+context and its --steps fit the model's positions (max_position_embeddings,
+8,192): the model attends over the prompt and every new token but the
+last, context + steps - 1 positions, so the default contexts end at
+8,193 - --steps.
 --prefill-chunk N prefills N tokens at a time (generate()'s
 prefill_chunk_size); --mmap-threshold B fixes glibc's mmap threshold
 (by default it rises to 32 MiB as large blocks are freed, and the heap
@@ -33,10 +37,12 @@ read as codes inside kqsvd.attention.reading_codes); quanto:B
 likewise);
 press:NAME:KEPT (a kvpress press keeping the fraction KEPT of the prompt's
 tokens at prefill, in .venv-peers); and kqsvd:PATH[=POLICY] (a projections
-file, POLICY its ranks, `stored` by default, METHOD/POLICY for another
-method, with @B for B-bit codes, e.g. kqsvd:proj.h5=fixed:32@4).
+file, relative to the current folder, POLICY its ranks, `stored` by
+default, METHOD/POLICY for another method, with @B for B-bit codes, e.g.
+kqsvd:proj.h5=fixed:32@4).
 kqsvd-32, kqsvd-32@4, g3-pre and g3-pre@4 name the files of the
-docs' older tables (bench/rank_allocation.sh, bench/head_groups.sh).
+docs' older tables (bench/rank_allocation.sh, bench/head_groups.sh), in the
+repository's data/ wherever the command runs.
 The full cache is measured first in every (context, batch), so each
 ratio is to the full cache of the same run.
 
@@ -48,12 +54,19 @@ quantization scheme and peers; by default at the report's context) and
 writes the report again with each result's decode figures beside its
 quality (`decode`: tokens/s, ratio to the full cache, prefill, peak
 memory), its table with a decode column and its plot with each point's
-ratio."""
+ratio.
+
+Every option, configuration (policy, bits, file, peer package), context,
+report and output is checked before the model loads and any run starts;
+errors are one line: exit 2 for the command line and outputs, 1 for an
+input file or a failed run, 130 for Ctrl-C or SIGTERM (nothing written)."""
 import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,60 +74,128 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (os.path.join(ROOT, "python"), os.path.dirname(os.path.abspath(__file__))):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from decode_frontier import annotate, frontier_specs, read_report  # noqa: E402
+from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
+
+PROG = "decode_speed.py"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ALIASES = {"kqsvd-32": "kqsvd:data/rank-allocation-post-rope/proj.h5=fixed:32",
-           "g3-pre": "kqsvd:data/head-groups-pre-rope/g3-fitted.quality-tuned-0.5.h5=stored"}
+# Absolute: the docs' tables name files of the repository's data/, wherever
+# the command runs; a kqsvd:PATH the user gives is the current folder's.
+ALIASES = {"kqsvd-32": "kqsvd:" + os.path.join(ROOT, "data", "rank-allocation-post-rope",
+                                               "proj.h5") + "=fixed:32",
+           "g3-pre": "kqsvd:" + os.path.join(ROOT, "data", "head-groups-pre-rope",
+                                             "g3-fitted.quality-tuned-0.5.h5") + "=stored"}
 DEFAULT = ["full", "int4", "kqsvd-32", "kqsvd-32@4", "g3-pre", "g3-pre@4"]
+DEFAULT_CONTEXTS = (1024, 4096)  # and the longest the model takes (parse)
 
 
 def spec_of(name):
-    """A configuration name with its alias expanded (bits kept)."""
+    """A configuration name with its alias expanded (bits kept) and its
+    file, if any, made absolute: the runs read the file the user meant."""
     base, at, bits = name.partition("@")
-    return ALIASES[base] + at + bits if base in ALIASES else name
+    spec = ALIASES[base] + at + bits if base in ALIASES else name
+    if not spec.startswith("kqsvd:"):
+        return spec
+    path, eq, rest = spec[6:].partition("=")
+    return "kqsvd:" + (os.path.abspath(path) if path else "") + eq + rest
 
 
 def latent_spec(spec):
-    """kqsvd:PATH[=[METHOD/]POLICY[@B]] -> (file, method, policy, bits)."""
+    """kqsvd:PATH[=[METHOD/]POLICY[@B]] -> (absolute file, method, policy,
+    bits); a part before '/' that looks like no policy is a method (as
+    the frontier reads 'kqsvd/stored@4', and fixed:32@4/8 is bits)."""
     from kqsvd.formats.quant import split_bits
     path, _, pol = spec[6:].partition("=")
-    method, slash, rest = (pol or "stored").partition("/")
-    method, pol = (method, rest) if slash else ("kqsvd", pol or "stored")
-    return (os.path.join(ROOT, path), method) + tuple(split_bits(pol))
+    head, slash, rest = (pol or "stored").partition("/")
+    method, pol = (head, rest) if slash and not any(c in head for c in ":@") \
+        and head != "stored" else ("kqsvd", pol or "stored")
+    base, bits = split_bits(pol)
+    return (os.path.abspath(path) if path else path, method, base, bits)
 
 
-def check(spec):
-    """Refuses a SPEC that cannot run (UsageError or KqsvdError, one line),
-    before any process starts; returns its projections file or None."""
-    from kqsvd.errors import UsageError
-    from kqsvd.formats.files import check_input_file
+def check(spec, info, contexts, scheme, what=None):
+    """Refuses a SPEC that cannot run (UsageError or KqsvdError, one line
+    starting with `what`, by default '--config SPEC') before any process
+    starts: its syntax, peer package, policy and file, read as the run
+    reads it.  Returns (key, input file or None), key equal for two names
+    of one configuration."""
+    what = what or f"--config {spec}"
     from kqsvd.formats.quant import BITS
+    from kqsvd.quality.peers import BACKENDS, PRESSES, PressPeer, QuantizedCachePeer
+    kind, _, rest = spec.partition(":")
     if spec in ("full", "sdpa-off"):
-        return None
-    if spec.startswith("int") and spec[3:].isdigit() and int(spec[3:]) in BITS:
-        return None
-    if spec in ("quanto:2", "quanto:4", "hqq:2", "hqq:4"):
-        return None
-    if spec.startswith("press:"):
-        from kqsvd.quality.peers import PRESSES
-        name, _, kept = spec[6:].partition(":")
+        return spec, None
+    if spec.startswith("int") and not rest:
+        if not (spec[3:].isdigit() and int(spec[3:]) in BITS):
+            raise UsageError(f"{what}: intB takes B among {', '.join(map(str, BITS))}")
+        return ("int", int(spec[3:])), None
+    if kind in BACKENDS:
+        if rest not in ("2", "4"):
+            raise UsageError(f"{what}: expected {kind}:2 or {kind}:4")
+        try:  # its package, here rather than in each run
+            QuantizedCachePeer(kind, int(rest), scheme.group).check()
+        except UsageError as e:
+            raise UsageError(f"{what}: {_here(e)}") from None
+        return (kind, int(rest)), None
+    if kind == "press":
+        name, _, kept = rest.partition(":")
         try:
-            ok = name in PRESSES and 0 < float(kept) < 1
+            k = float(kept)
         except ValueError:
-            ok = False
-        if not ok:
-            raise UsageError(f"--config {spec}: expected press:NAME:KEPT, NAME among "
+            k = math.nan
+        if name not in PRESSES or not 0 < k < 1:
+            raise UsageError(f"{what}: expected press:NAME:KEPT, NAME among "
                              f"{', '.join(PRESSES)}, KEPT a fraction in (0, 1)")
-        return None
-    if spec.startswith("kqsvd:"):
-        from kqsvd.formats.projections import METHODS
-        path, method, _, _ = latent_spec(spec)
-        if method not in METHODS:
-            raise UsageError(f"--config {spec}: method '{method}' is not one of "
-                             f"{', '.join(METHODS)}")
-        check_input_file("--config", path)
-        return path
-    raise UsageError(f"--config {spec}: not full, sdpa-off, intB, quanto:B, press:NAME:KEPT or "
-                     "kqsvd:PATH[=POLICY]")
+        for n in contexts:  # kvpress itself, and a prompt longer than the press's window
+            try:
+                PressPeer(name, k, n).check()
+            except UsageError as e:
+                raise UsageError(f"{what}: {_here(e)}".replace("--context ", "--contexts ")) \
+                    from None
+        return ("press", name, k), None
+    if kind == "kqsvd":
+        return _check_latent(spec, info, scheme, what)
+    raise UsageError(f"{what}: not full, sdpa-off, intB, quanto:B, hqq:B, "
+                     "press:NAME:KEPT or kqsvd:PATH[=POLICY] (see --help)")
+
+
+def _here(e):
+    """A peer's message, its advice for the frontier made this command's."""
+    return str(e).replace("python -m kqsvd.frontier", "python3 bench/decode_speed.py")
+
+
+def _check_latent(spec, info, scheme, what):
+    from kqsvd.formats.files import check_input_file
+    from kqsvd.formats.projections import (METHODS, check_sizes, file_sizes, load_projections,
+                                           policy_ranks)
+    from kqsvd.formats.quant import with_bits
+    try:
+        path, method, pol, bits = latent_spec(spec)
+    except UsageError as e:
+        raise UsageError(f"{what}: {e}") from None
+    if method not in METHODS:
+        raise UsageError(f"{what}: method '{method}' is not one of {', '.join(METHODS)}")
+    if not path:
+        raise UsageError(f"{what}: give the projections file, kqsvd:PATH[=POLICY]")
+    check_input_file(f"{what}:", path)
+    try:
+        got = policy_ranks(path, None if pol == "stored" else pol)
+        name = got["policy"]  # fixed:08 is fixed:8
+    except KqsvdError as e:
+        raise type(e)(f"{what}: {e}") from None
+    check_sizes(file_sizes(path, [method]), path, info.sizes(), MODEL)
+    # read whole as the run reads it: a bad dataset is found here, not after the full cache's run
+    got = got["methods"][method]
+    proj = load_projections(path, method, None if pol == "stored" else (got["rank_k"],
+                                                                          got["rank_v"]))
+    if bits is not None:
+        with_bits(proj, bits, scheme)
+    st = os.stat(path)  # a link to a file is that file
+    return ("kqsvd", st.st_dev, st.st_ino, method, pol if pol == "stored" else name, bits), path
 
 
 def install(model, info, spec, scheme, context):
@@ -134,7 +215,7 @@ def install(model, info, spec, scheme, context):
         b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
         return ((lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}),
                 lambda: reading_codes(model))
-    if spec.split(":")[0] in ("quanto", "hqq"):  # the backend's import is checked in the child
+    if spec.split(":")[0] in ("quanto", "hqq"):
         from kqsvd.quality.peers import QuantizedCachePeer
         backend, _, bits = spec.partition(":")
         peer = QuantizedCachePeer(backend, int(bits), scheme.group)
@@ -164,7 +245,6 @@ def install(model, info, spec, scheme, context):
 def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
     """Runs one configuration in this process (its prompt prefilled in
     pieces of `chunk` tokens, when given); returns its figures."""
-    sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
     torch.set_num_threads(threads)
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -238,48 +318,36 @@ class _Peak:
         return max(self.top, _rss() - self.base) / 2**20
 
 
-def frontier_specs(report, front_only):
-    """[(label, spec, index of the report's result)] for the configurations
-    of a `kqsvd frontier` report (only those on a front with front_only);
-    raises UsageError for a configuration it cannot name."""
-    from kqsvd.errors import UsageError
-    stems = {os.path.splitext(os.path.basename(p))[0]: p for p in report["proj"]}
-    out = []
-    for i, r in enumerate(report["results"]):
-        if front_only and not (r["front"] or r["front_kl"]):
-            continue
-        label, family = r["label"], r["family"]
-        if family == "int-N cache":
-            spec = label
-        elif family.startswith("QuantizedCache"):
-            backend, _, bits = label.partition("-int")
-            spec = f"{backend}:{bits}"
-        elif family.startswith("kvpress"):
-            spec = f"press:{label}"
-        else:  # a latent: "METHOD POLICY [STEM]", the stem when the report has several files
-            head, _, stem = label.partition(" [")
-            method, _, policy = head.partition(" ")
-            path = stems.get(stem.rstrip("]")) if stem else report["proj"][0]
-            if path is None:
-                raise UsageError(f"--frontier: '{label}' names no file of the report")
-            spec = f"kqsvd:{os.path.abspath(path)}={method}/{policy}"
-        out.append((label, spec, i))
-    return out
-
-
-def annotate(report, rows, specs, setup):
-    """The frontier report with each measured result's decode figures."""
-    report = dict(report, results=[dict(r) for r in report["results"]])
-    figures = lambda r: {k: r[k] for k in ("context", "batch", "decode_tok_s",  # noqa: E731
-                                           "decode_range", "against_full", "prefill_s",
-                                           "peak_above_model_mb")}
-    report["decode_full"] = [figures(r) for r in rows if r["config"] == "full"]
-    for label, spec, i in specs:
-        got = [figures(r) for r in rows if r["config"] == spec]
-        if i is not None and got:
-            report["results"][i]["decode"] = got
-    report["decode_setup"] = setup
-    return report
+def run_one(cmd, env, what):
+    """One configuration's process: its row, or KqsvdError with its last
+    error line (a traceback is its last line, not echoed); Ctrl-C or
+    SIGTERM ends it with this run."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as p:
+        try:
+            stdout, stderr = p.communicate()
+        except BaseException:  # Ctrl-C, SIGTERM: the run ends with this one, reaped
+            p.kill()
+            p.wait()
+            raise
+    if p.returncode in (130, -signal.SIGINT, -signal.SIGTERM):
+        raise KeyboardInterrupt
+    if p.returncode == 0:
+        try:
+            return json.loads(stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            pass
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    last = lines[-1] if lines else ""
+    for prefix in (f"{PROG}: error: ", f"{PROG}: "):
+        last = last[len(prefix):] if last.startswith(prefix) else last
+    if p.returncode == 0:
+        why = "it printed no figures"
+    elif p.returncode < 0:
+        why = f"killed by signal {-p.returncode}" + (f" ({last})" if last else "")
+    else:
+        why = last or f"exit status {p.returncode}"
+    raise KqsvdError(f"{what}: the run failed: {why}")
 
 
 def measure(named, n, b, a, scheme, env):
@@ -287,21 +355,15 @@ def measure(named, n, b, a, scheme, env):
     cache first, --rounds times in turn (full, A, B, ..., full, A, B,
     ...): a row per configuration, its figures the medians over rounds and
     its ratio the median of each round's ratio to that round's full cache,
-    so that the machine's drift between rounds cancels.  None (after a
-    message) when a run fails."""
+    so that the machine's drift between rounds cancels."""
     runs = {spec: [] for _, spec, _ in named}
     for k in range(a.rounds):
         for name, spec, _ in named:
-            p = subprocess.run([sys.executable, __file__, "--one", spec, str(n), str(b),
-                                "--steps", str(a.steps), "--repeats", str(a.repeats),
-                                "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
-                               + (["--prefill-chunk", str(a.prefill_chunk)]
-                                  if a.prefill_chunk else []),
-                               capture_output=True, text=True, env=env)
-            if p.returncode:
-                print(f"{name} at {n} x {b}: failed\n{p.stderr[-2000:]}", file=sys.stderr)
-                return None
-            r = json.loads(p.stdout.strip().splitlines()[-1])
+            r = run_one([sys.executable, os.path.abspath(__file__), "--one", spec, str(n), str(b),
+                         "--steps", str(a.steps), "--repeats", str(a.repeats),
+                         "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
+                        + (["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []),
+                        env, f"{name} at {n} x {b}")
             r["against_full"] = r["decode_tok_s"] / runs["full"][k]["decode_tok_s"] \
                 if spec != "full" else 1.0
             runs[spec].append(r)
@@ -324,80 +386,122 @@ def measure(named, n, b, a, scheme, env):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts")
-    ap.add_argument("--batches", default="1")
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
+def parse(argv):
+    from kqsvd.commands.cli import ArgumentParser, count, listed
+    ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="\n\n".join(__doc__.split("\n\n")[3:]))
+    ap.add_argument("--contexts", type=listed(count(1)), metavar="N,...",
+                    help="prompt lengths; each + --steps within the model's positions "
+                         "[1024,4096,8192 - --steps; with --frontier the report's context]")
+    ap.add_argument("--batches", type=listed(count(1)), default=[1], metavar="B,...",
+                    help="prompts decoded together [1]")
+    ap.add_argument("--steps", type=count(2), default=32, help="new tokens per generate() [32]")
+    ap.add_argument("--repeats", type=count(1), default=3, help="timed generate() calls [3]")
+    ap.add_argument("--threads", type=count(1), default=2, help="torch threads per run [2]")
+    ap.add_argument("--rounds", type=count(1), default=1,
                     help="run every configuration this many times in turn; ratios are "
-                         "the median of each round's")
-    ap.add_argument("--prefill-chunk", type=int, metavar="N",
+                         "the median of each round's [1]")
+    ap.add_argument("--prefill-chunk", type=count(1), metavar="N",
                     help="prefill the prompt N tokens at a time (generate()'s "
                          "prefill_chunk_size), for every configuration alike")
-    ap.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+    ap.add_argument("--mmap-threshold", type=count(1), metavar="BYTES",
                     help="glibc's mmap threshold in every run (MALLOC_MMAP_THRESHOLD_): "
                          "fixed, freed activations go back to the system")
-    ap.add_argument("--config", action="append", help="a SPEC (see above); repeat it")
-    ap.add_argument("--json")
-    ap.add_argument("--frontier", help="a kqsvd frontier report: measure its configurations")
+    ap.add_argument("--config", action="append", metavar="SPEC",
+                    help=f"a configuration (below); repeat it [{' '.join(DEFAULT)}]")
+    ap.add_argument("--json", help="the rows, one per configuration, context and batch")
+    ap.add_argument("--frontier", metavar="REPORT",
+                    help="a kqsvd frontier report: measure its configurations")
     ap.add_argument("--front-only", action="store_true", help="only those on a Pareto front")
     ap.add_argument("--annotate", help="with --frontier: the report with decode figures added")
-    ap.add_argument("--plot", help="with --annotate: its plot, each point with its ratio")
+    ap.add_argument("--plot", help="with --annotate: its plot (.png), each point with its ratio")
     ap.add_argument("--force", action="store_true", help="replace outputs that exist")
     ap.add_argument("--scheme", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
-    a = ap.parse_args()
-    if a.steps < 2 or a.repeats < 1 or a.rounds < 1 or any(
-            v is not None and v < 1 for v in (a.prefill_chunk, a.mmap_threshold)):
-        ap.error("--steps at least 2, --repeats and --rounds at least 1, --prefill-chunk "
-                 "and --mmap-threshold at least 1")
+    a = ap.parse_args(argv)
     if a.one:
-        print(json.dumps(one(a.one[0], int(a.one[1]), int(a.one[2]), a.steps, a.repeats,
-                             a.threads, json.loads(a.scheme), a.prefill_chunk)))
-        return 0
+        return a
     if (a.annotate or a.front_only) and not a.frontier or a.plot and not a.annotate:
-        ap.error("--annotate and --front-only go with --frontier, --plot with --annotate")
+        raise UsageError("--annotate and --front-only go with --frontier, --plot with --annotate")
     if a.frontier and a.config:
-        ap.error("--frontier measures the report's configurations: no --config with it")
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    from kqsvd.errors import KqsvdError
-    from kqsvd.formats.files import check_input_file, check_outputs, write_atomic
+        raise UsageError("--frontier measures the report's configurations: no --config with it")
+    from kqsvd import models
+    from kqsvd.commands.cli import check_plot
+    from kqsvd.formats.files import check_outputs
+    from kqsvd.formats.quant import QuantScheme
+    check_plot(a.plot)
+    a.report = read_report(a.frontier) if a.frontier else None
+    # the model's sizes and positions from its config, without its weights
+    info, cfg = models.describe(MODEL)
+    maxpos = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+    if a.steps >= maxpos:
+        raise UsageError(f"--steps {a.steps}: the model takes {maxpos} positions, prompt and "
+                         "new tokens together")
+    given = "--contexts" if a.contexts else "the report's context"  # the defaults fit
+    if a.contexts is None:
+        a.contexts = [a.report["context"]] if a.report else sorted(
+            {n for n in DEFAULT_CONTEXTS if n + a.steps - 1 <= maxpos} |
+            {min(8192, maxpos) + 1 - a.steps})
+    for n in a.contexts:  # the last new token is never fed back
+        models.check_positions(info, cfg, n + a.steps - 1,
+                               label=f"{given} {n} + --steps {a.steps} - 1")
+    scheme = QuantScheme(**a.report["scheme"]) if a.report else QuantScheme()
+    a.scheme = dataclasses.asdict(scheme)
+    if a.report:
+        a.named = frontier_specs(a.report, a.front_only, a.frontier)
+    else:
+        a.named = [(n, spec_of(n), None) for n in a.config or DEFAULT]
+    # the full cache first in every (context, batch): each ratio is to its own run's
+    if all(spec != "full" for _, spec, _ in a.named):
+        a.named.insert(0, ("full", "full", None))
+    a.named.sort(key=lambda x: x[1] != "full")
+    seen, inputs = {}, []
+    for name, spec, _ in a.named:
+        key, path = check(spec, info, a.contexts, scheme, f"--frontier {a.frontier}: result "
+                          f"'{name}'" if a.report else f"--config {name}")
+        if key in seen and a.report:
+            raise KqsvdError(f"--frontier {a.frontier}: '{name}' is one configuration with "
+                             f"'{seen[key]}'")
+        if key in seen:
+            raise UsageError(f"--config {name}: given twice" + ("" if seen[key] == name else
+                                                               f" (as '{seen[key]}')"))
+        seen[key] = name
+        if path:
+            inputs.append(("--config", path))
+    if a.frontier:
+        inputs.append(("--frontier", a.frontier))
+    check_outputs([("--json", a.json), ("--annotate", a.annotate), ("--plot", a.plot)],
+                  inputs + [("the model", models.resolve(MODEL))], a.force)
+    return a
+
+
+def child(a):
+    """--one SPEC N B: one configuration's figures, a JSON line on stdout."""
+    from kqsvd.formats.quant import QuantScheme
+    spec, n, b = a.one
+    if not (n.isdigit() and b.isdigit() and int(n) > 0 and int(b) > 0):
+        raise UsageError(f"--one {spec} {n} {b}: the context and batch are whole numbers above 0")
+    try:
+        scheme = QuantScheme(**json.loads(a.scheme)).check("--scheme")
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--scheme {a.scheme}: {e}") from None
+    print(json.dumps(one(spec, int(n), int(b), a.steps, a.repeats, a.threads,
+                         dataclasses.asdict(scheme), a.prefill_chunk)), flush=True)
+
+
+def run(a):
+    if a.one:
+        return child(a)
     t0 = time.time()
-    try:  # every configuration and the reports' places, before minutes of work
-        report, scheme = None, {}
-        if a.frontier:
-            check_input_file("--frontier", a.frontier)
-            with open(a.frontier) as f:
-                report = json.load(f)
-            if report.get("kqsvd_format") != "frontier":
-                raise KqsvdError(f"{a.frontier}: not a kqsvd frontier report (kqsvd_format)")
-            scheme = report["scheme"]
-            named = frontier_specs(report, a.front_only)
-        else:
-            named = [(n, spec_of(n), None) for n in a.config or DEFAULT]
-        # the full cache first in every (context, batch): each ratio is to its own run's
-        named = [("full", "full", None)] + [x for x in named if x[1] != "full"]
-        inputs = [("--config", p) for p in (check(spec) for _, spec, _ in named) if p]
-        if a.frontier:
-            inputs.append(("--frontier", a.frontier))
-        check_outputs([("--json", a.json), ("--annotate", a.annotate), ("--plot", a.plot)],
-                      inputs, a.force)
-    except (KqsvdError, KeyError, ValueError) as e:
-        sys.exit(f"decode_speed.py: error: {e}")
-    contexts = a.contexts or (str(report["context"]) if report else "1024,4096,8192")
-    rows, env = [], dict(os.environ)
+    named, rows, env = a.named, [], dict(os.environ)
     if a.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
-    for n in (int(x) for x in contexts.split(",")):
-        for b in (int(x) for x in a.batches.split(",")):
-            got = measure(named, n, b, a, scheme, env)
-            if got is None:
-                return 1
+    for n in a.contexts:
+        for b in a.batches:
+            got = measure(named, n, b, a, a.scheme, env)
             for name, r in zip((x[0] for x in named), got):
                 path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
                 label = "kqsvd:" + os.path.basename(path) + eq + pol \
@@ -408,22 +512,38 @@ def main():
                       f"{r['decode_tok_s']:>14.2f}{f'{lo:.2f}-{hi:.2f}':>16}"
                       f"{r['against_full']:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
-    if a.json:
-        def write(tmp):
-            with open(tmp, "w") as f:
-                json.dump(rows, f, indent=1)
-        write_atomic(a.json, write)
+    from kqsvd.commands.cli import write_report
+    from kqsvd.formats.files import write_all
+
+    def write_rows(tmp):
+        with open(tmp, "w") as f:
+            json.dump(rows, f, indent=1)
     if a.annotate:
-        from kqsvd.commands.cli import write_report
         from kqsvd.commands.frontier import plot, table
         setup = dict(steps=a.steps, repeats=a.repeats, threads=a.threads, dtype="float32",
                      prefill_chunk=a.prefill_chunk, mmap_threshold=a.mmap_threshold,
                      rounds=a.rounds,
                      baseline="SDPA, generate()'s cache", elapsed_s=time.time() - t0)
-        out = annotate(report, rows, named, setup)
-        out["elapsed_s"] = report.get("elapsed_s", 0.0) + setup["elapsed_s"]
-        write_report(out, a.annotate, a.plot, plot, table)
-    return 0
+        out = annotate(a.report, rows, named, setup)
+        out["elapsed_s"] = a.report.get("elapsed_s", 0.0) + setup["elapsed_s"]
+        if a.json:  # the rows with the report, or neither
+            from kqsvd.formats.files import Staged
+            with Staged() as staged:
+                write_rows(staged.tmp(a.json))
+                write_report(out, a.annotate, a.plot, plot, table, staged)
+        else:
+            write_report(out, a.annotate, a.plot, plot, table)
+    elif a.json:
+        write_all([(a.json, write_rows)])
+
+
+def main(argv=None):
+    """The exit status of the command line argv (sys.argv's without it)."""
+    from kqsvd.commands.cli import run_command
+    try:
+        return run_command(PROG, lambda: run(parse(argv)))
+    except SystemExit as e:  # --help
+        return e.code
 
 
 if __name__ == "__main__":
