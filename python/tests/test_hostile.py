@@ -346,6 +346,19 @@ class Hostile(HostileCase):
         self.assertEqual(p.returncode, 0, p.stderr)
         self.assertTrue(os.path.exists(os.path.join(nested, "model.h5")))
         shutil.rmtree(os.path.join(self.out, "a"))
+        # A shard's or model.h5's name that is a FIFO is refused, not read
+        # (reading one waits forever) nor replaced.
+        for name in ("shard-0000.h5", "model.h5"):
+            odd = os.path.join(self.out, "odd")
+            os.makedirs(odd)
+            os.mkfifo(os.path.join(odd, name))
+            p = export(odd)
+            lines = [x for x in p.stderr.splitlines() if x.strip()]
+            self.assertEqual((p.returncode, len(lines)), (1, 1), p.stderr)
+            self.assertIn(f"{name}: not a regular file", lines[0])
+            self.assertEqual(listing(odd), [name])
+            self.assertTrue(stat.S_ISFIFO(os.stat(os.path.join(odd, name)).st_mode))
+            shutil.rmtree(odd)
 
     # -- the library -------------------------------------------------------------
     def test_library_ranks(self):

@@ -21,6 +21,7 @@ import numpy as np
 
 from .capture import Capture, attention_out_proj
 from ..errors import KqsvdError
+from ..formats.files import publish
 
 # The request's fields in the order they are compared, with the option that
 # sets each (named when a folder holds another request's export).
@@ -84,12 +85,28 @@ def _recorded(path):
         raise KqsvdError(f"{path}: attribute 'export_request' is not JSON") from None
 
 
+def check_names(out):
+    """Refuses (KqsvdError) a folder where a name of the export's files
+    (model.h5, shard-NNNN.h5 and their temporary names) is not a regular
+    file: reading a FIFO would wait forever, and the rename at the end
+    must not replace a device.  Needs no model: called before the load."""
+    if not os.path.isdir(out):
+        return
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        ours = name.startswith(("model.h5", "shard-")) and ".h5" in name
+        if ours and not os.path.isfile(path):
+            raise KqsvdError(f"{path}: not a regular file (a device, FIFO, socket or folder); "
+                             "remove it, or export into another folder")
+
+
 def survey(out, req, nshards):
     """Prepares --out for the request: drops temporary files of an
     interrupted run, checks every shard already there, and refuses a folder
     of another export.  Returns (finished shard indices, whether model.h5
     is there, i.e. the export is complete).  Raises KqsvdError."""
     os.makedirs(out, exist_ok=True)
+    check_names(out)
     done, complete = set(), False
     for name in sorted(os.listdir(out)):
         path = os.path.join(out, name)
@@ -204,7 +221,7 @@ class Exporter:
                     bar.update(len(chunk))
             finally:
                 cap.close()
-        os.replace(path + ".tmp", path)
+        publish(path + ".tmp", path)
 
     def _model_file(self):
         import h5py
@@ -216,7 +233,7 @@ class Exporter:
                                        info.num_heads * info.head_dim), a.dtype)
             for l, w in enumerate(attention_out_proj(self.model, info.model_type)):
                 ds[l] = encode(w.detach(), a.dtype)
-        os.replace(path + ".tmp", path)
+        publish(path + ".tmp", path)
 
     def run(self, done):
         """Writes the shards not in `done`, then model.h5 (last, so that its

@@ -60,9 +60,10 @@ def export(args, name):
         raise KqsvdError(f"{e.name} is missing; scripts/hf-env.sh prepares .venv with "
                          "everything the exporter needs") from None
     from .. import models
-    from ..calibration.cache_export import Exporter, request, survey
+    from ..calibration.cache_export import Exporter, check_names, request, survey
     from ..calibration.capture import rope_of
     t0 = time.time()
+    check_names(args.out)
     # f64 caches come from a float64 forward pass, so they are exact to float64.
     weights = args.weights_dtype or ("f64" if args.dtype == "f64" else "own")
     model, tok, info = models.load(args.model, lm_head=False, device=args.device,

@@ -179,6 +179,25 @@ class Staged:
         return self.tmps[path]
 
 
+def check_replaceable(path):
+    """KqsvdError unless a rename may put a file at path: nothing there, a
+    regular file, or a link (replaced itself, never followed).  Checked
+    again at the end of a run, which may have been long: a name that became
+    a device or a FIFO meanwhile is left as it is."""
+    if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
+        raise KqsvdError(f"{path}: is no longer a regular file; nothing written")
+
+
+def publish(tmp, path):
+    """Renames the finished temporary file tmp to path (check_replaceable
+    first); KqsvdError naming path.  The caller removes tmp on failure."""
+    check_replaceable(path)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+
+
 def write_atomic(path, write):
     """Calls write(tmp) for a new temporary file in path's folder, gives it
     the mode a newly created file gets (0666 less the umask), then renames
@@ -211,14 +230,9 @@ def write_all(outputs, staged=None):
                 os.chmod(tmp, _umask_mode())
             done += list(staged.tmps.items())
         for path, _ in done:
-            # Checked again at the end: the run may have been long.
-            if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
-                raise KqsvdError(f"{path}: is no longer a regular file; nothing written")
+            check_replaceable(path)
         for path, tmp in done:
-            try:
-                os.replace(tmp, path)
-            except OSError as e:
-                raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+            publish(tmp, path)
         if staged is not None:
             staged.tmps.clear()
     finally:
