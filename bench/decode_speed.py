@@ -139,7 +139,7 @@ def check(spec, info, contexts, scheme, what=None):
         try:  # its package, here rather than in each run
             QuantizedCachePeer(kind, int(rest), scheme.group).check()
         except UsageError as e:
-            raise UsageError(f"{what}: {_here(e)}") from None
+            raise UsageError(f"{what}: {e}") from None
         return (kind, int(rest)), None
     if kind == "press":
         name, _, kept = rest.partition(":")
@@ -154,18 +154,13 @@ def check(spec, info, contexts, scheme, what=None):
             try:
                 PressPeer(name, k, n).check()
             except UsageError as e:
-                raise UsageError(f"{what}: {_here(e)}".replace("--context ", "--contexts ")) \
+                raise UsageError(f"{what}: {e}".replace("--context ", "--contexts ")) \
                     from None
         return ("press", name, k), None
     if kind == "kqsvd":
         return _check_latent(spec, info, scheme, what)
     raise UsageError(f"{what}: not full, sdpa-off, intB, quanto:B, hqq:B, "
                      "press:NAME:KEPT or kqsvd:PATH[=POLICY] (see --help)")
-
-
-def _here(e):
-    """A peer's message, its advice for the frontier made this command's."""
-    return str(e).replace("python -m kqsvd.frontier", "python3 bench/decode_speed.py")
 
 
 def _check_latent(spec, info, scheme, what):

@@ -300,7 +300,7 @@ class HostileDecodeSpeed(unittest.TestCase):
                               ("press:snapkv:0.5", "kvpress")):
             if importlib.util.find_spec(package) is None:  # .venv has none of them
                 self.refused(["--contexts", "256", "--config", spec], 2, f"--config {spec}",
-                             package, "bench/decode_speed.py")
+                             package, ".venv-peers/bin/python")
         if importlib.util.find_spec("kvpress") is not None:  # .venv-peers: the press's window
             self.refused(["--contexts", "32", "--config", "press:snapkv:0.5"], 2, "--contexts 32")
 

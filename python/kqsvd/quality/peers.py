@@ -18,8 +18,9 @@ PRESSES = {"snapkv": "SnapKVPress", "expected": "ExpectedAttentionPress", "knorm
 BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}
 # The peers pin transformers below kqsvd's newest (kvpress 0.5.5: < 5.3), so
 # they live in an environment of their own rather than capping kqsvd's range.
+# Said by every command and bench that runs a peer, so it names none of them.
 SET_UP = ("the peers' environment has it: scripts/hf-env.sh prepares .venv-peers "
-          "(examples/requirements-peers.txt); run .venv-peers/bin/python -m kqsvd.frontier")
+          "(examples/requirements-peers.txt); run the command with .venv-peers/bin/python")
 # import name -> distribution name, for the version it declares it needs
 DISTRIBUTIONS = {"kvpress": "kvpress", "optimum": "optimum-quanto", "hqq": "hqq"}
 
