@@ -63,7 +63,7 @@ def make_set(a, tokens):
     if not (os.path.exists(stamp) and open(stamp).read() == " ".join(opts)):
         print(f"making the {tokens}-token set in {out} ...", file=sys.stderr, flush=True)
         sh(["mpirun", "-np", str(a.np)] + [os.path.join(BUILD, "kqsvd"), "synth", "--out", out,
-                                          "--progress", "off"] + opts)
+                                          "--progress", "off", "--force"] + opts)
         with open(stamp, "w") as f:
             f.write(" ".join(opts))
     return os.path.join(out, "model.h5"), sorted(glob.glob(os.path.join(out, "shard-*.h5")))

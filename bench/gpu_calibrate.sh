@@ -35,7 +35,7 @@ if [ ! -f "$data/model.h5" ]; then
   shards=$((seqs >= 512 ? 16 : seqs < 8 ? seqs : 8))
   mpirun -np "$cpu_ranks" build/kqsvd synth --out "$data" --layers $L --heads $HQ --kv-heads $HKV \
     --head-dim $D --hidden 1024 --seqs "$seqs" --seq-len 2048 --min-seq-len 2048 --shards $shards \
-    --dtype bf16 --progress off
+    --dtype bf16 --progress off --force  # model.h5 comes last: a set without it is partial
 fi
 # The fold's flops: 2 d^2 per row folded into a d x d factor (Householder's
 # count; the Gram fold's GEMMs do the same), (Hq + 2 Hkv) L rows a token.
