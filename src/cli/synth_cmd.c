@@ -148,8 +148,8 @@ done:
 static int of_a_set(const char *name) {
   int n = -1;
   if (strcmp(name, "model.h5") == 0) return 1;
-  return strncmp(name, "shard-", 6) == 0 && sscanf(name + 6, "%*[0-9].h5%n", &n) == 0 &&
-         n > 0 && name[6 + n] == '\0';
+  return strncmp(name, "shard-", 6) == 0 && sscanf(name + 6, "%*[0-9].h5%n", &n) == 0 && n > 0 &&
+         name[6 + n] == '\0';
 }
 
 /* The set --out already holds, checked before any work (rank 0): none, or

@@ -70,7 +70,8 @@ int main(void) {
     if (force == 0) CHECK(mkfifo(fifo, 0600) == 0, "mkfifo: %s", strerror(errno));
     refused(acc, fifo, force, "not a regular file");
     snprintf(link, sizeof link, "%s/null.h5", dir);
-    if (force == 0) CHECK(symlink(have_dev ? dev : fifo, link) == 0, "symlink: %s", strerror(errno));
+    if (force == 0)
+      CHECK(symlink(have_dev ? dev : fifo, link) == 0, "symlink: %s", strerror(errno));
     refused(acc, link, force, "not a regular file");
     snprintf(sock, sizeof sock, "%s/sock.h5", dir);
     if (force == 0) {
@@ -78,8 +79,7 @@ int main(void) {
       CHECK(strlen(sock) < sizeof a.sun_path, "socket path too long");
       memcpy(a.sun_path, sock, strlen(sock) + 1);
       const int s = socket(AF_UNIX, SOCK_STREAM, 0);
-      CHECK(s >= 0 && bind(s, (struct sockaddr *)&a, sizeof a) == 0, "socket: %s",
-            strerror(errno));
+      CHECK(s >= 0 && bind(s, (struct sockaddr *)&a, sizeof a) == 0, "socket: %s", strerror(errno));
       close(s);
     }
     refused(acc, sock, force, "not a regular file");
