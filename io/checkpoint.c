@@ -61,7 +61,11 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
   checksum(fp, pos, nvals, state, sum);
   kqsvd_signal_track(tmp);
   file = H5Fcreate(tmp, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
-  KQSVD_CHECK(file >= 0, KQSVD_ERR_IO, "%s: cannot create checkpoint file", tmp);
+  if (file < 0) {
+    kqsvd_signal_untrack(tmp);
+    tmp[0] = '\0'; /* not made: nothing of ours to remove */
+    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create the checkpoint's temporary file", path);
+  }
   KQSVD_CALL(kqsvd_h5_put_str(file, "kqsvd_format", "checkpoint"));
   KQSVD_CALL(kqsvd_h5_put_str(file, "fingerprint", fp));
   KQSVD_CALL(kqsvd_h5_put_str(file, "about", about));
@@ -214,7 +218,19 @@ done:
 }
 
 void kqsvd_checkpoint_remove(const char *dir, int rank, int nranks) {
-  char path[PATH_MAX];
+  char path[PATH_MAX], stem[64];
   ckpt_path(path, sizeof path, dir, rank, nranks);
   remove(path);
+  /* A save cut short by a crash (SIGKILL, a lost node) leaves its
+   * temporary file, under a name no later save reuses. */
+  snprintf(stem, sizeof stem, "%s.tmp-", strrchr(path, '/') + 1);
+  DIR *dp = opendir(dir);
+  if (!dp) return;
+  for (struct dirent *e; (e = readdir(dp));) {
+    if (strncmp(e->d_name, stem, strlen(stem)) != 0) continue;
+    char old[PATH_MAX + 256];
+    snprintf(old, sizeof old, "%s/%s", dir, e->d_name);
+    remove(old);
+  }
+  closedir(dp);
 }

@@ -41,7 +41,8 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
 kqsvd_status_t kqsvd_checkpoint_load_file(const char *path, uint64_t fingerprint, int64_t nvals,
                                           double *state, kqsvd_checkpoint_pos_t *pos, int isolate);
 
-/* Deletes this rank's checkpoint file (after a successful run). */
+/* Deletes this rank's checkpoint file, and the temporary files of saves
+ * that a crash cut short (after a successful run).  Not collective. */
 void kqsvd_checkpoint_remove(const char *dir, int rank, int nranks);
 
 #endif

@@ -36,10 +36,12 @@ static kqsvd_status_t writer_new(const char *path, const kqsvd_dims_t *dims, kqs
   if (w->file < 0) {
     kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
     kqsvd_error_clear();
+    kqsvd_signal_untrack(w->tmp);
+    w->tmp[0] = '\0'; /* not made: nothing of ours to remove */
     KQSVD_FAIL(KQSVD_ERR_IO,
-               "%s: cannot create its temporary file %s (does the folder exist and is it "
+               "%s: cannot create its temporary file (does the folder exist and is it "
                "writable?)",
-               w->path, w->tmp);
+               w->path);
   }
   KQSVD_CALL(kqsvd_h5_mem_type(t, &w->mtype));
   KQSVD_CALL(kqsvd_h5_write_dims(w->file, format, dims, 1));

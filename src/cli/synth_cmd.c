@@ -144,16 +144,22 @@ done:
   return st;
 }
 
-/* Whether `name` is a file of a set: model.h5 or shard-NNNN.h5. */
+/* Whether `name` is a file of a set, model.h5 or shard-NNNN.h5 (1), or
+ * the temporary file of one that a crash left, NAME.tmp-... (2); else 0. */
 static int of_a_set(const char *name) {
   int n = -1;
-  if (strcmp(name, "model.h5") == 0) return 1;
-  return strncmp(name, "shard-", 6) == 0 && sscanf(name + 6, "%*[0-9].h5%n", &n) == 0 && n > 0 &&
-         name[6 + n] == '\0';
+  const char *tail = NULL;
+  if (strncmp(name, "model.h5", 8) == 0)
+    tail = name + 8;
+  else if (strncmp(name, "shard-", 6) == 0 && sscanf(name + 6, "%*[0-9].h5%n", &n) == 0 && n > 0)
+    tail = name + 6 + n;
+  if (!tail) return 0;
+  return *tail == '\0' ? 1 : strncmp(tail, ".tmp-", 5) == 0 ? 2 : 0;
 }
 
 /* The set --out already holds, checked before any work (rank 0): none, or
- * with --force regular files that remove_set() then deletes, so that no
+ * with --force regular files that a second call (remove_it) deletes with
+ * the temporary files of a crashed run, so that no
  * shard of an older set, of another shape perhaps, stays beside the new
  * one.  Without --force an existing set is kept. */
 static kqsvd_status_t check_set(const synth_opts_t *o, int remove_it) {
@@ -161,9 +167,14 @@ static kqsvd_status_t check_set(const synth_opts_t *o, int remove_it) {
   DIR *d = opendir(o->out);
   int64_t n = 0, model = 0;
   char path[PATH_MAX];
-  if (!d) return KQSVD_OK; /* made by the run (kqsvd_check_folder_output) */
+  if (!d) { /* missing: made by the run (kqsvd_check_folder_output) */
+    KQSVD_CHECK(errno == ENOENT, KQSVD_ERR_USAGE, "--out %s: cannot list it: %s", o->out,
+                strerror(errno));
+    return KQSVD_OK;
+  }
   for (struct dirent *e; (e = readdir(d));) {
-    if (!of_a_set(e->d_name)) continue;
+    const int kind = of_a_set(e->d_name);
+    if (!kind) continue;
     struct stat sb;
     KQSVD_CHECK(snprintf(path, sizeof path, "%s/%s", o->out, e->d_name) < (int)sizeof path,
                 KQSVD_ERR_USAGE, "--out %s: path too long", o->out);
@@ -173,7 +184,7 @@ static kqsvd_status_t check_set(const synth_opts_t *o, int remove_it) {
     KQSVD_CHECK(!remove_it || unlink(path) == 0, KQSVD_ERR_IO, "%s: cannot remove it: %s", path,
                 strerror(errno));
     model += strcmp(e->d_name, "model.h5") == 0;
-    n++;
+    n += kind == 1;
   }
   KQSVD_CHECK(n == 0 || o->force, KQSVD_ERR_USAGE,
               "--out %s already holds a cache set (%s%lld shard file%s); give --force to "
@@ -181,7 +192,7 @@ static kqsvd_status_t check_set(const synth_opts_t *o, int remove_it) {
               o->out, model ? "model.h5 and " : "", (long long)(n - model),
               n - model == 1 ? "" : "s");
 done:
-  closedir(d);
+  if (d) closedir(d);
   return st;
 }
 

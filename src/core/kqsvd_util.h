@@ -39,13 +39,13 @@ int kqsvd_mkdir_p(const char *path);
  * made, so that two writers in one process (threads, a checkpoint and an
  * output) never share one.  Create it exclusively (O_EXCL, H5F_ACC_EXCL),
  * so that a link planted under that name is never followed.  Returns 0,
- * or -1 when the name does not fit.  Thread-safe. */
+ * or -1 (tmp "") when the name does not fit.  Thread-safe. */
 int kqsvd_tmp_path(const char *path, char *tmp, size_t n);
 
 /* A text output's temporary file: names it (kqsvd_tmp_path, into tmp) and
- * opens it for writing, created exclusively.  NULL with errno set when it
- * cannot be made (tmp is then "" if the name did not fit).  The caller
- * closes it and hands it to kqsvd_publish, or removes it. */
+ * opens it for writing, created exclusively.  NULL with errno set and tmp
+ * "" when it cannot be made.  The caller closes it and hands it to
+ * kqsvd_publish, or removes it. */
 FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n);
 
 /* Renames the finished temporary file `tmp` to `path`, unless `path` has

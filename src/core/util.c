@@ -93,21 +93,25 @@ int kqsvd_tmp_path(const char *path, char *tmp, size_t n) {
   static _Atomic unsigned long made;
   const unsigned long k = atomic_fetch_add(&made, 1) % 100000;
   const int w = snprintf(tmp, n, "%s.tmp-%ld-%lu", path, (long)getpid(), k);
-  return w >= 0 && (size_t)w < n ? 0 : -1;
+  if (w >= 0 && (size_t)w < n) return 0;
+  tmp[0] = '\0'; /* no cut name for a caller to remove */
+  return -1;
 }
 
 FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n) {
   if (kqsvd_tmp_path(path, tmp, n) != 0) {
-    tmp[0] = '\0';
     errno = ENAMETOOLONG;
     return NULL;
   }
   const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
   FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
-  if (fd >= 0 && !f) {
+  if (!f) {
     const int e = errno;
-    close(fd);
-    remove(tmp);
+    if (fd >= 0) {
+      close(fd);
+      remove(tmp);
+    }
+    tmp[0] = '\0'; /* what is there now, if anything, is not ours */
     errno = e;
   }
   return f;

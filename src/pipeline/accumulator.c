@@ -3,12 +3,10 @@
  * and solved.  Its state is calibrate's: per item, the packed triangles of
  * K, Q and V in that order, so checkpoints and results are the same. */
 #include <inttypes.h>
-#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kqsvd/accumulator.h"
 #include "kqsvd_acc.h"
@@ -458,16 +456,10 @@ kqsvd_status_t kqsvd_acc_save(const kqsvd_acc_t *a, const char *path, int force)
   kqsvd_error_clear();
   double *all = NULL;
   char about[256];
-  struct stat sb;
-  KQSVD_CHECK(a && path && *path, KQSVD_ERR_USAGE,
-              "kqsvd_acc_save: acc and path must not be NULL or empty");
-  KQSVD_CHECK(strlen(path) + KQSVD_TMP_SUFFIX_MAX < PATH_MAX, KQSVD_ERR_USAGE,
-              "%.64s...: path too long", path);
+  KQSVD_CHECK(a && path, KQSVD_ERR_USAGE, "kqsvd_acc_save: acc and path must not be NULL");
   /* The rename at the end would replace whatever the name is: /dev/null
    * became a regular file so once. */
-  KQSVD_CALL(kqsvd_check_output_place(NULL, path));
-  KQSVD_CHECK(force || stat(path, &sb) != 0, KQSVD_ERR_USAGE,
-              "%s exists; it is replaced only when asked to (force)", path);
+  KQSVD_CALL(kqsvd_check_output(NULL, path, force));
   const int64_t ns = kqsvd_acc_state_doubles(a), nw = a->nitems * (int64_t)a->tri;
   KQSVD_MALLOC(all, (size_t)saved_doubles(a), "accumulator checkpoint");
   flush((kqsvd_acc_t *)a); /* the cache, not the factors, changes */

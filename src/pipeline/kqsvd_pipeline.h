@@ -162,10 +162,11 @@ kqsvd_status_t kqsvd_check_file_args(const char *out_opt, const char *out, int n
  * Not collective.  Errors: KQSVD_ERR_USAGE naming `opt` and `path`. */
 kqsvd_status_t kqsvd_check_output_place(const char *opt, const char *path);
 
-/* Checks before any work that output `path` (given as option `opt`) can be
- * made: its name leaves room for the temporary suffix, it holds no control
- * character, kqsvd_check_output_place, and it does not exist unless
- * `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
+/* Checks before any work that output `path` (given as option `opt`; NULL
+ * for a library call, whose messages then name the path and `force`) can
+ * be made: its name leaves room for the temporary suffix, it holds no
+ * control character, kqsvd_check_output_place, and it does not exist
+ * unless `force`.  Not collective.  Errors: KQSVD_ERR_USAGE. */
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force);
 
 /* Checks before any work that folder output `dir` (given as option `opt`)

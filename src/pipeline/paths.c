@@ -69,6 +69,17 @@ done:
   return st;
 }
 
+/* A path that a job script or a log line can carry: no control bytes. */
+static kqsvd_status_t printable(const char *name, const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  for (const char *c = path; *c; c++)
+    KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
+                "%s: the path holds a control character (byte 0x%02x)", name,
+                (unsigned)(unsigned char)*c);
+done:
+  return st;
+}
+
 kqsvd_status_t kqsvd_check_folder_output(const char *opt, const char *dir) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat sb;
@@ -76,14 +87,14 @@ kqsvd_status_t kqsvd_check_folder_output(const char *opt, const char *dir) {
   KQSVD_CHECK(*dir, KQSVD_ERR_USAGE, "%s: give a folder", opt);
   KQSVD_CHECK(strlen(dir) + 32 < PATH_MAX, KQSVD_ERR_USAGE, "%s: the path is too long", opt);
   snprintf(name, sizeof name, "%s %s", opt, dir);
-  for (const char *c = dir; *c; c++)
-    KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
-                "%s: the path holds a control character (byte 0x%02x)", opt,
-                (unsigned)(unsigned char)*c);
+  KQSVD_CALL(printable(opt, dir));
   if (stat(dir, &sb) == 0)
     KQSVD_CHECK(S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
                 "%s is %s, not a folder; give a folder (made if missing)", name,
                 S_ISREG(sb.st_mode) ? "a file" : "a device, FIFO or socket");
+  else
+    KQSVD_CHECK(lstat(dir, &sb) != 0, KQSVD_ERR_USAGE,
+                "%s is a link to nothing; give a folder (made if missing)", name);
   /* The part that exists decides: the run makes the rest. */
   snprintf(where, sizeof where, "%s", dir);
   while (stat(where, &sb) != 0) {
@@ -106,24 +117,29 @@ done:
 kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) {
   kqsvd_status_t st = KQSVD_OK;
   const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
-  /* Outputs are written as NAME.tmp-PID first: that name must fit too, or
-   * the failure comes only after the whole run (deep inside MPI-IO). */
-  KQSVD_CHECK(*base, KQSVD_ERR_USAGE, "%s %s names a folder, not a file", opt, path);
+  /* opt NULL: a library call, whose caller names no option. */
+  const char *who = opt ? opt : path;
+  KQSVD_CHECK(*path, KQSVD_ERR_USAGE, "%s: give a file name", opt ? opt : "the output");
+  /* Outputs are written as NAME.tmp-PID-N first: that name must fit too,
+   * or the failure comes only after the whole run (deep inside MPI-IO). */
+  KQSVD_CHECK(*base, KQSVD_ERR_USAGE, "%s%s%s names a folder, not a file", opt ? opt : "",
+              opt ? " " : "", path);
   KQSVD_CHECK(strlen(base) + KQSVD_TMP_SUFFIX_MAX <= NAME_MAX, KQSVD_ERR_USAGE,
               "%s: the file name is %zu bytes long; at most %d fit with the temporary suffix "
               "kqsvd writes under (%s ...)",
-              opt, strlen(base), NAME_MAX - KQSVD_TMP_SUFFIX_MAX, path);
+              who, strlen(base), NAME_MAX - KQSVD_TMP_SUFFIX_MAX, path);
   KQSVD_CHECK(strlen(path) + KQSVD_TMP_SUFFIX_MAX < PATH_MAX, KQSVD_ERR_USAGE,
-              "%s: the path is %zu bytes long; at most %d are supported", opt, strlen(path),
+              "%s: the path is %zu bytes long; at most %d are supported", who, strlen(path),
               PATH_MAX - 1 - KQSVD_TMP_SUFFIX_MAX);
-  for (const char *c = path; *c; c++)
-    KQSVD_CHECK((unsigned char)*c >= 0x20 && *c != 0x7f, KQSVD_ERR_USAGE,
-                "%s: the path holds a control character (byte 0x%02x)", opt,
-                (unsigned)(unsigned char)*c);
+  KQSVD_CALL(printable(who, path));
   KQSVD_CALL(kqsvd_check_output_place(opt, path));
   /* A calibration takes hours: replacing one needs saying so. */
-  KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
-              "%s %s already exists; give --force to replace it", opt, path);
+  if (opt)
+    KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
+                "%s %s already exists; give --force to replace it", opt, path);
+  else
+    KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
+                "%s exists; it is replaced only when asked to (force)", path);
 done:
   return st;
 }

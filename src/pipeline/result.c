@@ -7,8 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "kqsvd/accumulator.h"
 #include "kqsvd_acc.h"
@@ -216,14 +214,10 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   kqsvd_error_clear(); /* a call reports its own failure, not an earlier one */
   kqsvd_proj_writer_t *w = NULL;
   char tmp[PATH_MAX + 32] = "";
-  struct stat sb;
   kqsvd_h5guard_t guard;
   int locked = 0;
-  KQSVD_CHECK(r && path && *path, KQSVD_ERR_USAGE, "kqsvd_result_write: res and path needed");
-  KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "%.64s...: path too long", path);
-  KQSVD_CALL(kqsvd_check_output_place(NULL, path));
-  KQSVD_CHECK(!(opt && opt->force) ? stat(path, &sb) != 0 : 1, KQSVD_ERR_USAGE,
-              "%s exists; it is replaced only when asked to (force)", path);
+  KQSVD_CHECK(r && path, KQSVD_ERR_USAGE, "kqsvd_result_write: res and path needed");
+  KQSVD_CALL(kqsvd_check_output(NULL, path, opt && opt->force));
   const char *hash = opt && opt->inputs_hash && *opt->inputs_hash ? opt->inputs_hash : NULL;
   KQSVD_CHECK(!hash || strlen(hash) < 64, KQSVD_ERR_USAGE,
               "kqsvd_result_write: inputs_hash longer than 63 characters");
@@ -233,6 +227,11 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CHECK(!opt || opt->seq_len >= 0, KQSVD_ERR_USAGE,
               "kqsvd_result_write: seq_len is %lld, expected 0 (unknown) or more",
               (long long)(opt ? opt->seq_len : 0));
+  /* A window is no longer than all the tokens seen (readers refuse it). */
+  const int64_t seen = opt && opt->tokens > 0 ? opt->tokens : r->tokens;
+  KQSVD_CHECK(!opt || seen <= 0 || opt->seq_len <= seen, KQSVD_ERR_USAGE,
+              "kqsvd_result_write: seq_len %lld exceeds the %lld tokens calibrated on",
+              (long long)opt->seq_len, (long long)seen);
   kqsvd_tmp_path(path, tmp, sizeof tmp); /* fits: path is under PATH_MAX */
   kqsvd_proj_meta_t meta;
   memset(&meta, 0, sizeof meta);

@@ -203,6 +203,10 @@ def synth_outputs():
         check(is_kind(os.stat(path).st_mode), f"{path} is no longer what it was")
     check(sorted(os.listdir(os.path.join(wd, "special"))) ==
           sorted(os.path.basename(p) for p in nodes), "synth wrote beside the special files")
+    dangling = os.path.join(wd, "dangling")
+    os.symlink(os.path.join(wd, "nowhere"), dangling)
+    refused(run(["synth", "--out", dangling, "--progress", "off"], expect=None),
+            f"--out {dangling}", "link to nothing", code=2)
     # A read-only folder (mode 0555, for root too), itself or above --out.
     ro = os.path.join(wd, "ro")
     os.makedirs(ro)
@@ -220,6 +224,13 @@ def synth_outputs():
         refused(run(["synth", "--out", odd, "--progress", "off", *extra], expect=None),
                 "shard-0000.h5", "not a regular file", code=2)
     check(stat.S_ISFIFO(os.stat(os.path.join(odd, "shard-0000.h5")).st_mode), "FIFO replaced")
+    # A crashed run's temporary files go with the set it replaces.
+    for name in ("model.h5.tmp-1-0", "shard-0003.h5.tmp-1-2"):
+        with open(os.path.join(out, name), "w") as f:
+            f.write("cut short")
+    run(args(["--shards", "1", "--force"]))
+    check(sorted(os.listdir(out)) == ["model.h5", "shard-0000.h5"],
+          f"temporary files of a crashed run left: {sorted(os.listdir(out))}")
     finish("synth_outputs")
 
 
@@ -367,10 +378,14 @@ def checkpoints():
     damaged("nan")
     for f, data in saved.items():
         open(f, "wb").write(data)
+    # a save that a crash cut short left its temporary file, named uniquely
+    crashed = files[0] + ".tmp-4242-0"
+    open(crashed, "wb").write(b"cut short")
     calibrate(model, out, shards, np_=2, extra=["--checkpoint", ckpt])
     a, b = load_proj(ref), load_proj(out)
     check(all(np.array_equal(a[k], b[k]) for k in a if k != "attrs"),
           "a resumed run differs from the uninterrupted one")
+    check(os.listdir(ckpt) == [], f"left in the checkpoint folder: {os.listdir(ckpt)}")
     finish("checkpoints")
 
 

@@ -31,7 +31,7 @@ static int entries(const char *dir) {
 }
 
 /* A refused save: KQSVD_ERR_USAGE, a message naming the path and holding
- * `says`, the path's file type unchanged. */
+ * `says` (never a temporary name), the path's file type unchanged. */
 static void refused(kqsvd_acc_t *acc, const char *path, int force, const char *says) {
   struct stat before, after;
   const int had = lstat(path, &before) == 0;
@@ -40,6 +40,7 @@ static void refused(kqsvd_acc_t *acc, const char *path, int force, const char *s
         kqsvd_last_error());
   CHECK(strstr(kqsvd_last_error(), path) && strstr(kqsvd_last_error(), says),
         "%s: message '%s' should name it and say '%s'", path, kqsvd_last_error(), says);
+  CHECK(!strstr(kqsvd_last_error(), ".tmp-"), "a temporary name in '%s'", kqsvd_last_error());
   kqsvd_error_clear();
   if (had) {
     CHECK(lstat(path, &after) == 0 && (after.st_mode & S_IFMT) == (before.st_mode & S_IFMT) &&
@@ -115,6 +116,11 @@ int main(void) {
         (long long)kqsvd_acc_tokens(back));
   /* No temporary file is left: the planted four, read-only/ and acc.h5. */
   CHECK(entries(dir) == 6 + have_dev, "no temporary file left (%d entries)", entries(dir));
+  /* A name with no room for the temporary suffix: refused before the
+   * work, naming the path, not the temporary name after it. */
+  char longname[600];
+  snprintf(longname, sizeof longname, "%s/%0250d.h5", dir, 0);
+  refused(acc, longname, 1, "at most");
 
   kqsvd_acc_free(&acc);
   kqsvd_acc_free(&back);
