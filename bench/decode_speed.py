@@ -64,7 +64,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import signal
 import statistics
@@ -125,7 +124,7 @@ def check(spec, info, contexts, scheme, what=None):
     of one configuration."""
     what = what or f"--config {spec}"
     from kqsvd.formats.quant import BITS
-    from kqsvd.quality.peers import BACKENDS, PRESSES, PressPeer, QuantizedCachePeer
+    from kqsvd.quality.peers import BACKENDS, PressPeer, QuantizedCachePeer, press_of
     kind, _, rest = spec.partition(":")
     if spec in ("full", "sdpa-off"):
         return spec, None
@@ -142,14 +141,10 @@ def check(spec, info, contexts, scheme, what=None):
             raise UsageError(f"{what}: {e}") from None
         return (kind, int(rest)), None
     if kind == "press":
-        name, _, kept = rest.partition(":")
         try:
-            k = float(kept)
-        except ValueError:
-            k = math.nan
-        if name not in PRESSES or not 0 < k < 1:
-            raise UsageError(f"{what}: expected press:NAME:KEPT, NAME among "
-                             f"{', '.join(PRESSES)}, KEPT a fraction in (0, 1)")
+            name, k = press_of(rest)
+        except UsageError as e:
+            raise UsageError(f"{what}: expected press:NAME:KEPT; {e}") from None
         for n in contexts:  # kvpress itself, and a prompt longer than the press's window
             try:
                 PressPeer(name, k, n).check()

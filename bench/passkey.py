@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.quant import BITS
-from kqsvd.quality.peers import PRESSES
+from kqsvd.quality.peers import PRESSES, press_of
 
 PROG = "passkey.py"
 TEXT = os.path.join("examples", "data", "jargon-file-4.4.7.txt")
@@ -60,18 +60,10 @@ def _bits(text):
 
 
 def _press(text):
-    name, colon, kept = text.partition(":")
-    if name not in PRESSES or not colon:
-        raise argparse.ArgumentTypeError(f"'{text}' is not PRESS:KEPT, PRESS one of "
-                                         f"{', '.join(PRESSES)}")
     try:
-        f = float(kept)
-    except ValueError:
-        f = -1.0
-    if not 0 < f < 1:  # NaN too
-        raise argparse.ArgumentTypeError(f"'{text}': the share kept, '{kept}', is not a "
-                                         "fraction in (0, 1)")
-    return name, f
+        return press_of(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _or_none(read):
@@ -194,7 +186,26 @@ def check(a):
     else:
         check_outputs([("--json", path)], inputs, a.force)
     a.json = path
-    return text, projs, missing[::-1]
+    return _filler(a, text), projs, missing[::-1]
+
+
+def _filler(a, text):
+    """The filler's token ids, the text's second half (no file was
+    calibrated on it), with every length checked against it and each
+    press's window: by the model's tokenizer alone, before the load."""
+    from kqsvd import models
+    from kqsvd.quality.retrieval import DIGITS, passkey_prompt
+    tok = models.tokenizer(a.model)
+    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+    filler = ids[len(ids) // 2:]
+    for n in a.lengths:
+        try:
+            context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
+        except UsageError as e:
+            raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
+        for name, window in a.windows.items():
+            _check_window(name, n, len(context), window)
+    return filler
 
 
 def write(path, report, folders):
@@ -223,13 +234,13 @@ def write(path, report, folders):
 
 
 def run(a):
-    text, projs, folders = check(a)
+    filler, projs, folders = check(a)
     import torch
     from kqsvd import models
     from kqsvd.formats.quant import QuantScheme
     from kqsvd.quality.configs import Latent, PlainQuant
     from kqsvd.quality.peers import PressPeer
-    from kqsvd.quality.retrieval import DIGITS, accuracy, passkey, passkey_prompt
+    from kqsvd.quality.retrieval import accuracy, passkey
     t0 = time.time()
     configs = [PlainQuant(b, QuantScheme()) for b in a.plain]
     configs += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
@@ -238,15 +249,6 @@ def run(a):
         configs.append(Latent("stored", "kqsvd", p, f" [{_stem(path)}]"))
         kept[configs[-1].label] = p.cache_kept()
     model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
-    ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-    filler = ids[len(ids) // 2:]  # the validation half: text no file was calibrated on
-    for n in a.lengths:  # too little filler, or context: said before the first trial
-        try:
-            context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
-        except UsageError as e:
-            raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
-        for name, window in a.windows.items():
-            _check_window(name, n, len(context), window)
     total = len(a.lengths) * len(a.depths) * (1 + len(configs))
     done = [0]
 

@@ -32,7 +32,8 @@ said=""
 # apt_get ARGS...: apt-get ARGS, again while another process holds a lock.
 apt_get() {
   local err
-  while ! err=$($sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=1 \
+  # LC_ALL=C: the messages below are read, and apt translates them
+  while ! err=$($sudo env DEBIAN_FRONTEND=noninteractive LC_ALL=C apt-get -o DPkg::Lock::Timeout=1 \
                   "$@" 2>&1 >/dev/null); do
     if ! grep -qE "Could not get lock|Unable to acquire the dpkg frontend lock" <<<"$err" || [ $((SECONDS - start)) -ge "$wait_s" ]; then
       printf '%s\n' "$err" >&2

@@ -99,7 +99,7 @@ class AcrossEachOther(HostileCase):
             for name, call in (("reading_codes", lambda: reading_codes(bad).__enter__()),
                                ("compress", lambda: compress(bad, self.p)),
                                ("compress", lambda: compress(bad, None)),
-                               ("compress", lambda: compressed(bad, self.p).__enter__()),
+                               ("compressed", lambda: compressed(bad, self.p).__enter__()),
                                ("latent_cache", lambda: latent_cache(bad))):
                 with self.subTest(call=name, model=type(bad).__name__):
                     with self.assertRaises(kqsvd.UsageError) as cm:

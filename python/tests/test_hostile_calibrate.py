@@ -59,6 +59,18 @@ class HostileCalibrate(HostileCase):
         self.refused(self.calib(ck, "--checkpoint", ck), 2, "--out", leaves=["ck"])
         self.assertEqual(os.listdir(ck), ["deep"])
 
+    def test_a_name_too_long_for_its_temporary_names(self):
+        """An output is written under longer names first (the staged name,
+        then the C library's suffix): a name with no room for them is
+        refused before the model loads, not by the write after the run."""
+        for n, ok in ((221, True), (222, False)):
+            out = os.path.join(self.out, "p" * (n - 3) + ".h5")
+            if ok:
+                from kqsvd.formats.files import check_outputs
+                check_outputs([("--out", out)])
+                continue
+            self.refused(self.calib(out), 2, "--out", f"is {n} bytes long", "at most 221")
+
     def test_a_checkpoint_folder_that_takes_no_file(self):
         ro = os.path.join(self.out, "ro")
         os.makedirs(ro)

@@ -110,11 +110,11 @@ class HostilePasskey(HostileCase):
         self.refused(self.args(json_path=None) + ["--model", os.path.join(self.out, "none")], 1,
                      "none", cwd=self.out)
         self.assertEqual(listing(self.out), [])
-        # a failure after the load (too little filler): nothing made either
+        # too little filler: found by the tokenizer alone, before the load
         with open(os.path.join(self.wd, "short.txt"), "w") as f:
             f.write("a few words only\n")
         self.refused(self.args(json_path=None) + ["--text", os.path.join(self.wd, "short.txt")],
-                     2, "--lengths 120", "filler", loads=True, cwd=self.out)
+                     2, "--lengths 120", "filler", cwd=self.out)
         self.assertEqual(listing(self.out), [])
 
     def test_default_report_under_a_file_is_refused(self):

@@ -432,7 +432,7 @@ class PreRope(unittest.TestCase):
         subprocess.run([sys.executable, "-m", "kqsvd.calibrate_hf", "--model", self.model, "--text",
                         TEXT, "--seq-len", str(SEQ), "--num-seqs", str(TRAIN), "--out", out,
                         "--checkpoint", ckpt, "--checkpoint-every", "0"], capture_output=True,
-                       env=dict(MPIENV, KQSVD_TEST_STOP_AFTER="3"))
+                       env=dict(MPIENV, KQSVD_TEST_FAULT="window-3:kill"))
         with open(os.path.join(ckpt, "rank-0-of-1.json")) as f:
             self.assertEqual(json.load(f)["done"], 3)
         p = insitu(self.model, out, "--checkpoint", ckpt, "--keys", "pre-rope", expect=1)

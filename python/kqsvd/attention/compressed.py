@@ -192,8 +192,8 @@ def _configs(cfg, seen=None):
 
 
 def _build(model, proj, fold, probe):
-    """The installation of proj in model, built and checked, not applied."""
-    _check_model(model, "compress")
+    """The installation of proj in model, built and checked, not applied;
+    model checked by the caller (_check_model)."""
     if not isinstance(proj, Projections):
         hint = " (a path: load it with kqsvd.load_projections first)" if isinstance(
             proj, (str, os.PathLike)) else ""
@@ -265,6 +265,7 @@ def compressed(model, proj, fold=False, probe=False):
     it, including projections installed before the block.  Yields the
     model.  Not collective, not thread-safe; raises as compress()."""
     check_transformers()
+    _check_model(model, "compressed")
     before = _swap(model, _build(model, proj, fold, probe))
     try:
         yield model

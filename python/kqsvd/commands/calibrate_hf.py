@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from ..calibration import faults
 from ..calibration.capture import KEYS
 from ..errors import KqsvdError, UsageError
 from ..formats.files import Staged, check_folder_output, check_input_file, check_outputs, write_all
@@ -76,6 +77,20 @@ def agree(comm, error):
     if comm.Get_rank() == failed[0]:
         raise error
     raise SystemExit(codes[failed[0]])
+
+
+def on_root(comm, rank, work):
+    """Collective: work() on rank 0 alone, then every rank learns whether
+    it failed (agree), so that none waits for it in a later collective.
+    Returns what work() returned on rank 0, None elsewhere."""
+    err, out = None, None
+    if rank == 0:
+        try:
+            out = work()
+        except (KqsvdError, OSError) as e:
+            err = e
+    agree(comm, err)
+    return out
 
 
 def file_identity(path):
@@ -264,7 +279,6 @@ def run(args):
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, lambda num, _f: stop.update(signal=num))
     saved_at = time.time()
-    stop_after = int(os.environ.get("KQSVD_TEST_STOP_AFTER", "0"))  # tests: die as a kill would
 
     def after(i):
         nonlocal saved_at
@@ -282,8 +296,7 @@ def run(args):
             else:
                 ckpt.save(cal, n)
             saved_at = time.time()
-        if n == stop_after and rank == 0:
-            os._exit(9)
+        faults.at(f"window-{n}", rank)
         if stop["signal"]:
             raise InterruptedError
 
@@ -307,28 +320,31 @@ def run(args):
     except KqsvdError as e:
         err = KqsvdError(f"rank {rank}: {e}" if comm else str(e))
     agree(comm, err)
-    test_signal = int(os.environ.get("KQSVD_TEST_SIGNAL_AFTER_FOLD", "0"))  # tests: a late signal
-    if test_signal and rank == 0:
-        os.kill(os.getpid(), test_signal)
+    faults.at("fold", rank)
     stopped()
     seconds = time.time() - t0
     if on_device:
         on_device.into(cal)
     cal.reduce(comm, 0)
+
+    def solve(staged):
+        for l, w in enumerate(attention_out_proj(model, info.model_type)):
+            cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
+        res = cal.finish(args.ranks, args.beta)
+        res.write(staged.tmp(args.out), model=args.model_name or args.model,
+                  tokens=args.num_seqs * args.seq_len, causal=info.causal, force=True,
+                  inputs_hash=made_from, rope=rope, seq_len=args.seq_len)
+        faults.at("write", rank)
+        return res
+
     # Staged: a signal while solving or writing leaves no output, and is
     # said (exit 75) as during the fold; the checkpoints stay until the end.
+    # Rank 0's failures are agreed on, so that no rank waits for it.
     with Staged() as staged:
-        res = None
-        if rank == 0:
-            for l, w in enumerate(attention_out_proj(model, info.model_type)):
-                cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
-            res = cal.finish(args.ranks, args.beta)
-            res.write(staged.tmp(args.out), model=args.model_name or args.model,
-                      tokens=args.num_seqs * args.seq_len, causal=info.causal, force=True,
-                      inputs_hash=made_from, rope=rope, seq_len=args.seq_len)
+        res = on_root(comm, rank, lambda: solve(staged))
         stopped()
+        on_root(comm, rank, lambda: write_all([], staged))
         if rank == 0:
-            write_all([], staged)
             rk, rv = res.ranks("kqsvd")
             print(f"wrote {args.out}: kqsvd, ksvd and eigen (beta = {args.beta:g}) projections "
                   f"of {info.num_layers} layers from {args.num_seqs} x {args.seq_len} tokens on "
@@ -394,9 +410,6 @@ def parse(argv):
         raise UsageError("give --ranks or --eps, not both")
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
     check_input_file("--text", args.text)
-    if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder (made if "
-                         "missing)")
     if args.checkpoint:
         # The run deletes its checkpoint files at the end; an output among
         # them (even one named like them) would go with them.

@@ -19,6 +19,12 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
+# What an output's name grows by while it is written: the staged name
+# (.NAME.XXXXXXXX.tmp, mkstemp's) and, when the C library writes it, its
+# own suffix (.tmp-PID-N, KQSVD_TMP_SUFFIX_MAX in src/core/kqsvd_util.h).
+TMP_GROWTH = 14 + 20
+
+
 def _files_in(folder, most=10000):
     """The files below folder (links followed), at most `most` of them."""
     out = []
@@ -59,6 +65,13 @@ def check_outputs(outputs, inputs=(), force=False):
         name = f"{label} {path}"
         if not path or path.endswith(os.sep):
             raise UsageError(f"{label} '{path}': give a file name")
+        base = len(os.fsencode(os.path.basename(path)))
+        most = os.pathconf(os.path.dirname(os.path.abspath(path)) or ".", "PC_NAME_MAX") \
+            if os.path.isdir(os.path.dirname(os.path.abspath(path))) else 255
+        if base + TMP_GROWTH > most:  # found now, not by the write after the run
+            raise UsageError(f"{name}: the file name is {base} bytes long; at most "
+                             f"{most - TMP_GROWTH} fit with the temporary names it is written "
+                             "under")
         try:
             st = os.stat(path)
         except FileNotFoundError:

@@ -38,7 +38,7 @@ import torch
 from .gguf_arch import GGUFError, build_model, load_tensors, select
 from .gguf_arch import get_field as _get
 
-__all__ = ["GGUFError", "is_gguf", "load_gguf", "read_config"]
+__all__ = ["GGUFError", "is_gguf", "load_gguf", "read_config", "read_tokenizer"]
 
 
 # Llama-3 pre-tokenizer split (llama.cpp "llama-bpe"): contractions, letter runs
@@ -214,6 +214,14 @@ def read_config(path):
         num_key_value_heads=hp["num_key_value_heads"], head_dim=hp["head_dim"],
         hidden_size=hp["hidden_size"], max_position_embeddings=hp["max_position_embeddings"],
         sliding_window=hp.get("sliding_window"))
+
+
+def read_tokenizer(path):
+    """The tokenizer load_gguf gives with the model, from the file's
+    tokenizer fields alone (no tensor is read).  Raises GGUFError."""
+    reader = _open_reader(path)
+    spec, meta = select(reader, path)
+    return _build_tokenizer(reader, path, spec.hparams(meta)["max_position_embeddings"])
 
 
 def load_gguf(path, dtype=torch.float32, device="cpu"):

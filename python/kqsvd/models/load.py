@@ -247,7 +247,7 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
         info = info_of(path, model.config)
         info.weights = key
         return (model if lm_head else model.model), tok, info
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     refuse_architecture(path, config_model_type(path))
     try:
         cfg = AutoConfig.from_pretrained(path)
@@ -273,16 +273,35 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     model.eval()
     if not device_map:
         model.to(device)
+    return model, _folder_tokenizer(path), info
+
+
+def _folder_tokenizer(path):
+    from transformers import AutoTokenizer
     # transformers 5 makes an empty tokenizer of a folder without any
     # vocabulary file, rather than failing: every text would be one token.
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise KqsvdError(f"{path}: transformers cannot load its tokenizer: the folder has none "
                          f"of {', '.join(TOKENIZER_FILES)}")
     try:
-        tok = AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
+        return AutoTokenizer.from_pretrained(path, clean_up_tokenization_spaces=False)
     except (OSError, ValueError, KeyError) as e:
         raise KqsvdError(f"{path}: transformers cannot load its tokenizer: {e}") from None
-    return model, tok, info
+
+
+def tokenizer(name):
+    """The tokenizer load() gives with the model, without the weights: for
+    the checks that count a text's tokens before the load.  Raises
+    KqsvdError as load() does."""
+    from ..compat import check_transformers
+    check_transformers()
+    path = resolve(name)
+    if os.path.isfile(path):
+        from . import gguf_loader
+        if not gguf_loader.is_gguf(path):
+            raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
+        return gguf_loader.read_tokenizer(path)
+    return _folder_tokenizer(path)
 
 
 def describe(name):

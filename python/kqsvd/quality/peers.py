@@ -116,6 +116,21 @@ def _numel(q):
     return n
 
 
+def press_of(text):
+    """(name, kept) of a press as the benches name one, NAME:KEPT: NAME
+    among PRESSES, KEPT the fraction of the context it keeps, in (0, 1).
+    UsageError naming `text` otherwise."""
+    name, colon, kept = text.partition(":")
+    try:
+        f = float(kept)
+    except ValueError:
+        f = float("nan")
+    if name not in PRESSES or not colon or not 0 < f < 1:  # NaN fails too
+        raise UsageError(f"'{text}' is not NAME:KEPT, NAME among {', '.join(PRESSES)} and KEPT "
+                         "the fraction of the context kept, in (0, 1)")
+    return name, f
+
+
 class PressPeer(Config):
     """A kvpress press compressing the context's cache at prefill (the
     continuation's tokens are added as they come, as kvpress does): kept
