@@ -107,7 +107,7 @@ def latent_spec(spec):
     """kqsvd:PATH[=[METHOD/]POLICY[@B]] -> (absolute file, method, policy,
     bits); a part before '/' that looks like no policy is a method (as
     the frontier reads 'kqsvd/stored@4', and fixed:32@4/8 is bits)."""
-    from kqsvd.formats.quant import split_bits
+    from kqsvd.formats.policy import split_bits
     path, _, pol = spec[6:].partition("=")
     head, slash, rest = (pol or "stored").partition("/")
     method, pol = (head, rest) if slash and not any(c in head for c in ":@") \

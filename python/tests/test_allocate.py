@@ -25,7 +25,7 @@ from common import TEXT, Calibrated
 
 import kqsvd
 from kqsvd.quality import allocate as al
-from kqsvd.quality.kl import parse_policy
+from kqsvd.formats.policy import fitted_fraction as parse_policy
 from kqsvd import models
 from kqsvd.errors import UsageError
 

@@ -50,6 +50,27 @@ class HostileCommands(HostileCase):
                 "none", "--presses", "none", "--context", "16", "--continuation", "4",
                 "--num-seqs", "1", "--json", os.path.join(self.out, "f.json"), *extra]
 
+    # -- one parser of rank policies for every command ---------------------------
+    def test_bits_after_a_policy_in_the_quality_command(self):
+        """`fixed:4@4` and `stored@4/8` are read by the quality command as
+        the frontier reads them: the latent's columns quantized at those
+        bits, so fewer bytes than the same ranks unquantized; bits after a
+        fitted policy, or bits outside BITS, are refused before the load."""
+        out = os.path.join(self.out, "q.json")
+        argv = self.quality("--force", ranks="fixed:4,fixed:4@4,stored@4/8")
+        argv[argv.index("--json") + 1] = out
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            self.assertEqual(quality.main(argv), 0)
+        with open(out) as f:
+            rows = {r["policy"]: r for r in json.load(f)["results"]}
+        self.assertEqual(set(rows), {"fixed:4", "fixed:4@4", "eps:0.1@4/8"})
+        self.assertLess(rows["fixed:4@4"]["cache_kept"], rows["fixed:4"]["cache_kept"])
+        self.assertEqual(rows["fixed:4@4"]["rank_k"], rows["fixed:4"]["rank_k"])
+        os.remove(out)
+        for ranks, code, words in (("quality-budget:0.5@4", 2, ("quality-budget:0.5@4", "@bits")),
+                                   ("fixed:4@5", 2, ("fixed:4@5", "'@'"))):
+            self.refused(quality.main, self.quality(ranks=ranks), code, *words)
+
     # -- the quality command: fitted files go with the report ------------------
     def test_checks_that_need_no_fit_come_first(self):
         # a text too short for the measured windows, found before the fit

@@ -22,7 +22,8 @@ from kqsvd.attention.projection import rotate
 from kqsvd.attention.quant import Store, dequantize, hadamard, quantize, store
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.projections import load_projections, save_ranks
-from kqsvd.formats.quant import (QuantScheme, column_runs, option_bits, split_bits, unit_bits,
+from kqsvd.formats.policy import split_bits
+from kqsvd.formats.quant import (QuantScheme, column_runs, option_bits, unit_bits,
                                  with_bits)
 from kqsvd.quality.bits import hull, knapsack
 
@@ -147,6 +148,15 @@ class Scheme(unittest.TestCase):
         for bad in ("fixed:32@5", "fixed:32@", "@4", "fixed:32@4/8/2", "fixed:32@x"):
             with self.assertRaises(UsageError, msg=bad):
                 split_bits(bad)
+        from kqsvd.formats.policy import QUALITY_TUNED, parse
+        p = parse("kqsvd/stored@4/8", methods=True)
+        self.assertEqual((p.method, p.base, p.bits, p.fitted), ("kqsvd", "stored", (4, 8), None))
+        self.assertEqual(parse("kqsvd/stored").method, None)  # no METHOD/ unless asked
+        p = parse("quality-tuned:0.5")
+        self.assertEqual((p.fitted, p.fraction, p.bits), (QUALITY_TUNED, 0.5, None))
+        for bad in ("quality-bits:0", "quality-budget:nan", "quality-tuned:1.5", "eps:0.1@7"):
+            with self.assertRaises(UsageError, msg=bad):
+                parse(bad)
 
 
 class InTheModel(unittest.TestCase):

@@ -31,7 +31,7 @@ import kqsvd
 from kqsvd import models
 from kqsvd.attention import cache_bytes
 from kqsvd.errors import KqsvdError, UsageError
-from kqsvd.quality.kl import parse_policy
+from kqsvd.formats.policy import fitted_fraction as parse_policy
 from kqsvd.quality.tune import tune, tuned_file
 
 

@@ -8,7 +8,7 @@ import sys
 from ..errors import UsageError
 from ..formats.projections import METHODS
 from ..quality.allocate import fit
-from ..quality.kl import PREFIX, TUNED
+from ..formats.policy import QUALITY_BUDGET, QUALITY_TUNED
 
 PROG = "python -m kqsvd.allocate"
 
@@ -62,7 +62,7 @@ def _run(a):
     log = lambda s: print(f"allocate: {s}", file=sys.stderr, flush=True)  # noqa: E731
     fit(a.model, a.text, a.proj, a.budget, a.out, a.methods, a.seq_len, a.num_seqs,
         not a.no_bos, a.rounds, a.tune, a.check_seqs, a.lr, a.device, a.force, log)
-    print(f"wrote {a.out}: {TUNED if a.tune else PREFIX}{a.budget:g} ranks per layer and KV head "
+    print(f"wrote {a.out}: {QUALITY_TUNED if a.tune else QUALITY_BUDGET}{a.budget:g} ranks per layer and KV head "
           f"for {', '.join(a.methods)}")
 
 

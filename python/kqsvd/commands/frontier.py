@@ -34,7 +34,8 @@ import time
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS
-from ..formats.quant import AXES, BITS, QuantScheme, split_bits
+from ..formats.policy import parse as parse_policy
+from ..formats.quant import AXES, BITS, QuantScheme
 
 PROG = "python -m kqsvd.frontier"
 
@@ -161,16 +162,19 @@ def _check_policies(opt, path, policies, methods):
     from ..formats.projections import policy_ranks
     seen = {}
     for pol in policies:
-        methods_of, rest = _method_of(pol, methods)
-        if rest.startswith("quality-"):
+        try:
+            got = parse_policy(pol, methods=True)
+        except UsageError as e:
+            raise UsageError(f"{opt}: {e}") from None
+        base, bits = got.base, got.bits
+        if base.startswith("quality-"):
             raise UsageError(f"{opt} {pol}: fit it with python -m kqsvd.quality, then give its "
                              "file as --proj FILE=stored")
         try:
-            base, bits = split_bits(rest)
             name = policy_ranks(path, None if base == "stored" else base)["policy"]
         except UsageError as e:
             raise UsageError(f"{opt}: {e}") from None
-        for m in methods_of:
+        for m in [got.method] if got.method else methods:
             key = (m, "stored" if base == "stored" else name, bits)
             if key in seen:
                 raise _twice(opt, pol, seen[key])
@@ -214,28 +218,19 @@ def _peer_configs(a, backends, presses):
     return configs
 
 
-def _method_of(policy, methods):
-    """'kqsvd/stored@4' -> (['kqsvd'], 'stored@4'): a policy for one method
-    only; else (methods, policy)."""
-    m, slash, rest = policy.partition("/")
-    return ([m], rest) if slash and m in METHODS else (methods, policy)
-
-
 def _latent_configs(a, L):
-    from ..formats.quant import with_bits
     from ..quality.configs import Latent
     from ..quality.measure import resolve_policies
     out = []
     for path, policies in a.proj:
         # several files: each configuration names its file's stem
         tag = f" [{os.path.splitext(os.path.basename(path))[0]}]" if len(a.proj) > 1 else ""
-        for pol in policies:
-            methods, pol = _method_of(pol, a.methods)
-            base, bits = split_bits(pol)
-            for _, m, p in resolve_policies(path, [base], methods, L):
-                # no '@': the file's own bits, if it has any (quality-bits:F)
-                out.append(Latent(pol, m, p if bits is None else with_bits(p, bits, a.scheme),
-                                  tag))
+        for text in policies:
+            pol = parse_policy(text, methods=True)
+            plain = text.partition("/")[2] if pol.method else text  # its label: no METHOD/
+            for _, m, p in resolve_policies(path, [plain], [pol.method] if pol.method else
+                                            a.methods, L, a.scheme):
+                out.append(Latent(plain, m, p, tag))
     return out
 
 

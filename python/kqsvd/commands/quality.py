@@ -31,7 +31,8 @@ import time
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS, load_projections, save_ranks
-from ..quality.kl import BITS, PREFIX, TUNED, parse_policy
+from ..formats.policy import QUALITY_BITS, QUALITY_BUDGET, QUALITY_TUNED, fitted_fraction
+from ..formats.policy import parse as parse_policy
 from ..quality.measure import measure, resolve_policies
 
 PROG = "python -m kqsvd.quality"
@@ -48,7 +49,8 @@ def parse(argv):
     ap.add_argument("--proj", required=True, help="projections file (kqsvd calibrate --out)")
     ap.add_argument("--ranks", required=True, help="rank policies, comma-separated: eps:E, "
                     "fixed:R, budget:F, quality-budget:F, quality-tuned:F, quality-bits:F "
-                    "(ranks and bits of a quantized latent), or 'stored'")
+                    "(ranks and bits of a quantized latent), or 'stored'; after any but the "
+                    "quality ones, @B quantizes the latent at B bits (fixed:32@4, stored@4/8)")
     ap.add_argument("--calib-seqs", type=count(0), default=4,
                     help="quality-budget: windows of the train split its ranks are fitted on [4]")
     ap.add_argument("--rounds", type=count(0), default=6,
@@ -92,16 +94,19 @@ def parse(argv):
     check_plot(a.plot)
     a.fitted = {}
     for pol in a.policies:
-        frac = parse_policy(pol)
-        if frac is not None:
-            a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{frac:g}.h5"
+        got = parse_policy(pol)
+        if got.fitted and got.bits:  # its ranks (or bits) are fitted for its own cache
+            raise UsageError(f"--ranks {pol}: no '@bits' after a policy fitted to the model; "
+                             f"give its file's ranks new bits with --proj FITTED --ranks stored@B")
+        if got.fitted:
+            a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{got.fraction:g}.h5"
     # Windows are needed only by the policies that use them.
-    tuned = [p for p in a.fitted if p.startswith(TUNED)]
+    tuned = [p for p in a.fitted if p.startswith(QUALITY_TUNED)]
     for opt, n, uses in (("--calib-seqs", a.calib_seqs, list(a.fitted)),
                          ("--check-seqs", a.check_seqs, tuned)):
         if n < 1 and uses:
             raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
-    if any(parse_policy(p) is None for p in a.policies):
+    if any(p not in a.fitted for p in a.policies):
         from .. import native
         native.tool()  # `kqsvd ranks` resolves them: a missing library is found before the load
     check_input_file("--text", a.text)
@@ -184,12 +189,12 @@ def run(a):
     # Every other policy is resolved and every window cut before any fit,
     # so that a bad policy or a text too short is refused before minutes of
     # fitting (and after the file is known to be the model's).
-    own = {pol: resolve_policies(a.proj, [pol], a.methods, info.num_layers)
+    own = {pol: resolve_policies(a.proj, [pol], a.methods, info.num_layers, scheme)
            for pol in a.policies if pol not in a.fitted}
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos, flags=True)
     if a.fitted:
-        tuned = any(p.startswith(TUNED) for p in a.policies)
+        tuned = any(p.startswith(QUALITY_TUNED) for p in a.policies)
         cal = models.token_windows(tok, a.text, a.seq_len, a.calib_seqs + tuned * a.check_seqs,
                                    "train", bos=not a.no_bos, flags=True)[0]
     log = lambda s: print(f"kqsvd.quality: {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -204,21 +209,21 @@ def run(a):
         (kqsvd evaluate, compress) uses exactly what was measured."""
         from ..quality.allocate import allocate
         from ..quality.tune import tuned_file
-        frac = parse_policy(pol)
-        if pol.startswith(BITS):  # ranks and bits of a quantized latent, chosen together
+        frac = fitted_fraction(pol)
+        if pol.startswith(QUALITY_BITS):  # ranks and bits of a quantized latent, chosen together
             from ..quality.bits import allocate_bits
             got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
                                 log=log)
             return save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
-                                             got.items()}, f"{BITS}{frac:g}", force=True,
+                                             got.items()}, f"{QUALITY_BITS}{frac:g}", force=True,
                               bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
                               scheme=scheme)
         if frac not in fitted:
             got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
                            rounds=a.rounds, log=log)
             fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
-        if pol.startswith(PREFIX):
-            return save_ranks(a.proj, out, fitted[frac], f"{PREFIX}{frac:g}", force=True)
+        if pol.startswith(QUALITY_BUDGET):
+            return save_ranks(a.proj, out, fitted[frac], f"{QUALITY_BUDGET}{frac:g}", force=True)
         return tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs], cal[a.calib_seqs:],
                           out, frac, a.tune_steps, a.lr, log, force=True)
 

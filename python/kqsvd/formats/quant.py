@@ -99,23 +99,6 @@ def unit_bits(bits, rank, axis, group):
     return sum(option_bits(len(c), b, axis, group) for c, b in column_runs(bits, rank))
 
 
-def split_bits(policy):
-    """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
-    no '@' -> (policy, None).  Raises UsageError for bits not in BITS."""
-    base, at, bits = policy.rpartition("@")
-    if not at:
-        return policy, None
-    parts = bits.split("/")
-    try:
-        b = tuple(int(x) for x in parts)
-    except ValueError:
-        b = ()
-    if len(b) not in (1, 2) or any(x not in BITS for x in b) or not base:
-        raise UsageError(f"rank policy {policy}: bits after '@' must be one of "
-                         f"{', '.join(map(str, BITS))}, or keys/values such as 4/8")
-    return base, (b * 2)[:2]
-
-
 def with_bits(proj, bits, scheme):
     """proj (a Projections) with every unit quantized at bits = (keys,
     values) under scheme, or unquantized for bits None."""

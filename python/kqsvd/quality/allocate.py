@@ -39,10 +39,11 @@ import numpy as np
 
 from ..errors import KqsvdError, UsageError
 
-from .kl import PREFIX, full_logprobs, kl_to_full, weights_frozen
+from ..formats.policy import QUALITY_BUDGET
+from .kl import full_logprobs, kl_to_full, weights_frozen
 from ..formats.projections import METHODS
 
-def budget_ranks(fraction, units, d, prefix=PREFIX):
+def budget_ranks(fraction, units, d, prefix=QUALITY_BUDGET):
     """The whole number of rank columns a fraction of the cache buys;
     UsageError naming the policy (prefix F) when it buys fewer than one
     per unit."""
@@ -356,7 +357,7 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
         out[m] = dict(rank_k=ranks[0], rank_v=ranks[1], start=start, kl_fisher=kls["fisher"],
                       kl_uniform=kls["uniform"], kl=kl)
         if log:
-            log(f"{PREFIX}{fraction:g} {m}: keys {int(ranks[0].sum())} and values "
+            log(f"{QUALITY_BUDGET}{fraction:g} {m}: keys {int(ranks[0].sum())} and values "
                 f"{int(ranks[1].sum())} of {L * H * d} columns each; calibration KL "
                 f"{kl:.4f} (uniform {kls['uniform']:.4f}, Fisher allocation {kls['fisher']:.4f})")
     return out
@@ -391,4 +392,4 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
         from .tune import tuned_file
         return tuned_file(loaded, proj, ranks, seqs[:num_seqs], seqs[num_seqs:], out, budget,
                           tune, lr, log, force=force)
-    return save_ranks(proj, out, ranks, f"{PREFIX}{budget:g}", force=force)
+    return save_ranks(proj, out, ranks, f"{QUALITY_BUDGET}{budget:g}", force=force)

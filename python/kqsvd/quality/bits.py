@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import UsageError
 from ..formats.quant import option_bits
 from .allocate import Sensitivity, group_view, measure_costs
-from .kl import BITS as PREFIX, full_logprobs, kl_to_full
+from ..formats.policy import QUALITY_BITS
+from .kl import full_logprobs, kl_to_full
 
 CHOICES = (2, 3, 4, 8, 0)  # 0: unquantized
 
@@ -117,7 +118,7 @@ def knapsack(sizes, costs, budget):
     pick = [h[0] for h in hulls]
     used = sum(sizes[u][pick[u]] for u in range(U))
     if used > budget + 1e-9:
-        raise UsageError(f"{PREFIX} the budget buys {budget:.0f} bits per token; the smallest "
+        raise UsageError(f"{QUALITY_BITS} the budget buys {budget:.0f} bits per token; the smallest "
                          f"option of every unit takes {used:.0f}")
     segs = []
     for u, h in enumerate(hulls):
@@ -150,15 +151,15 @@ def check_fraction(fraction, head_dim, scheme):
     """UsageError naming quality-bits:F, before any fitting, when F is not
     in (0, 1] or buys less than least_fraction."""
     if not 0 < fraction <= 1:
-        raise UsageError(f"{PREFIX}{fraction:g}: the fraction must be in (0, 1]")
+        raise UsageError(f"{QUALITY_BITS}{fraction:g}: the fraction must be in (0, 1]")
     least = least_fraction(head_dim, scheme)
     if fraction < least * (1 - 1e-12):
         # rounded up, so that the fraction suggested fits
         e = math.floor(math.log10(least)) - 3
         up = f"{math.ceil(round(least / 10 ** e, 6)) * 10 ** e:.4g}"
-        raise UsageError(f"{PREFIX}{fraction:g} is below the smallest quantized cache, every "
+        raise UsageError(f"{QUALITY_BITS}{fraction:g} is below the smallest quantized cache, every "
                          f"unit at rank 1 and its fewest bits per token: {up} of the bf16 "
-                         f"cache's bytes; give {PREFIX}{up} or more")
+                         f"cache's bytes; give {QUALITY_BITS}{up} or more")
 
 
 def uniform_choices(L, H, d, scheme, budget):
@@ -246,6 +247,6 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
         out[m] = dict(rank_k=rk[0], rank_v=rk[1], bits_k=bk[0], bits_v=bk[1], start=start,
                       kl=kls[start], kls=kls)
         if log:
-            log(f"{PREFIX}{fraction:g} {m}: kept {start} (calibration KL {kls[start]:.4f}); "
+            log(f"{QUALITY_BITS}{fraction:g} {m}: kept {start} (calibration KL {kls[start]:.4f}); "
                 + ", ".join(f"{k} {v:.4f}" for k, v in kls.items()))
     return out

@@ -1,30 +1,8 @@
 """What the quality tools share (kqsvd.allocate, kqsvd.quality.tune, kqsvd.quality):
-the names of the model-fitted rank policies, and the KL of a compressed
-model to the full one on token windows, with gradients where asked.
+the KL of a compressed model to the full one on token windows, with
+gradients where asked (the fitted policies' names are formats.policy's).
 Numpy and torch only; no command line."""
 import contextlib
-
-from ..errors import UsageError
-
-PREFIX = "quality-budget:"
-TUNED = "quality-tuned:"  # the same ranks, up-projections trained (kqsvd.quality.tune)
-BITS = "quality-bits:"  # ranks and bits of a quantized latent (kqsvd.quality.bits)
-
-
-def parse_policy(policy):
-    """The fraction F of 'quality-budget:F', 'quality-tuned:F' or
-    'quality-bits:F', or None
-    for another policy.  Raises UsageError for F outside (0, 1]."""
-    prefix = next((p for p in (PREFIX, TUNED, BITS) if policy.startswith(p)), None)
-    if prefix is None:
-        return None
-    try:
-        f = float(policy[len(prefix):])
-    except ValueError:
-        f = float("nan")
-    if not 0.0 < f <= 1.0:
-        raise UsageError(f"rank policy {policy}: the fraction must be in (0, 1]")
-    return f
 
 
 @contextlib.contextmanager

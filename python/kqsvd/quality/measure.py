@@ -5,32 +5,40 @@ window).  The command is kqsvd.commands.quality (python -m kqsvd.quality)."""
 import math
 
 from ..errors import KqsvdError, UsageError
+from ..formats import policy as policies_
 from ..formats.projections import load_projections, policy_ranks
-from .kl import BITS, parse_policy
+from ..formats.quant import with_bits
 
 
-def resolve_policies(proj, policies, methods, L):
+def resolve_policies(proj, policies, methods, L, scheme=None):
     """[(policy, method, Projections)] for every policy and method, from
     the projections file `proj` of a model with L layers, for the policies
-    the file resolves alone (`kqsvd ranks`'s, and 'stored'); UsageError on
-    a bad policy, and on one fitted to the model (quality-budget:F, ...),
-    which the quality command fits."""
+    the file resolves alone (`kqsvd ranks`'s, and 'stored'), each with its
+    '@bits' quantizing the latent under `scheme` (a QuantScheme; its
+    defaults when None); UsageError on a bad policy, and on one fitted to
+    the model (quality-budget:F, ...), which the quality command fits."""
+    from ..formats.quant import QuantScheme
     pairs = []
-    for pol in policies:
-        if parse_policy(pol) is not None:
-            raise UsageError(f"rank policy {pol} needs the model: fit it with python -m "
+    for text in policies:
+        pol = policies_.parse(text)
+        if pol.fitted:
+            raise UsageError(f"rank policy {text} needs the model: fit it with python -m "
                              "kqsvd.quality")
-        got = policy_ranks(proj, None if pol == "stored" else pol)
+        stored = pol.base == policies_.STORED
+        got = policy_ranks(proj, None if stored else pol.base)
         for m in methods:
             r = got["methods"][m]
             if len(r["rank_k"]) != L:
                 raise KqsvdError(f"{proj}: kqsvd ranks gave {len(r['rank_k'])} layers, not {L}")
             # Stored ranks are read as stored, with the file's tuned
             # up-projections where it has them (docs/formats.md 5.3).
-            ranks = None if pol == "stored" else (r.get("rank_k_heads", r["rank_k"]),
-                                                  r.get("rank_v_heads", r["rank_v"]))
-            pairs.append((got["policy"] if pol == "stored" else pol, m,
-                          load_projections(proj, m, ranks)))
+            ranks = None if stored else (r.get("rank_k_heads", r["rank_k"]),
+                                         r.get("rank_v_heads", r["rank_v"]))
+            p = load_projections(proj, m, ranks)
+            if pol.bits is not None:  # without '@': the file's own bits, where it has any
+                p = with_bits(p, pol.bits, scheme or QuantScheme())
+            label = got["policy"] + text[len(pol.base):] if stored else text
+            pairs.append((label, m, p))
     return pairs
 
 
@@ -41,10 +49,10 @@ def check_fitted(policy, sizes, scheme):
     the quantized cache's, for quality-bits."""
     from .allocate import budget_ranks
     from .bits import check_fraction
-    frac = parse_policy(policy)
+    frac = policies_.fitted_fraction(policy)
     G = sizes["head_groups"]  # units are (layer, group) of G d columns
     H, d = sizes["num_kv_heads"] // G, sizes["head_dim"] * G
-    if policy.startswith(BITS):
+    if policy.startswith(policies_.QUALITY_BITS):
         check_fraction(frac, d, scheme)
     else:
         budget_ranks(frac, 2 * sizes["num_layers"] * H, d, policy[:policy.index(":") + 1])

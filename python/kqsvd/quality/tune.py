@@ -17,7 +17,8 @@ the closed form, included: the result is never worse than the untuned
 projections on the check windows)."""
 import copy
 
-from .kl import TUNED, full_logprobs, kl_to_full, weights_frozen
+from ..formats.policy import QUALITY_TUNED
+from .kl import full_logprobs, kl_to_full, weights_frozen
 from ..errors import KqsvdError, UsageError
 
 
@@ -144,8 +145,8 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
         tuned[m] = tune(model, load_projections(proj_path, m, r), fit, check, steps, lr, log)
         info = tuned[m][1]
         if log:
-            log(f"{TUNED}{fraction:g} {m}: kept step {info['step']} of {steps}; KL "
+            log(f"{QUALITY_TUNED}{fraction:g} {m}: kept step {info['step']} of {steps}; KL "
                 f"{info['kl_fit'][0]:.4f} -> {info['kl_fit'][1]:.4f} on {len(fit)} fit windows, "
                 f"{info['kl_check'][0]:.4f} -> {info['kl_check'][1]:.4f} on {len(check)} check "
                 "windows")
-    return save_ranks(proj_path, out, ranks, f"{TUNED}{fraction:g}", tuned=tuned, force=force)
+    return save_ranks(proj_path, out, ranks, f"{QUALITY_TUNED}{fraction:g}", tuned=tuned, force=force)

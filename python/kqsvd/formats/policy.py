@@ -1,0 +1,88 @@
+"""Rank policies, as every command and the library write them: one parser.
+
+    eps:E, fixed:R, budget:F     ranks from a projections file's spectra
+                                 (`kqsvd ranks` resolves them)
+    stored                       the ranks (and bits) the file stores
+    quality-budget:F             ranks fitted to the model (kqsvd.quality)
+    quality-tuned:F              the same ranks, up-projections trained
+    quality-bits:F               ranks and bits of a quantized latent, fitted
+
+and after any but the fitted ones, @B or @BK/BV: the latent's columns held
+at B bits (keys and values alike), or BK for keys and BV for values, each
+among formats.quant.BITS.  Before a policy, METHOD/ (kqsvd/, ksvd/, eigen/)
+limits it to one method where a command compares several files.
+
+What a policy means for a file (its ranks) is `kqsvd ranks`'s business
+(formats.projections.policy_ranks); this module knows only how one is
+written."""
+import dataclasses
+
+from ..errors import UsageError
+
+QUALITY_BUDGET = "quality-budget:"
+QUALITY_TUNED = "quality-tuned:"
+QUALITY_BITS = "quality-bits:"
+FITTED = (QUALITY_BUDGET, QUALITY_TUNED, QUALITY_BITS)
+STORED = "stored"
+METHODS = ("kqsvd", "ksvd", "eigen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A policy as written: `base` without its bits, `bits` (keys, values)
+    or None, `fitted` the prefix of a policy fitted to the model (FITTED)
+    or None, `fraction` its F, `method` the METHOD/ given or None."""
+    text: str
+    base: str
+    bits: tuple = None
+    fitted: str = None
+    fraction: float = None
+    method: str = None
+
+
+def split_bits(text):
+    """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
+    no '@' -> (text, None).  Raises UsageError for bits not among BITS."""
+    from .quant import BITS
+    base, at, bits = text.rpartition("@")
+    if not at:
+        return text, None
+    try:
+        b = tuple(int(x) for x in bits.split("/"))
+    except ValueError:
+        b = ()
+    if len(b) not in (1, 2) or any(x not in BITS for x in b) or not base:
+        raise UsageError(f"rank policy {text}: bits after '@' must be one of "
+                         f"{', '.join(map(str, BITS))}, or keys/values such as 4/8")
+    return base, (b * 2)[:2]
+
+
+def fitted_fraction(text):
+    """The F of quality-budget:F, quality-tuned:F or quality-bits:F, or None
+    for a policy of another kind.  Raises UsageError for F outside (0, 1]."""
+    prefix = next((p for p in FITTED if text.startswith(p)), None)
+    if prefix is None:
+        return None
+    try:
+        f = float(text[len(prefix):])
+    except ValueError:
+        f = float("nan")
+    if not 0.0 < f <= 1.0:  # NaN fails too
+        raise UsageError(f"rank policy {text}: the fraction must be in (0, 1]")
+    return f
+
+
+def parse(text, methods=False):
+    """The Policy `text` writes; methods: whether a METHOD/ may lead it.
+    Raises UsageError naming the policy for bad bits or fractions (eps,
+    fixed and budget are checked by `kqsvd ranks`); bits after a fitted
+    policy are the caller's to refuse (the quality command does)."""
+    method = None
+    if methods:
+        m, slash, rest = text.partition("/")
+        if slash and m in METHODS:
+            method, text = m, rest
+    base, bits = split_bits(text)
+    frac = fitted_fraction(base)
+    fitted = next((p for p in FITTED if base.startswith(p)), None) if frac is not None else None
+    return Policy(text, base, bits, fitted, frac, method)
