@@ -8,7 +8,7 @@ import unittest
 import numpy as np
 
 from kqsvd.formats.quant import QuantScheme, option_bits
-from kqsvd.quality.bits import CHOICES
+from kqsvd.quality.knapsack import CHOICES
 from kqsvd.quality.columns import allocate_columns, spectrum_costs
 
 
@@ -19,8 +19,7 @@ def bytes_of(bits, scheme):
     for s, axis in enumerate((scheme.key_axis, scheme.value_axis)):
         for row in bits[s].reshape(-1, bits.shape[-1]):
             for b in set(row.tolist()) - {0}:
-                total += option_bits(int((row == b).sum()), 0 if b == 16 else b, axis,
-                                     scheme.group)
+                total += option_bits(int((row == b).sum()), b, axis, scheme.group)
     return total
 
 
@@ -30,7 +29,7 @@ def spectrum(L, H, d, seed):
     rng = np.random.default_rng(seed)
     sigma = np.sort(np.exp(rng.uniform(-4, 3, (L, H, d))), -1)[..., ::-1].copy()
     energy = np.ones((L, H, d))
-    dist = np.stack([np.full((L, H, d), 0.0 if b == 0 else 4.0 ** -b) for b in CHOICES], 2)
+    dist = np.stack([np.full((L, H, d), 0.0 if b == 16 else 4.0 ** -b) for b in CHOICES], 2)
     return np.stack([spectrum_costs(sigma, dist, energy)] * 2), sigma
 
 
@@ -50,12 +49,12 @@ class Columns(unittest.TestCase):
             self.assertTrue((np.diff(bits, axis=-1) <= 0).all(), (seed, bits[0, 0]))
             # Every uniform choice that fits costs at least as much.
             picked = np.take_along_axis(
-                costs, np.array([list(CHOICES).index(0 if b == 16 else b) if b else len(CHOICES)
+                costs, np.array([list(CHOICES).index(b) if b else len(CHOICES)
                                  for b in bits.ravel()]).reshape(2, L, H, 1, d), 3).sum()
             for i, b in enumerate(CHOICES):
                 for r in range(1, d + 1):
                     uni = np.zeros((2, L, H, d), int)
-                    uni[..., :r] = 16 if b == 0 else b
+                    uni[..., :r] = b
                     if bytes_of(uni, scheme) > budget + 1e-9:
                         break
                     cost = costs[..., i, :r].sum() + costs[..., -1, r:].sum()

@@ -176,6 +176,21 @@ class Library(unittest.TestCase):
                          "dataset")
                 os.remove(bad)
 
+    def test_unquantized_in_files_before_the_one_encoding(self):
+        """An older file said 0 for an unquantized unit (bits_*_heads); it
+        loads as the one encoding says it, 16, and costs the same bytes as
+        a file that says 16."""
+        old, new = (os.path.join(self.out, f"{n}.h5") for n in ("old", "new"))
+        for path, value in ((old, 0), (new, 16)):
+            shutil.copyfile(self.bits, path)
+            with h5py.File(path, "r+") as f:
+                f["kqsvd/bits_k_heads"][0, 1] = value
+        a, b = load_projections(old, "kqsvd"), load_projections(new, "kqsvd")
+        self.assertEqual(a.bits_k.tolist(), b.bits_k.tolist())
+        self.assertEqual(int(a.bits_k[0, 1]), 16)
+        self.assertEqual(a.cache_kept(), b.cache_kept())
+        self.assertGreater(a.cache_kept(), load_projections(self.bits, "kqsvd").cache_kept())
+
     def test_seq_len_bounded_by_tokens(self):
         """seq_len, the longest calibration window, is no more than the
         tokens the file saw: 2^62 or 2^64 - 1 beside tokens = 512 only

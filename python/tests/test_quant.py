@@ -25,7 +25,7 @@ from kqsvd.formats.projections import load_projections, save_ranks
 from kqsvd.formats.policy import split_bits
 from kqsvd.formats.quant import (QuantScheme, column_runs, option_bits, unit_bits,
                                  with_bits)
-from kqsvd.quality.bits import hull, knapsack
+from kqsvd.quality.knapsack import hull, knapsack
 
 
 def ref_quantize(x, bits, group):
@@ -71,7 +71,7 @@ def ref_side(x, bits, group, axis, residual=0):
     (values as read back, bytes held with raw values at 2 bytes)."""
     x = np.asarray(x, dtype=np.float64)
     T, n = x.shape[-2:]
-    if bits == 0 or T <= residual or axis == "channel" and T - residual < group:
+    if bits == 16 or T <= residual or axis == "channel" and T - residual < group:
         return x, x.size * 2
     if axis == "token":
         q = max(T - residual, 0)
@@ -205,7 +205,7 @@ class InTheModel(unittest.TestCase):
         proj = orthonormal_projections(self.model, 6, seed=2)
         L = proj.num_layers
         for rot in (False, True):
-            for bits_k, bits_v in (([[4, 2]] * L, [[3, 3]] * L), ([[8, 8]] * L, [[0, 4]] * L)):
+            for bits_k, bits_v in (([[4, 2]] * L, [[3, 3]] * L), ([[8, 8]] * L, [[16, 4]] * L)):
                 scheme = QuantScheme(group=8, key_axis="channel", value_axis="token",
                                      residual=3, rotate=rot)
                 p = with_bits(proj, (4, 4), scheme)
@@ -253,7 +253,7 @@ class InTheModel(unittest.TestCase):
                     M = torch.from_numpy(m[:, [c for c in range(r) if bits[c] == b]])
                     if rot:
                         M = M @ hadamard(M.shape[1])
-                    x_q, n = ref_side((x @ M).numpy(), 0 if b == 16 else b, 8, axis, 3)
+                    x_q, n = ref_side((x @ M).numpy(), b, 8, axis, 3)
                     held[0] += n
                     outs.append(torch.from_numpy(x_q))
                     mats.append(M)
@@ -341,7 +341,7 @@ class BitsAndRanks(unittest.TestCase):
 
     def test_option_bits_are_the_bytes_a_store_holds(self):
         for r, b, axis in ((12, 3, "token"), (40, 4, "token"), (7, 2, "channel"),
-                           (33, 8, "channel"), (9, 0, "token")):
+                           (33, 8, "channel"), (9, 16, "token")):
             s = Store(b, 8, axis)
             s.append(torch.randn(1, 1, 64, r))
             self.assertEqual(s.nbytes(2) * 8, 64 * option_bits(r, b, axis, 8), (r, b, axis))
@@ -351,7 +351,7 @@ class BitsAndRanks(unittest.TestCase):
         for axis in ("token", "channel"):
             runs = column_runs(cols, 10)
             self.assertEqual([(list(c), b) for c, b in runs],
-                             [([2], 0), ([0], 8), ([1, 4], 4), ([5, 9], 3), ([3, 6, 7, 8], 2)])
+                             [([2], 16), ([0], 8), ([1, 4], 4), ([5, 9], 3), ([3, 6, 7, 8], 2)])
             s = store([(len(c), b) for c, b in runs], 8, axis)
             s.append(torch.randn(1, 1, 64, 10))
             want = sum(option_bits(len(c), b, axis, 8) for c, b in runs)
@@ -375,7 +375,7 @@ class BitsAndRanks(unittest.TestCase):
         q = load_projections(out, "kqsvd")
         self.assertTrue(np.array_equal(q.bits_k, cols))
         per = sum(option_bits(n, b, ax, 16) for ax in ("channel", "token")
-                  for n, b in ((1, 0), (1, 8), (2, 2), (1, 4)))
+                  for n, b in ((1, 16), (1, 8), (2, 2), (1, 4)))
         self.assertAlmostEqual(q.cache_kept(), per / (2 * 16 * d))
         with self.assertRaisesRegex(UsageError, "bits_k must be"):
             save_ranks(cal.proj, out, {"kqsvd": (rk, rk)}, "test", force=True,
@@ -405,7 +405,7 @@ class BitsAndRanks(unittest.TestCase):
         fitted = out[:-5] + ".quality-bits-0.25.h5"
         p = load_projections(fitted, "kqsvd")
         self.assertEqual(p.quant, QuantScheme())
-        self.assertTrue(np.isin(p.bits_k, (0, 2, 3, 4, 8) if p.bits_k.ndim == 2 else
+        self.assertTrue(np.isin(p.bits_k, (2, 3, 4, 8, 16) if p.bits_k.ndim == 2 else
                                 (0, 2, 3, 4, 8, 16)).all())
         self.assertLessEqual(p.cache_kept(), 0.25 + 1e-12)
         with open(out) as f:

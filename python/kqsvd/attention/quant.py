@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import KqsvdError
-from ..formats.quant import AXES, BITS
+from ..formats.quant import AXES, BITS, UNQUANTIZED
 from . import kernel
 
 
@@ -118,14 +118,14 @@ def hadamard(n, dtype=torch.float64, device=None):
 
 class Store:
     """One side (keys or values) of one cache layer: rows [b, H, T, n]
-    appended token by token, quantized as the scheme says (bits 0: never
-    quantized), the newest
+    appended token by token, quantized as the scheme says (bits UNQUANTIZED:
+    never quantized), the newest
     `residual` tokens (and, per channel, the tokens of a block not yet
     complete) held as they came.  values() is everything held, quantized
     tokens dequantized."""
 
     def __init__(self, bits, group, axis, residual=0):
-        if bits and bits not in BITS or axis not in AXES or group < 1 or residual < 0:
+        if bits not in BITS + (UNQUANTIZED,) or axis not in AXES or group < 1 or residual < 0:
             raise KqsvdError(f"quantized cache: bits {bits}, group {group}, axis {axis}, "
                              f"residual {residual} is not a scheme (bits {BITS}, axes {AXES})")
         self.bits, self.group, self.axis, self.residual = bits, group, axis, residual
@@ -155,7 +155,7 @@ class Store:
             [self.rest, x], -2)
         over = self.rest.shape[-2] - self.residual
         unit = self.group if self.axis == "channel" else 1
-        take = max(over, 0) // unit * unit if self.bits else 0  # bits 0: held as they came
+        take = max(over, 0) // unit * unit if self.bits != UNQUANTIZED else 0
         if take:
             self._add(self.rest[..., :take, :])
             self.rest = self.rest[..., take:, :]
@@ -280,7 +280,7 @@ class RunStore:
         """Whether new tokens x go to every run in one call: quantized as they
         come (token axis, no residual, nothing held back, every run
         quantized) through the library."""
-        return all(s.axis == "token" and not s.residual and s.bits and
+        return all(s.axis == "token" and not s.residual and s.bits != UNQUANTIZED and
                    (s.rest is None or not s.rest.shape[-2]) for s in self.parts) and \
             kernel.available(x)
 
@@ -299,7 +299,7 @@ class RunStore:
 
 def store(spec, group, axis, residual=0):
     """The store of one side of a cache slice: spec the slice's bits (one
-    number, 0 unquantized) or its runs [(count, bits)]."""
+    number, BITS or UNQUANTIZED) or its runs [(count, bits)]."""
     if isinstance(spec, (int, np.integer)):
         return Store(int(spec), group, axis, residual)
     if len(spec) == 1:

@@ -45,9 +45,9 @@ class Projections:
     num_kv_heads, head_dim, matrices and ranks are the model's group view
     (Hkv / G groups, G d wide); sizes() gives the model's.  bits_k, bits_v:
     the bits of the cached columns under the scheme `quant`
-    (formats.quant.QuantScheme), int [L, Hkv] one per unit (0:
-    unquantized) or int [L, Hkv, d] one per latent column (COL_BITS: 16
-    unquantized, 0 past the unit's rank), or None."""
+    (formats.quant.QuantScheme), int [L, Hkv] one per unit or int [L, Hkv,
+    d] one per latent column, in formats.quant's one encoding (BITS,
+    UNQUANTIZED, and DROPPED for a column past its unit's rank), or None."""
     path: str
     method: str
     policy: str
@@ -400,16 +400,17 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
 def _check_bits(method, pair, ranks, shape, dst):
     """UsageError naming dst for bits that are neither [L, Hkv] nor
     [L, Hkv, d] per column with bits exactly on each unit's rank."""
-    from .quant import BITS, COL_BITS, off_rank
+    from .quant import BITS, COL_BITS, UNQUANTIZED, off_rank
     L, H, d = shape
+    per_unit = BITS + (UNQUANTIZED,)
     for side, b in zip("kv", pair):
         b = np.asarray(b)
-        if b.shape == (L, H) and np.isin(b, (0,) + BITS).all():
+        if b.shape == (L, H) and np.isin(b, per_unit).all():
             continue
         ok = b.shape == (L, H, d) and ranks is not None and np.isin(b, COL_BITS).all()
         if not ok or off_rank(b, ranks["kv".index(side)]) is not None:
             raise UsageError(f"bits for {dst}: {method} bits_{side} must be [{L}, {H}] among "
-                             f"0, {', '.join(map(str, BITS))}, or [{L}, {H}, {d}] among "
+                             f"{', '.join(map(str, per_unit))}, or [{L}, {H}, {d}] among "
                              f"{', '.join(map(str, COL_BITS))} with bits on the first rank "
                              "columns of each unit and 0 past it")
 

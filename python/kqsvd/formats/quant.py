@@ -11,6 +11,12 @@ import numpy as np
 from ..errors import UsageError
 
 BITS = (2, 3, 4, 8)
+# One encoding of what a unit or a latent column is held at, in memory and
+# in the files written since (docs/formats.md 5.3): codes of BITS bits,
+# UNQUANTIZED as computed, DROPPED not cached (a column past its unit's
+# rank).  Older files wrote 0 for an unquantized unit (bits_*_heads);
+# read_bits takes it as UNQUANTIZED.
+UNQUANTIZED, DROPPED = 16, 0
 AXES = ("channel", "token")
 # Past these a scheme is a typo, and taken literally it sizes buffers by
 # them (a group of 10^12 values asked for hundreds of terabytes).
@@ -49,17 +55,16 @@ class QuantScheme:
 def option_bits(r, b, axis, group):
     """Bits per token that r cached columns at b bits take under the scheme
     (codes and scales, docs/quantized-cache.md section 1; 16 per value for
-    b = 0, unquantized)."""
-    if b == 0:
+    b UNQUANTIZED)."""
+    if b == UNQUANTIZED:
         return 16.0 * r
     if axis == "channel":  # a scale and a zero per column per block of `group` tokens
         return r * b + 32.0 * r / group
     return (r + 7) // 8 * 8 * b + 32.0 * -(-r // group)
 
 
-# A latent column's bits in a file's per-column form (bits_k_cols): 0 for a
-# column past the unit's rank (not cached), 16 for one held unquantized.
-COL_BITS = (0, 2, 3, 4, 8, 16)
+# A latent column's bits in a file's per-column form (bits_k_cols).
+COL_BITS = (DROPPED,) + BITS + (UNQUANTIZED,)
 
 
 def off_rank(bits, ranks):
@@ -67,18 +72,17 @@ def off_rank(bits, ranks):
     are not nonzero exactly on its first rank columns, or None when every
     unit keeps that rule."""
     bits = np.asarray(bits)
-    bad = (bits != 0) != (np.arange(bits.shape[-1]) < np.asarray(ranks)[..., None])
+    bad = (bits != DROPPED) != (np.arange(bits.shape[-1]) < np.asarray(ranks)[..., None])
     hit = np.argwhere(bad.any(-1))
     return tuple(int(i) for i in hit[0]) if len(hit) else None
 
 
 def column_runs(bits, rank):
     """A unit's cached columns grouped by their bits, for the stores that
-    hold them: [(columns int array, bits)] with bits as a Store takes them
-    (0: unquantized), widest first (unquantized, 8, 4, 3, 2), each run's
-    columns in increasing order.  bits: the unit's one number (0:
-    unquantized) or its columns' ([d], COL_BITS: nonzero exactly on the
-    first `rank`).  Raises KqsvdError for columns that break that rule."""
+    hold them: [(columns int array, bits)], widest first (unquantized, 8,
+    4, 3, 2), each run's columns in increasing order.  bits: the unit's one
+    number or its columns' ([d], COL_BITS: not DROPPED exactly on the first
+    `rank`).  Raises KqsvdError for columns that break that rule."""
     from ..errors import KqsvdError
     rank = int(rank)
     if np.ndim(bits) == 0:
@@ -89,7 +93,7 @@ def column_runs(bits, rank):
                          "need bits, the others none")
     runs = []
     for b in sorted(set(bits[:rank].tolist()), reverse=True):
-        runs.append((np.flatnonzero(bits[:rank] == b), 0 if b == 16 else int(b)))
+        runs.append((np.flatnonzero(bits[:rank] == b), int(b)))
     return runs
 
 
@@ -117,11 +121,12 @@ SCHEME_ATTRS = {"quant_group": "group", "quant_key_axis": "key_axis",
 def read_bits(f, path, method, L, H, d=None, ranks=None):
     """A method group's stored bits and the file's scheme (root attributes
     quant_*), or (None, None, None) for a file without them.  The bits are
-    one number per unit (bits_k_heads, bits_v_heads: int [L, Hkv], 0 for
-    unquantized) or one per latent column (bits_k_cols, bits_v_cols: int
-    [L, Hkv, d] among COL_BITS, nonzero exactly on the first rank columns
-    of ranks = (rank_k [L, Hkv], rank_v)).  Raises KqsvdError naming the
-    dataset or attribute that is wrong."""
+    one number per unit (bits_k_heads, bits_v_heads: int [L, Hkv], BITS or
+    UNQUANTIZED, an older file's 0 read as UNQUANTIZED) or one per latent
+    column (bits_k_cols, bits_v_cols: int [L, Hkv, d] among COL_BITS, not
+    DROPPED exactly on the first rank columns of ranks = (rank_k [L, Hkv],
+    rank_v)).  Raises KqsvdError naming the dataset or attribute that is
+    wrong."""
     from ..errors import KqsvdError
     forms = [[f"{method}/bits_{s}_{form}" for s in "kv"] for form in ("heads", "cols")]
     have = [n for names in forms for n in names if n in f]
@@ -133,7 +138,8 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
                          "values bits of one form, bits_k_heads and bits_v_heads or "
                          "bits_k_cols and bits_v_cols")
     cols = names is forms[1]
-    shape, allowed = ((L, H, d), COL_BITS) if cols else ((L, H), (0,) + BITS)
+    # per unit: 0 is how files before the one encoding said UNQUANTIZED
+    shape, allowed = ((L, H, d), COL_BITS) if cols else ((L, H), (0,) + BITS + (UNQUANTIZED,))
     import h5py
     bits = []
     for i, n in enumerate(names):
@@ -151,7 +157,8 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
             raise KqsvdError(f"{path}: dataset '{n}' gives bits to {(b[l, h] != 0).sum()} columns "
                              f"of layer {l}, KV head {h}, which has rank {ranks[i][l, h]}: the "
                              "first rank columns need bits, the others 0")
-        bits.append(b.astype(np.int64))
+        b = b.astype(np.int64)
+        bits.append(b if cols else np.where(b == 0, UNQUANTIZED, b))
     kw = {attr: _scheme_attr(f, path, attr) for attr in SCHEME_ATTRS}
     kw = {SCHEME_ATTRS[a]: v for a, v in kw.items()}
     try:

@@ -30,13 +30,12 @@ import math
 import numpy as np
 
 from ..errors import UsageError
-from ..formats.quant import option_bits
-from .allocate import Sensitivity, group_view, measure_costs
 from ..formats.policy import QUALITY_BITS
+from ..formats.quant import DROPPED, UNQUANTIZED, option_bits
+from .allocate import Sensitivity, group_view, measure_costs
+from .columns import allocate_columns, read_spectra, spectrum_costs
 from .kl import full_logprobs, kl_to_full
-
-CHOICES = (2, 3, 4, 8, 0)  # 0: unquantized
-
+from .knapsack import CHOICES, knapsack, uniform_choices
 
 class QuantSensitivity(Sensitivity):
     """Sensitivity with a cost per bits choice: cost[m] [2, L, H, nb, d]
@@ -72,7 +71,7 @@ class QuantSensitivity(Sensitivity):
             xa = np.einsum("bhtd,hde->bhte", x, A)
             gb = np.einsum("bhtd,hde->bhte", g, B)
             for i, bits in enumerate(CHOICES):
-                q = xa if bits == 0 else Store(bits, self.scheme.group, axis).append(
+                q = xa if bits == UNQUANTIZED else Store(bits, self.scheme.group, axis).append(
                     torch.from_numpy(xa)).numpy()
                 c = gx[..., None] - np.cumsum(q * gb, -1)
                 if joint:
@@ -83,58 +82,6 @@ class QuantSensitivity(Sensitivity):
                 self.dist[m][side, layer, :, i] += ((xa - q) ** 2).sum((0, 2))
             self._col(m, side, layer, len(CHOICES), xa * gb, joint)
             self.energy[m][side, layer] += (xa ** 2).sum((0, 2))
-
-
-def hull(sizes, costs):
-    """The lower convex hull of one unit's options: indices into the
-    options, by increasing size, each step buying a lower cost."""
-    order = sorted(range(len(sizes)), key=lambda i: (sizes[i], costs[i]))
-    pts = []
-    for i in order:
-        if pts and sizes[pts[-1]] == sizes[i]:
-            continue  # the cheaper cost of one size is already in
-        while len(pts) >= 2:
-            a, b = pts[-2], pts[-1]
-            if (costs[b] - costs[a]) * (sizes[i] - sizes[a]) >= \
-                    (costs[i] - costs[a]) * (sizes[b] - sizes[a]):
-                pts.pop()
-            else:
-                break
-        pts.append(i)
-    out = [pts[0]]
-    for i in pts[1:]:
-        if costs[i] < costs[out[-1]]:
-            out.append(i)
-    return out
-
-
-def knapsack(sizes, costs, budget):
-    """One option per unit: sizes, costs [U, n]; the sum of sizes at most
-    budget, the sum of the convexified costs least (see the module's doc).
-    Returns int [U] option indices.  UsageError when even the smallest
-    options do not fit."""
-    U = len(sizes)
-    hulls = [hull(sizes[u], costs[u]) for u in range(U)]
-    pick = [h[0] for h in hulls]
-    used = sum(sizes[u][pick[u]] for u in range(U))
-    if used > budget + 1e-9:
-        raise UsageError(f"{QUALITY_BITS} the budget buys {budget:.0f} bits per token; the smallest "
-                         f"option of every unit takes {used:.0f}")
-    segs = []
-    for u, h in enumerate(hulls):
-        for k in range(1, len(h)):
-            ds = sizes[u][h[k]] - sizes[u][h[k - 1]]
-            segs.append(((costs[u][h[k - 1]] - costs[u][h[k]]) / ds, u, k))
-    closed = set()
-    for _, u, k in sorted(segs, key=lambda s: (-s[0], s[1], s[2])):
-        if u in closed:
-            continue
-        ds = sizes[u][hulls[u][k]] - sizes[u][pick[u]]
-        if used + ds > budget + 1e-9:
-            closed.add(u)
-            continue
-        pick[u], used = hulls[u][k], used + ds
-    return np.array(pick, dtype=np.int64)
 
 
 def least_fraction(head_dim, scheme):
@@ -162,26 +109,10 @@ def check_fraction(fraction, head_dim, scheme):
                          f"cache's bytes; give {QUALITY_BITS}{up} or more")
 
 
-def uniform_choices(L, H, d, scheme, budget):
-    """{bits: the largest rank that fits the budget with every unit at that
-    rank and those bits (CHOICES; 0 unquantized)}, without the bits at
-    which even rank 1 does not fit."""
-    out = {}
-    for b in CHOICES:
-        per = [L * H * (option_bits(r, b, scheme.key_axis, scheme.group) +
-                        option_bits(r, b, scheme.value_axis, scheme.group))
-               for r in range(1, d + 1)]
-        r = max((r for r in range(1, d + 1) if per[r - 1] <= budget + 1e-9), default=0)
-        if r:
-            out[b] = r
-    return out
-
-
 def column_candidates(qs, method, proj_path, scheme, budget):
     """{name: (ranks [2, L, H], bits [2, L, H, d])}: bits per latent column
     (quality.columns) from the columns' Fisher costs ("columns") and, for
     kqsvd, from the attention's spectrum ("spectrum")."""
-    from .columns import allocate_columns, read_spectra, spectrum_costs
     costs = {"columns": qs.col[method]}
     spectra = read_spectra(proj_path, method)
     if spectra is not None:
@@ -197,7 +128,7 @@ def column_candidates(qs, method, proj_path, scheme, budget):
     out = {}
     for name, c in costs.items():
         bits = allocate_columns(c, CHOICES, scheme, budget)
-        out[name] = ((bits != 0).sum(-1), bits)
+        out[name] = ((bits != DROPPED).sum(-1), bits)
     return out
 
 
@@ -231,7 +162,7 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
         bits = np.array([opts[i][1] for i in pick]).reshape(2, L, H)
         cands = {"fisher": (ranks, bits)}
         for b, r in uniform_choices(L, H, d, scheme, budget).items():
-            cands[f"fixed:{r}" + (f"@{b}" if b else "")] = (np.full((2, L, H), r),
+            cands[f"fixed:{r}" + (f"@{b}" if b != UNQUANTIZED else "")] = (np.full((2, L, H), r),
                                                             np.full((2, L, H), b))
         cands.update(column_candidates(qs, m, proj_path, scheme, budget))
         kls = {}

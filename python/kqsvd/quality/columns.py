@@ -18,7 +18,7 @@ exact.  Two forms of that cost:
 - fisher: the model's loss, allocate.py's Fisher form per column:
   sum over windows (sum over tokens of g_t . e_tj B_j)^2.
 
-The choices are allocated by bits.knapsack over every column of every
+The choices are allocated by knapsack.knapsack over every column of every
 unit (the greedy on each column's convex hull: the discrete water level),
 then made a rank: a unit keeps its columns up to the last it gave bits,
 an earlier column without bits gets the fewest (2).  That and the runs'
@@ -28,11 +28,8 @@ unit_bits) fit; a uniform choice (one rank, one width everywhere) that
 fits and costs less is kept instead."""
 import numpy as np
 
-from ..formats.quant import unit_bits
-
-# Column choices, in the order of bits.CHOICES then "dropped": the bits a
-# file stores for each (formats.quant.COL_BITS).
-COL_OF_CHOICE = {2: 2, 3: 3, 4: 4, 8: 8, 0: 16}
+from ..formats.quant import DROPPED, UNQUANTIZED, unit_bits
+from .knapsack import knapsack, uniform_choices
 
 
 def column_sizes(choices, group):
@@ -41,7 +38,7 @@ def column_sizes(choices, group):
     `group` tokens of a column, or per `group` columns of a token's row,
     both 32 / group bits a value), 16 unquantized.  The runs' packing
     padding is left to unit_bits."""
-    return np.array([16.0 if b == 0 else b + 32.0 / group for b in choices] + [0.0])
+    return np.array([16.0 if b == UNQUANTIZED else b + 32.0 / group for b in choices] + [0.0])
 
 
 def spectrum_costs(sigma, dist, energy):
@@ -72,14 +69,13 @@ def allocate_columns(costs, choices, scheme, budget):
     (COL_BITS) whose exact bytes (unit_bits over both sides) are at most
     `budget` bits per token.  Raises UsageError (from knapsack) when even
     rank 1 at the fewest bits does not fit."""
-    from .bits import knapsack, uniform_choices
     _, L, H, nc, d = costs.shape
     axes = (scheme.key_axis, scheme.value_axis)
     sizes = column_sizes(choices, scheme.group)
     flat_c = np.concatenate([np.moveaxis(costs[s], 2, 3).reshape(L * H * d, nc) for s in (0, 1)])
     flat_s = np.repeat(sizes[None], 2 * L * H * d, 0)
-    col = np.array([COL_OF_CHOICE[b] for b in choices] + [0])
-    fewest = min(b for b in col if b)
+    col = np.array(list(choices) + [DROPPED])
+    fewest = min(b for b in col if b != DROPPED)
 
     def made(b):
         bits = col[knapsack(flat_s, flat_c, b)].reshape(2, L, H, d)
@@ -90,7 +86,7 @@ def allocate_columns(costs, choices, scheme, budget):
                     row = bits[s, l, h]
                     kept = np.flatnonzero(row)
                     r = kept[-1] + 1 if len(kept) else 1
-                    row[:r][row[:r] == 0] = fewest
+                    row[:r][row[:r] == DROPPED] = fewest
                     exact += unit_bits(row, r, axes[s], scheme.group)
         return bits, exact
 
@@ -117,7 +113,7 @@ def allocate_columns(costs, choices, scheme, budget):
         return np.take_along_axis(costs, pick[:, :, :, None, :], 3).sum()
     best, best_cost = bits, cost(bits)
     for b, r in uniform_choices(L, H, d, scheme, budget).items():
-        uni = np.where(np.arange(d) < r, COL_OF_CHOICE[b], 0) * np.ones((2, L, H, 1), np.int64)
+        uni = np.where(np.arange(d) < r, b, DROPPED) * np.ones((2, L, H, 1), np.int64)
         c = cost(uni)
         if c < best_cost:
             best, best_cost = uni, c
