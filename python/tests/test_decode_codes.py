@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 
 from kqsvd.attention import compress, compressed, function, kernel, latent_cache, reading_codes
 from kqsvd.attention.cache import QuantCache
+from kqsvd.attention.handoff import hand, received
 from kqsvd.attention.quant import RunStore, Store, dequantize, quantize
 from kqsvd.errors import KqsvdError
 from kqsvd.formats.projections import Projections
@@ -68,13 +69,12 @@ class Steps(unittest.TestCase):
         errs = []
 
         def both(module, query, key, value, mask, *args, **kwargs):
-            site = function.SITES.get(module)
-            handed = site.handoff if site is not None else None
+            layer, codes, _, _ = received(key, value)
             out = function.latent_attention(module, query, key, value, mask, *args, **kwargs)
-            if handed is not None and len(handed) > 2 and handed[0] is key:
-                kc, vc = handed[2].read(query.dtype)
-                site.handoff = (kc, vc)
-                want = function.latent_attention(module, query, kc, vc, mask, *args, **kwargs)
+            if codes:  # the same step over the layer's stores dequantized
+                kc, vc = layer.read(query.dtype)
+                want = function.latent_attention(module, query, hand(kc, layer),
+                                                 hand(vc, layer), mask, *args, **kwargs)
                 errs.append(float((out[0] - want[0]).abs().max() / want[0].abs().max()))
             return out
 
@@ -172,10 +172,10 @@ class Plain(unittest.TestCase):
         errs = []
 
         def both(module, query, key, value, mask, *args, **kwargs):
-            plain = function.PLAIN.handoff
+            layer, codes, _, _ = received(key, value)
             out = function.latent_attention(module, query, key, value, mask, *args, **kwargs)
-            if plain is not None and plain[0] is key:
-                kc, vc = plain[2].read(query.dtype)
+            if codes:
+                kc, vc = layer.read(query.dtype)
                 want = function.sdpa_attention_forward(module, query, kc, vc, mask, *args,
                                                        **kwargs)
                 errs.append(float((out[0] - want[0]).abs().max() / want[0].abs().max()))
@@ -216,7 +216,6 @@ class Plain(unittest.TestCase):
             _, n, inside = self.run_steps(scheme, (4, 4))
             self.assertGreater(n, 0)
             self.assertEqual(self.model.config._attn_implementation, impl, "restored")
-            self.assertIsNone(function.PLAIN.handoff)
             torch.testing.assert_close(inside, before, rtol=0, atol=2e-4)
         self.model.set_attn_implementation("sdpa")
 

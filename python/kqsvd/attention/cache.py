@@ -4,8 +4,8 @@ instead of K and V.
 transformers calls `update(keys, values, cache_kwargs)` with each new
 token's full keys (after RoPE, with the cos and sin that rotated them) and
 values; the layer keeps their projections and returns everything it holds,
-which the model hands on to the attention function (function.py).  The
-rest (sequence length, mask sizes, cropping, beam reordering, batch
+marked as its own (handoff.py), which the model hands on to the attention
+function (function.py).  The rest (sequence length, mask sizes, cropping, beam reordering, batch
 repetition) is DynamicLayer's, which works for any last dimension.
 
 QuantLayer holds its columns quantized (quant.py): the latent's with
@@ -14,13 +14,35 @@ plain quantized cache to compare with), dequantized whenever they are
 returned, except for a decode step the attention function reads as codes
 (function._codes_attention): the latent's after RoPE, or QuantCache's
 inside compressed.reading_codes()."""
+import contextlib
+import threading
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..errors import KqsvdError
 from . import kernel
-from .function import PLAIN
+from .handoff import hand
 from .quant import store
+
+
+class _Blocks(threading.local):
+    depth = 0  # compressed.reading_codes() blocks open in this thread
+
+
+_BLOCKS = _Blocks()
+
+
+@contextlib.contextmanager
+def codes_block():
+    """Inside it, a QuantCache's decode steps (site None) hand their stores
+    to the attention function to read as codes: the model attends through
+    the kqsvd function there (compressed.reading_codes).  Per thread."""
+    _BLOCKS.depth += 1
+    try:
+        yield
+    finally:
+        _BLOCKS.depth -= 1
 
 
 def rotation(site, values, cache_kwargs, kwargs, past):
@@ -54,9 +76,9 @@ def _installed(site):
 
 class LatentLayer(DynamicLayer):
     """A cache layer of one attention module; `site` is that module's
-    installation (compressed.Site): its projections, and where the layer
-    leaves what it returned so the attention function knows the tensors it
-    receives are latent."""
+    installation (compressed.Site): its projections.  What update()
+    returns is handed as this layer's (handoff.py), so the attention
+    function knows the tensors it receives are latent."""
 
     def __init__(self, site):
         super().__init__()
@@ -78,8 +100,7 @@ class LatentLayer(DynamicLayer):
         kc, vc = self.site.P.project(key_states, value_states, cos, sin)
         self.keys = torch.cat([self.keys, kc], dim=-2)
         self.values = torch.cat([self.values, vc], dim=-2)
-        self.site.handoff = (self.keys, self.values)
-        return self.keys, self.values
+        return hand(self.keys, self), hand(self.values, self)
 
 
 
@@ -88,8 +109,8 @@ def reads_codes(site, x):
     codes directly (function.py): one new token, keys after RoPE (before
     RoPE every key is rebuilt and rotated, which needs its floats), and
     the kernel available for x's device (kernel.py).  site None: a plain
-    quantized cache, which reads codes inside compressed.reading_codes()."""
-    here = PLAIN.depth > 0 if site is None else not site.P.pre and site.probe is None
+    quantized cache, which reads codes inside a codes_block()."""
+    here = _BLOCKS.depth > 0 if site is None else not site.P.pre and site.probe is None
     return x.shape[-2] == 1 and here and kernel.available(x)
 
 
@@ -133,11 +154,10 @@ class QuantLayer(DynamicLayer):
             n = self.get_seq_length()
             keys = none.expand(*key_states.shape[:2], n, key_states.shape[-1])
             values = none.expand(*value_states.shape[:2], n, value_states.shape[-1])
-            (self.site or PLAIN).handoff = (keys, values, self)
-            return keys, values
+            return hand(keys, self, codes=True), hand(values, self, codes=True)
         keys, values = self.read(key_states.dtype)
-        if self.site is not None:
-            self.site.handoff = (keys, values)
+        if self.site is not None:  # the latent's columns, dequantized
+            return hand(keys, self), hand(values, self)
         return keys, values
 
     def read(self, dtype):

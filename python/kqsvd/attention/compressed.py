@@ -39,22 +39,22 @@ from ..compat import cache_kwarg, check_transformers
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
 from ..models import COMPRESSIBLE
-from .cache import LatentCache
-from .function import NAME, PLAIN, SITES
+from .cache import LatentCache, codes_block
+from .function import NAME, attach, detach
 from .projection import LayerProjection
 
 
 class Site:
     """One attention module's installation: its projections P, the model's
     rotary embedding (keys before RoPE), probe mode's records, the
-    original o_proj while a folded one stands in, the latent cache's
-    hand-off to the attention function, and whether it is installed now
-    (`live`: a cache of a removed installation must not be used)."""
+    original o_proj while a folded one stands in, and whether it is
+    installed now (`live`: a cache of a removed installation must not be
+    used)."""
 
     def __init__(self, attn, P, rotary, probe, folded):
         self.attn, self.P, self.rotary = attn, P, rotary
         self.probe = [] if probe else None
-        self.folded, self.o_original, self.handoff = folded, None, None
+        self.folded, self.o_original = folded, None
         self.live = False
 
 
@@ -85,7 +85,7 @@ class _Install:
     def apply(self):
         _acquire(self.model, self)
         for s in self.sites:
-            SITES[s.attn] = s
+            attach(s.attn, s)
             s.live = True
             if s.folded is not None:
                 s.o_original = s.attn.o_proj
@@ -102,11 +102,9 @@ class _Install:
         _release(self.model, self)
         for s in self.sites:
             s.live = False
-            if SITES.get(s.attn) is s:
-                del SITES[s.attn]
+            detach(s.attn, s)
             if s.o_original is not None:
                 s.attn.o_proj, s.o_original = s.o_original, None
-            s.handoff = None
 
     def _start_cache(self, module, args, kwargs):
         if self.sites[0].probe is not None:
@@ -293,12 +291,10 @@ def reading_codes(model):
     attention_modules(model)
     block = object()
     _acquire(model, block)
-    PLAIN.depth += 1
     try:
-        yield model
+        with codes_block():
+            yield model
     finally:
-        PLAIN.depth -= 1
-        PLAIN.handoff = None
         _release(model, block)
 
 

@@ -16,7 +16,6 @@ exact and the compressed scores and outputs eagerly, records their
 relative squared errors per sequence (err_kq and err_out as `kqsvd
 evaluate` defines them: scores after RoPE, W^O without its bias), and
 returns the exact output, so every layer sees the full model's inputs."""
-import threading
 import weakref
 
 import torch
@@ -26,48 +25,53 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import KqsvdError
+from .handoff import received
 from .projection import key_positions, rope
 
 NAME = "kqsvd"
 
-# attention module -> compressed.Site while the module's model is compressed;
-# weak keys, so nothing is attached to the model and nothing outlives it.
-SITES = weakref.WeakKeyDictionary()
+# attention module -> compressed.Site while the module's model is compressed,
+# kept up by attach() and detach() alone; weak keys, so nothing is attached
+# to the model and nothing outlives it.
+_SITES = weakref.WeakKeyDictionary()
 
 
-class _Plain(threading.local):
-    """A plain quantized cache's hand-off (cache.QuantCache has no Site):
-    its layers hand their stores only inside reading_codes() blocks
-    (`depth` of them open in this thread), whose model attends here."""
-    depth = 0
-    handoff = None  # (keys, values, QuantLayer) of the step in progress
+def attach(attn, site):
+    """The attention module `attn` attends through `site` (compressed.Site)."""
+    _SITES[attn] = site
 
 
-PLAIN = _Plain()
+def detach(attn, site):
+    """attn no longer attends through `site` (another's stays)."""
+    if _SITES.get(attn) is site:
+        del _SITES[attn]
 
 
 def latent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                      **kwargs):
     # dropout sixth, as transformers' SDPA function has it: kvpress wraps
     # every registered attention function and passes it by position.
-    site = SITES.get(module)
-    plain, PLAIN.handoff = PLAIN.handoff, None
-    if plain is not None and plain[0] is key and plain[1] is value:
+    layer, codes, key, value = received(key, value)
+    site = _SITES.get(module)
+    if layer is not None and layer.site is None:  # a plain quantized cache's layer
         if site is None:  # the model's own keys and values, read as codes
-            return _codes_attention(None, plain[2], query, attention_mask, scaling,
+            return _codes_attention(None, layer, query, attention_mask, scaling,
                                     dropout if module.training else 0.0, key.shape[1])
-        key, value = plain[2].read(query.dtype)  # a compressed model given a plain cache
+        key, value = layer.read(query.dtype)  # a compressed model given a plain cache
+        layer, codes = None, False  # full keys and values from here
     if site is None:  # a module of a model not (or no longer) compressed
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise KqsvdError("compressed attention does not support logit soft-capping")
+    if layer is not None and layer.site is not site:
+        raise KqsvdError("this cache was filled under other projections: start a new one "
+                         "(kqsvd.latent_cache) after each compress()")
     P = site.P
     T, N = query.shape[2], key.shape[2]
-    handed, site.handoff = site.handoff, None
-    latent = handed is not None and handed[0] is key and handed[1] is value
-    if latent and len(handed) > 2:  # a quantized layer's stores, read as codes
-        return _codes_attention(P, handed[2], query, attention_mask, scaling,
+    latent = layer is not None  # the latent's columns, from this module's cache layer
+    if codes:  # a quantized layer's stores, read as codes
+        return _codes_attention(P, layer, query, attention_mask, scaling,
                                 dropout if module.training else 0.0)
     pos = kwargs.get("position_ids")
     if pos is None:

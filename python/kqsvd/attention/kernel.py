@@ -15,6 +15,7 @@ quantized through one kernel call, the rest (residual, a channel block
 not yet complete, columns kept unquantized) by float32 products."""
 import ctypes
 import os
+import weakref
 
 import torch
 
@@ -85,17 +86,24 @@ def _call(name, stores, a, out, ld):
     _check(lib, st, "the decode kernel failed: ")
 
 
+# quant.Store -> (its generation, the descriptor of its buffers): a decode
+# step calls the kernels twice per layer, and ctypes structures cost more
+# to build than to update.  Weak: a store's descriptor goes with it.
+_DESCS = weakref.WeakKeyDictionary()
+
+
 def _desc(st):
-    """The descriptor of a quant.Store's quantized tokens, kept on it and
-    made again only when its buffers are (st.desc None): a decode step
-    calls the kernels twice per layer, and ctypes structures cost more to
-    build than to update."""
-    if st.desc is None:
-        b, H = st._buf[0].shape[:2]
-        st.desc = _Codes(b * H, 0, st.rest.shape[-1], st.capacity(), st.bits, st.group,
-                         _AXES[st.axis], *(t.data_ptr() for t in st._buf))
-    st.desc.tokens = st.done
-    return st.desc
+    """The descriptor of a quant.Store's quantized tokens (its public
+    buffers), made again only when they are (st.generation)."""
+    kept = _DESCS.get(st)
+    if kept is None or kept[0] != st.generation:
+        bufs = st.buffers
+        b, H = bufs[0].shape[:2]
+        kept = (st.generation, _Codes(b * H, 0, st.rest.shape[-1], st.capacity(), st.bits,
+                                      st.group, _AXES[st.axis], *(t.data_ptr() for t in bufs)))
+        _DESCS[st] = kept
+    kept[1].tokens = st.done
+    return kept[1]
 
 
 def quantize_into(x, bits, group, dest):
@@ -145,7 +153,7 @@ def quantize(x, bits, group):
 def _coded(stores, cuts):
     """The stores holding codes (bits 0 holds every token as it came) with
     their column ranges, and whether that is all of them."""
-    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st._used]
+    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st.done]
     return got, len(got) == len(stores)
 
 

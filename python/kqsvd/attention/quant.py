@@ -134,13 +134,22 @@ class Store:
         self._used = 0                               # of _buf along _dim
         self.rest = None                             # tokens held as they came
         self.done = 0                                # tokens quantized
-        self.desc = None                             # kernel.py's descriptor, kept up
+        self.generation = 0                          # counts the buffers' reallocations
 
     # The quantized tokens, views of _buf (None before the first): taken
     # when asked, since a decode step asks the kernels, not these.
     codes = property(lambda self: self._view(0))
     scale = property(lambda self: self._view(1))
     zero = property(lambda self: self._view(2))
+
+    @property
+    def buffers(self):
+        """What the decode kernels read (kernel.py): (codes, scale, zero),
+        the buffers laid out for capacity() tokens, of which the first
+        `done` are quantized; None before the first.  They are replaced
+        when they grow, and `generation` then changes, so that a reader
+        may keep what it derives from them (pointers) until it does."""
+        return None if self._buf is None else tuple(self._buf)
 
     def _view(self, i):
         return self._buf[i].narrow(self._dim, 0, self._used) if self._used else None
@@ -194,7 +203,8 @@ class Store:
                 if used:
                     buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
                 bufs.append(buf)
-            self._buf, self.desc = bufs, None
+            self._buf = bufs
+            self.generation += 1
         bufs = self._buf
 
         def commit():

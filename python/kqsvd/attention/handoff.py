@@ -1,0 +1,43 @@
+"""What a cache layer hands the attention function.
+
+transformers' attention modules pass what a cache layer's update() returns
+straight on to the attention function, as its `key` and `value`.  This
+package's layers return them as Handed tensors: tensors in every respect
+(an attention function of transformers reads them as any other), that
+also say which cache layer they come from and whether that layer's stores
+are to be read as codes, in which case they hold no data (zero strides: a
+float copy of the cache is what reading codes avoids).  The kqsvd attention function
+(function.py) reads that from its own arguments: nothing passes beside
+them.
+
+Why a tensor subclass rather than an object of its own: transformers,
+and kvpress wrapping the attention functions, hand `key` and `value` on
+as tensors (and may take their shapes); an object that is not one would
+break them, a tensor that carries a note breaks nothing."""
+import torch
+
+
+class Handed(torch.Tensor):
+    """A tensor from a cache layer: `layer` (cache.LatentLayer or
+    cache.QuantLayer) and `codes` (whether the attention reads the layer's
+    stores, this tensor holding only their shape).  What torch computes
+    from it is a Handed without them: the note belongs to what the layer
+    returned, not to what is computed from it."""
+
+
+def hand(t, layer, codes=False):
+    """t as a Handed tensor from `layer` (same data, no copy)."""
+    out = t.as_subclass(Handed)
+    out.layer, out.codes = layer, codes
+    return out
+
+
+def received(key, value):
+    """(layer, codes, key, value): what a cache layer of this package
+    handed with key and value, and the two as plain tensors (the kqsvd
+    attention computes on them at torch's own speed); (None, False, key,
+    value) for tensors of any other origin."""
+    layer = getattr(key, "layer", None) if isinstance(key, Handed) else None
+    if layer is None:
+        return None, False, key, value
+    return layer, key.codes, key.as_subclass(torch.Tensor), value.as_subclass(torch.Tensor)
