@@ -1,7 +1,9 @@
 """The transformers versions the package supports, checked where it first
 touches a model, so that another version gives one clear error instead of
 an AttributeError from inside transformers.  pyproject.toml declares the
-same range (python/tests check that they agree)."""
+same range (python/tests check that they agree).  What the package reads
+or writes of transformers beyond its public calls is here too: the one
+place to look when a release changes it."""
 from .errors import KqsvdError
 
 # Inclusive floor, exclusive bound.  Tested at both ends: the floor
@@ -55,6 +57,46 @@ def cache_kwarg(module):
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
+
+
+_MISSING = object()
+
+
+def attention_implementation(config):
+    """The attention implementation a config selects ('eager', 'sdpa', a
+    registered name), or None where none is set.  transformers keeps it
+    as config._attn_implementation, which every attention module and mask
+    builder reads at each call: the switch of its attention interface."""
+    return config._attn_implementation
+
+
+def switch_attention(config, name):
+    """Selects the registered attention function `name` for config and its
+    sub-configs; returns what restore_attention needs to put back exactly
+    what was set (or not set) before."""
+    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING))
+             for c in _configs(config)]
+    config._attn_implementation = name  # the setter reaches the sub-configs too
+    return saved
+
+
+def restore_attention(saved):
+    """Undoes switch_attention."""
+    for c, v in saved:
+        if v is _MISSING:
+            c.__dict__.pop("_attn_implementation_internal", None)
+        else:
+            c.__dict__["_attn_implementation_internal"] = v
+
+
+def _configs(cfg, seen=None):
+    seen = [] if seen is None else seen
+    if cfg is None or any(c is cfg for c in seen):
+        return seen
+    seen.append(cfg)
+    for key in getattr(cfg, "sub_configs", None) or {}:
+        _configs(getattr(cfg, key, None), seen)
+    return seen
 
 
 def output_cache(out):

@@ -35,7 +35,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..compat import cache_kwarg, check_transformers
+from ..compat import cache_kwarg, check_transformers, restore_attention, switch_attention
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
 from ..models import COMPRESSIBLE
@@ -126,8 +126,7 @@ class _Install:
 
 
 _INSTALLED = weakref.WeakKeyDictionary()
-_MISSING = object()
-# model -> (what _restore needs, the holders that need the kqsvd function):
+# model -> (what restore_attention needs, the holders that need the kqsvd function):
 # one record per model, so that installations and reading_codes() blocks
 # may end in any order and the last one gives the model back its own.
 _SWITCHED = weakref.WeakKeyDictionary()
@@ -138,7 +137,7 @@ def _acquire(model, holder):
     `holder` (an installation or a reading_codes() block) holds it."""
     saved, holders = _SWITCHED.get(model, (None, []))
     if not holders:
-        saved = _use_kqsvd(model)
+        saved = switch_attention(model.config, NAME)
     _SWITCHED[model] = (saved, holders + [holder])
 
 
@@ -151,7 +150,7 @@ def _release(model, holder):
         _SWITCHED[model] = (saved, holders)
         return
     _SWITCHED.pop(model, None)
-    _restore(saved or [])
+    restore_attention(saved or [])
 
 
 def _check_model(model, call):
@@ -160,33 +159,6 @@ def _check_model(model, call):
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise UsageError(f"{call}: model must be a transformers model (a torch module with a "
                          f"config), not {type(model).__name__}")
-
-
-def _use_kqsvd(model):
-    """Switches model to the kqsvd attention function; returns what
-    _restore needs to switch it back exactly."""
-    saved = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING))
-             for c in _configs(model.config)]
-    model.config._attn_implementation = NAME  # the setter reaches the sub-configs too
-    return saved
-
-
-def _restore(saved):
-    for c, v in saved:
-        if v is _MISSING:
-            c.__dict__.pop("_attn_implementation_internal", None)
-        else:
-            c.__dict__["_attn_implementation_internal"] = v
-
-
-def _configs(cfg, seen=None):
-    seen = [] if seen is None else seen
-    if cfg is None or any(c is cfg for c in seen):
-        return seen
-    seen.append(cfg)
-    for key in getattr(cfg, "sub_configs", None) or {}:
-        _configs(getattr(cfg, key, None), seen)
-    return seen
 
 
 def _build(model, proj, fold, probe):

@@ -174,14 +174,14 @@ class Store:
         if self.axis == "channel":  # blocks of `group` tokens, each channel's one group
             b, H, T, n = x.shape
             x = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
-        dest, commit = self._reserve(x, -3 if self.axis == "channel" else -2)
+        dest, commit = self.reserve(x, -3 if self.axis == "channel" else -2)
         if not kernel.quantize_into(x, self.bits, self.group, dest):
             for d, t in zip(dest, quantize(x, self.bits, self.group)):
                 d.copy_(t)
         commit()
         self.done += x.shape[-2] if self.axis == "token" else x.shape[-3] * self.group
 
-    def _reserve(self, x, dim):
+    def reserve(self, x, dim):
         """Room for the codes [..., pw] and scales and zeros [..., groups] of
         rows x [..., n] along dim (tokens, or blocks on the channel axis), in
         buffers that grow by an eighth at a time: appending to tensors one
@@ -275,7 +275,7 @@ class RunStore:
             return torch.cat(got, -1) if read else None
         # Tokens quantized as they come, every run at once: one library call
         # (kernel.quantize_runs) where a call per run cost more than the work.
-        got = [s._reserve(x[..., a:b], -2) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
+        got = [s.reserve(x[..., a:b], -2) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
         kernel.quantize_runs(x, [b - a for a, b in zip(self.cuts, self.cuts[1:])],
                              [s.bits for s in self.parts], self.parts[0].group,
                              [dest for dest, _ in got])

@@ -398,6 +398,7 @@ class Calibrator(_Handle):
         if comm.Get_size() == 1:
             return
         root = _whole("root", root, 0, comm.Get_size() - 1)
+        # MPI._handleof: mpi4py's documented way to a communicator's C handle
         _check(library().kqsvd_acc_reduce(h, ctypes.c_void_p(MPI._handleof(comm)), root),
                "reducing the factors")
 

@@ -7,6 +7,7 @@ into R factors at once)."""
 import sys
 import weakref
 
+from ..compat import attention_implementation, restore_attention, switch_attention
 from ..errors import UsageError
 from ..models import ENCODERS, head_dim
 
@@ -59,7 +60,7 @@ class Capture:
         self.saved = None
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
-        self.d = head_dim(getattr(cfg, "_name_or_path", "") or "model", cfg)
+        self.d = head_dim(getattr(cfg, "name_or_path", "") or "model", cfg)
         if mtype in ENCODERS:
             self.layers = list(model.encoder.layer)
             for l, lay in enumerate(self.layers):
@@ -70,15 +71,14 @@ class Capture:
             return
         _register()
         self.layers = list(model.layers)
-        own = cfg._attn_implementation or "eager"
+        own = attention_implementation(cfg) or "eager"
         name = CAPTURE + (own if own in ("eager", "sdpa") and compute == "own" else "sdpa")
         for l, lay in enumerate(self.layers):
             att = lay.self_attn
             SITES[att] = (self, l)
             if rope == "pre":
                 self._pre_hooks(l, att)
-        self.saved = own
-        cfg._attn_implementation = name
+        self.saved = switch_attention(cfg, name)
 
     def _pre_hooks(self, l, att):
         if hasattr(att, "qkv_proj"):  # Phi-3: one fused projection, queries first
@@ -146,7 +146,8 @@ class Capture:
             if att is not None and SITES.get(att, (None,))[0] is self:
                 del SITES[att]
         if self.saved is not None:
-            self.cfg._attn_implementation, self.saved = self.saved, None
+            restore_attention(self.saved)
+            self.saved = None
 
     def __enter__(self):
         return self

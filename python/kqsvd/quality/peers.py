@@ -2,7 +2,12 @@
 frontier (frontier.py): transformers' QuantizedCache (quanto and HQQ
 backends) and kvpress's eviction presses.  Each peer is a Config; the
 packages are imported only when a peer of theirs runs, and a missing one
-is named with what installs it."""
+is named with what installs it.
+
+The one module of the package that reads another package's internals:
+QuantizedCache keeps its codes in its layers' _quantized_keys and
+_quantized_values, with no public count of the bytes they hold, so
+QuantizedCachePeer.nbytes reads them there (and says what it counts)."""
 import contextlib
 import functools
 import importlib
