@@ -115,7 +115,7 @@ def machine_info():
     return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB"
 
 
-def main():
+def _options():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16384,32768,65536,131072,262144",
                     help="tokens per head of each set, comma-separated")
@@ -132,13 +132,26 @@ def main():
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "bench"))
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"),
                     help="file to write the results into ('' = none)")
-    a = ap.parse_args()
+    return ap
+
+
+def main():
+    a = _options().parse_args()
     sizes = [16384, 32768, 65536] if a.quick else [int(t) for t in a.tokens.split(",")]
     for exe in ("kqsvd", "kqsvd_bench_machine"):
         if not os.access(os.path.join(BUILD, exe), os.X_OK):
             sys.exit(f"calibrate_bench: build/{exe} is missing; run ./scripts/bootstrap.sh first")
     heads = a.layers * (a.heads + 2 * a.kv_heads)
+    mach, read, rows, summary = _measure(a, sizes)
+    text = _report(a, sizes, heads, mach, read, rows, summary)
+    print(text)
+    if a.doc:
+        _write_doc(a.doc, text)
 
+
+def _measure(a, sizes):
+    """Every run of every set: (dgemm GFLOP/s by threads, the largest
+    set's read rates, [(tokens, run, figures)], {tokens: {run: figures}})."""
     mach = {}
     for th in sorted({1, a.np}):
         mach[th] = keyvals(sh([os.path.join(BUILD, "kqsvd_bench_machine"), "dgemm", str(th)])[1])["dgemm_gflops"]
@@ -161,7 +174,11 @@ def main():
             rows.append((T, name, r))
             print(f"{T:7d}  {name:26s} {r['wall']:8.2f} s  peak RSS {r['rss']:8.1f} MiB", file=sys.stderr, flush=True)
         summary[T] = dict(runs)
+    return mach, read, rows, summary
 
+
+def _report(a, sizes, heads, mach, read, rows, summary):
+    """The results as the benchmarks page shows them (markdown)."""
     lines = ["| tokens/head | run | wall (s) | token x head rows/s | fold GFLOP/s per rank | "
              "peak RSS per rank (MiB) | read GB/s per rank | sigma vs 1 rank |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -204,18 +221,20 @@ def main():
             f"The in-memory pipeline computes in {a.peer_dtype}. The last column is the largest "
             "difference of every method's singular values from those of the 1-rank TSQR run, "
             "relative to each head's largest: every run did the same work.", ""]
-    text = "\n".join(head + lines + out) + "\n"
-    print(text)
-    if a.doc:
-        doc = open(a.doc).read() if os.path.exists(a.doc) else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-        if BEGIN not in doc:
-            doc += f"\n{BEGIN}\n{END}\n"
-        pre, rest = doc.split(BEGIN, 1)
-        post = rest.split(END, 1)[1]
-        with open(a.doc + ".tmp", "w") as f:
-            f.write(pre + BEGIN + "\n" + text + END + post)
-        os.replace(a.doc + ".tmp", a.doc)
-        print(f"wrote {a.doc}", file=sys.stderr)
+    return "\n".join(head + lines + out) + "\n"
+
+
+def _write_doc(path, text):
+    """text between the page's BEGIN and END marks (added if missing)."""
+    doc = open(path).read() if os.path.exists(path) else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in doc:
+        doc += f"\n{BEGIN}\n{END}\n"
+    pre, rest = doc.split(BEGIN, 1)
+    post = rest.split(END, 1)[1]
+    with open(path + ".tmp", "w") as f:
+        f.write(pre + BEGIN + "\n" + text + END + post)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

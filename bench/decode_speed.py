@@ -376,7 +376,7 @@ def measure(named, n, b, a, scheme, env):
     return out
 
 
-def parse(argv):
+def _options():
     from kqsvd.commands.cli import ArgumentParser, count, listed
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -409,7 +409,13 @@ def parse(argv):
     ap.add_argument("--force", action="store_true", help="replace outputs that exist")
     ap.add_argument("--scheme", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def parse(argv):
+    """The options, every configuration, context and output checked
+    before any run (and before the model loads)."""
+    a = _options().parse_args(argv)
     if a.one:
         return a
     if (a.annotate or a.front_only) and not a.frontier or a.plot and not a.annotate:
@@ -446,6 +452,17 @@ def parse(argv):
     if all(spec != "full" for _, spec, _ in a.named):
         a.named.insert(0, ("full", "full", None))
     a.named.sort(key=lambda x: x[1] != "full")
+    inputs = _configurations(a, info, scheme)
+    if a.frontier:
+        inputs.append(("--frontier", a.frontier))
+    check_outputs([("--json", a.json), ("--annotate", a.annotate), ("--plot", a.plot)],
+                  inputs + [("the model", models.resolve(MODEL))], a.force)
+    return a
+
+
+def _configurations(a, info, scheme):
+    """Checks every configuration of a.named (check()), none given twice;
+    returns the files they read, as (option, path) inputs."""
     seen, inputs = {}, []
     for name, spec, _ in a.named:
         key, path = check(spec, info, a.contexts, scheme, f"--frontier {a.frontier}: result "
@@ -459,11 +476,7 @@ def parse(argv):
         seen[key] = name
         if path:
             inputs.append(("--config", path))
-    if a.frontier:
-        inputs.append(("--frontier", a.frontier))
-    check_outputs([("--json", a.json), ("--annotate", a.annotate), ("--plot", a.plot)],
-                  inputs + [("the model", models.resolve(MODEL))], a.force)
-    return a
+    return inputs
 
 
 def child(a):

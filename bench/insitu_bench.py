@@ -113,7 +113,7 @@ def disk_bytes(folder):
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
 
 
-def main():
+def _options():
     ap = argparse.ArgumentParser(description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--text", default=TEXT)
@@ -124,13 +124,28 @@ def main():
     ap.add_argument("--work", help="work folder [a temporary one, removed]")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--threads", type=int, help="torch and BLAS threads [all cores]")
-    a = ap.parse_args()
+    return ap
+
+
+def main():
+    a = _options().parse_args()
     work = a.work or tempfile.mkdtemp(prefix="kqsvd-insitu-bench-")
     os.makedirs(work, exist_ok=True)
     env = {}
     if a.threads:
         env = {"OMP_NUM_THREADS": str(a.threads), "OPENBLAS_NUM_THREADS": str(a.threads)}
-    py = sys.executable
+    _long_enough(a, work)
+    rows = {}
+    pairs, fold_alone = _forward(a, env, rows)
+    _insitu(a, env, work, rows)
+    _twostep(a, env, work, rows)
+    _say(a, rows, pairs, fold_alone)
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _long_enough(a, work):
+    """a.text, repeated into `work` where the largest run needs more."""
     # Each split may use half of the text's tokens: a text too short for the
     # largest run is repeated (the timings do not depend on the words).
     need = 2 * a.seq_len * a.num_seqs * a.scale
@@ -143,31 +158,33 @@ def main():
             fh.write((text + "\n") * (need // have + 1))
         print(f"insitu_bench: the text repeated {need // have + 1} times for {need} tokens",
               file=sys.stderr)
-    common = ["--model", a.model, "--text", a.text, "--seq-len", str(a.seq_len)]
-    tokens = a.seq_len * a.num_seqs
-    rows = {}
 
-    def loop_of(out):
-        m = re.search(r"loop ([0-9.]+)", out) or re.search(r" in ([0-9.]+) s, no caches", out)
-        return float(m.group(1)) if m else float("nan")
 
+def _loop_of(out):
+    m = re.search(r"loop ([0-9.]+)", out) or re.search(r" in ([0-9.]+) s, no caches", out)
+    return float(m.group(1)) if m else float("nan")
+
+
+def _forward(a, env, rows):
+    """The forward pass alone (rows["forward"]), and the pairs of windows
+    run both ways in one process: ([(forward s, in-situ s)], the fold's
+    seconds a window)."""
+    py, tokens = sys.executable, a.seq_len * a.num_seqs
     src = FORWARD.format(python=os.path.join(ROOT, "python"), model=a.model, text=a.text,
                          seq_len=a.seq_len, num_seqs=a.num_seqs)
     wall, rss, out = run([py, "-c", src], env)
-    rows["forward"] = dict(wall=wall, loop=loop_of(out), rss_mib=rss, disk=0, tokens=tokens)
+    rows["forward"] = dict(wall=wall, loop=_loop_of(out), rss_mib=rss, disk=0, tokens=tokens)
     _, _, out = run([py, "-c", PAIRS.format(python=os.path.join(ROOT, "python"), model=a.model,
                                             text=a.text, seq_len=a.seq_len, num_seqs=a.num_seqs,
                                             repeat=a.repeat)], env)
     pairs = [(float(x), float(y)) for x, y in re.findall(r"pair ([0-9.]+) ([0-9.]+)", out)]
-    pair_f, pair_i = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-    fold_alone = float(re.search(r"fold ([0-9.]+)", out).group(1))
-    # The median of the pairs' ratios: a burst of load from elsewhere that
-    # hits one pass of one pair moves it far less than it moves the sums.
-    ratios = sorted(y / x - 1 for x, y in pairs)
-    median = ratios[len(ratios) // 2] if len(ratios) % 2 else 0.5 * (
-        ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
-    quart = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
+    return pairs, float(re.search(r"fold ([0-9.]+)", out).group(1))
 
+
+def _insitu(a, env, work, rows):
+    """calibrate_hf on the windows, and on --scale times as many."""
+    py = sys.executable
+    common = ["--model", a.model, "--text", a.text, "--seq-len", str(a.seq_len)]
     for name, n in (("insitu", a.num_seqs), (f"insitu x{a.scale}", a.num_seqs * a.scale)):
         folder = os.path.join(work, name.replace(" ", ""))
         shutil.rmtree(folder, ignore_errors=True)
@@ -175,9 +192,14 @@ def main():
         wall, rss, out = run([py, "-m", "kqsvd.calibrate_hf", *common, "--num-seqs", str(n),
                               "--out", os.path.join(folder, "proj.h5")],
                              dict(env, PYTHONPATH=os.path.join(ROOT, "python")))
-        rows[name] = dict(wall=wall, loop=loop_of(out), rss_mib=rss, disk=disk_bytes(folder),
+        rows[name] = dict(wall=wall, loop=_loop_of(out), rss_mib=rss, disk=disk_bytes(folder),
                           tokens=a.seq_len * n)
 
+
+def _twostep(a, env, work, rows):
+    """The caches exported, then `kqsvd calibrate` on them."""
+    py, tokens = sys.executable, a.seq_len * a.num_seqs
+    common = ["--model", a.model, "--text", a.text, "--seq-len", str(a.seq_len)]
     folder = os.path.join(work, "twostep")
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
@@ -194,6 +216,16 @@ def main():
                            disk=disk_bytes(folder), cache_bytes=cache_bytes, tokens=tokens,
                            export_wall=w1, calibrate_wall=w2)
 
+
+def _say(a, rows, pairs, fold_alone):
+    """The table and the overhead line, and the --json figures."""
+    pair_f, pair_i = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+    # The median of the pairs' ratios: a burst of load from elsewhere that
+    # hits one pass of one pair moves it far less than it moves the sums.
+    ratios = sorted(y / x - 1 for x, y in pairs)
+    median = ratios[len(ratios) // 2] if len(ratios) % 2 else 0.5 * (
+        ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2])
+    quart = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
     f, i = rows["forward"], rows["insitu"]
     summary = dict(model=a.model, seq_len=a.seq_len, num_seqs=a.num_seqs, threads=a.threads,
                    repeat=a.repeat, pairs_forward_s=pair_f, pairs_insitu_s=pair_i,
@@ -224,8 +256,6 @@ def main():
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(summary, fh, indent=1)
-    if not a.work:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

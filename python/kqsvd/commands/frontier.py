@@ -60,12 +60,10 @@ def _once(opt, items, key=str):
     return items
 
 
-def parse(argv):
-    from .cli import ArgumentParser, between, check_plot, count
-    from ..formats.projections import file_sizes
+def _options():
+    from .cli import ArgumentParser, between, count
     from ..formats.quant import GROUP_MAX
-    from ..models import resolve
-    from ..quality.peers import BACKENDS, PRESSES
+    from ..quality.peers import PRESSES
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="The JSON report is described in docs/quantized-cache.md.")
@@ -104,7 +102,17 @@ def parse(argv):
     ap.add_argument("--json", required=True, help="the report")
     ap.add_argument("--plot", help="PNG: perplexity and KL against the bytes kept")
     ap.add_argument("--force", action="store_true", help="replace outputs that exist")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def parse(argv):
+    """The options, each checked before the model loads (the files, each
+    policy as `kqsvd ranks` reads it, the peers, the outputs)."""
+    from .cli import check_plot
+    from ..formats.projections import file_sizes
+    from ..models import resolve
+    from ..quality.peers import BACKENDS, PRESSES
+    a = _options().parse_args(argv)
     T = a.context + a.continuation
     if a.residual > T:  # a window holds no more tokens than that
         raise UsageError(f"--residual {a.residual}: at most --context + --continuation = {T}")
@@ -135,14 +143,7 @@ def parse(argv):
         c.check()
     check_plot(a.plot)
     check_input_file("--text", a.text)
-    files, seen = [f for f, _ in a.proj], {}
-    for path in files:
-        check_input_file("--proj", path)
-        st = os.stat(path)  # a link to a file given already is that file
-        if (st.st_dev, st.st_ino) in seen:
-            raise UsageError(f"--proj {path}: the same file as --proj {seen[st.st_dev, st.st_ino]};"
-                             " give it once, with all its policies (FILE=POLICY,...)")
-        seen[st.st_dev, st.st_ino] = path
+    files = _files(a.proj)
     # Each file, and each policy as `kqsvd ranks` reads it, before the model loads.
     a.sizes = [file_sizes(path, a.methods) for path in files]
     for given, (path, pols) in zip(raw, a.proj):
@@ -152,6 +153,20 @@ def parse(argv):
                   [("--proj", p) for p in files] +
                   [("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
+
+
+def _files(proj):
+    """The --proj files, each readable and given once (a link to a file
+    given already is that file)."""
+    files, seen = [f for f, _ in proj], {}
+    for path in files:
+        check_input_file("--proj", path)
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) in seen:
+            raise UsageError(f"--proj {path}: the same file as --proj {seen[st.st_dev, st.st_ino]};"
+                             " give it once, with all its policies (FILE=POLICY,...)")
+        seen[st.st_dev, st.st_ino] = path
+    return files
 
 
 def _check_policies(opt, path, policies, methods):

@@ -203,29 +203,7 @@ def run(a):
     fitted = {}
 
     def fit(pol, out):
-        """Fits pol on the calibration windows and writes it to `out` (the
-        temporary name of a.fitted[pol]): the fitted ranks (and tuned
-        up-projections, or bits) in a projections file, so that every tool
-        (kqsvd evaluate, compress) uses exactly what was measured."""
-        from ..quality.allocate import allocate
-        from ..quality.tune import tuned_file
-        frac = fitted_fraction(pol)
-        if pol.startswith(QUALITY_BITS):  # ranks and bits of a quantized latent, chosen together
-            from ..quality.bits import allocate_bits
-            got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
-                                log=log)
-            return save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
-                                             got.items()}, f"{QUALITY_BITS}{frac:g}", force=True,
-                              bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
-                              scheme=scheme)
-        if frac not in fitted:
-            got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
-                           rounds=a.rounds, log=log)
-            fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
-        if pol.startswith(QUALITY_BUDGET):
-            return save_ranks(a.proj, out, fitted[frac], f"{QUALITY_BUDGET}{frac:g}", force=True)
-        return tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs], cal[a.calib_seqs:],
-                          out, frac, a.tune_steps, a.lr, log, force=True)
+        return _fit(a, pol, out, model, info, cal, scheme, fitted, log)
 
     # Fitted files are written under temporary names, measured from there,
     # and renamed with the report: a run that fails or is interrupted after
@@ -247,6 +225,34 @@ def run(a):
         from .cli import write_report
         write_report(report, a.json, a.plot, plot, table, staged)
     return report
+
+
+def _fit(a, pol, out, model, info, cal, scheme, fitted, log):
+    """Fits pol on the calibration windows `cal` and writes it to `out`
+    (the temporary name of a.fitted[pol]): the fitted ranks (and tuned
+    up-projections, or bits) in a projections file, so that every tool
+    (kqsvd evaluate, compress) uses exactly what was measured.  fitted:
+    the ranks fitted so far by fraction, which quality-budget:F and
+    quality-tuned:F of one F share."""
+    from ..quality.allocate import allocate
+    from ..quality.tune import tuned_file
+    frac = fitted_fraction(pol)
+    if pol.startswith(QUALITY_BITS):  # ranks and bits of a quantized latent, chosen together
+        from ..quality.bits import allocate_bits
+        got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
+                            log=log)
+        return save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
+                                         got.items()}, f"{QUALITY_BITS}{frac:g}", force=True,
+                          bits={m: (g["bits_k"], g["bits_v"]) for m, g in got.items()},
+                          scheme=scheme)
+    if frac not in fitted:
+        got = allocate(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods,
+                       rounds=a.rounds, log=log)
+        fitted[frac] = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
+    if pol.startswith(QUALITY_BUDGET):
+        return save_ranks(a.proj, out, fitted[frac], f"{QUALITY_BUDGET}{frac:g}", force=True)
+    return tuned_file(model, a.proj, fitted[frac], cal[:a.calib_seqs], cal[a.calib_seqs:],
+                      out, frac, a.tune_steps, a.lr, log, force=True)
 
 
 def _report(a, pairs, full, results, seqs, start, bos, info, head_groups):
