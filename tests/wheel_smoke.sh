@@ -61,7 +61,7 @@ p = kqsvd.load_projections("proj.h5", "kqsvd", ranks="fixed:4")
 assert list(p.rank_k) == [4, 4], p.rank_k
 print("rank policy fixed:4 through", kqsvd.native.binary())
 x = np.random.default_rng(0).standard_normal((100, 8))
-c = Calibrator(layers=1, kv_heads=1, group=1, head_dim=8, hidden=8, block_rows=16)
+c = Calibrator(layers=1, kv_heads=1, q_per_kv=1, head_dim=8, hidden=8, block_rows=16)
 c.absorb("keys", 0, 0, x)
 R = c.factor("keys", 0, 0)
 assert np.allclose(R.T @ R, x.T @ x, rtol=1e-12, atol=1e-10), "R^T R is not X^T X"

@@ -44,8 +44,10 @@ typedef struct kqsvd_codes {
    * group on the channel axis), so a cache can grow in place; 0 means
    * `tokens`. */
   int64_t capacity;
-  int32_t bits;  /* 2, 3, 4 or 8 */
-  int32_t group; /* values per scale, >= 1 */
+  int32_t bits; /* 2, 3, 4 or 8 */
+  /* Values per scale (and zero), >= 1: the quantization group; the
+   * name is kept for programs built against it. */
+  int32_t group;
   kqsvd_axis_t axis;
   const uint8_t *codes;
   const uint16_t *scale, *zero; /* IEEE binary16 bits */
@@ -83,15 +85,15 @@ KQSVD_API kqsvd_status_t kqsvd_codes_weigh(const kqsvd_codes_t *runs, int64_t nr
                                            const float *p, int64_t ld, float *out, int threads);
 
 /* Quantizes `rows` rows of n values (row r's value i at x[r * row_stride
- * + i * stride]) in groups of `group` along the row, exactly as
+ * + i * stride]) in groups of `values_per_scale` along the row, exactly as
  * docs/quantized-cache.md states it: codes [rows][pw(n)], scale and zero
- * [rows][ceil(n / group)] as binary16 bits.  Not collective.  Returns
+ * [rows][ceil(n / values_per_scale)] as binary16 bits.  Not collective.  Returns
  * KQSVD_ERR_USAGE for an impossible shape or bits, KQSVD_ERR_DATA when a
  * value is not finite or a group's zero or scale exceeds float16's range;
  * nothing is written then. */
 KQSVD_API kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int64_t n,
                                               int64_t row_stride, int64_t stride, int bits,
-                                              int group, uint8_t *codes, uint16_t *scale,
+                                              int values_per_scale, uint8_t *codes, uint16_t *scale,
                                               uint16_t *zero);
 
 /* Quantizes rows of runs side by side: row r's run k is the cols[k]
@@ -102,7 +104,7 @@ KQSVD_API kqsvd_status_t kqsvd_codes_quantize(const float *x, int64_t rows, int6
  * run checked before any is written. */
 KQSVD_API kqsvd_status_t kqsvd_codes_quantize_runs(const float *x, int64_t rows, int64_t row_stride,
                                                    int64_t nruns, const int64_t *cols,
-                                                   const int32_t *bits, int group,
+                                                   const int32_t *bits, int values_per_scale,
                                                    uint8_t *const *codes, uint16_t *const *scale,
                                                    uint16_t *const *zero);
 

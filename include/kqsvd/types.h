@@ -56,7 +56,9 @@ typedef enum kqsvd_method {
 typedef struct kqsvd_shape {
   int64_t layers;   /* L */
   int64_t kv_heads; /* Hkv */
-  int64_t group;    /* query heads per KV head, Hq / Hkv */
+  /* Query heads per KV head, Hq / Hkv (q_per_kv in the Python binding;
+   * the name is kept for programs built against it). */
+  int64_t group;
   int64_t head_dim; /* d */
   int64_t hidden;   /* D, the width of o_proj's output */
 } kqsvd_shape_t;

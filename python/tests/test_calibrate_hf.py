@@ -64,7 +64,7 @@ class Binding(unittest.TestCase):
         rng = np.random.default_rng(3)
         d = 16
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            cal = Calibrator(layers=2, kv_heads=2, group=2, head_dim=d, hidden=32, block_rows=8)
+            cal = Calibrator(layers=2, kv_heads=2, q_per_kv=2, head_dim=d, hidden=32, block_rows=8)
             wide = torch.from_numpy(rng.standard_normal((90, 3 * d))).to(dtype)
             rows = wide[:, d:2 * d]  # a strided view: passed by pointer and stride
             cal.absorb("values", 1, 1, rows[:41])

@@ -92,7 +92,7 @@ class JointProjections(unittest.TestCase):
     def check(self, K, Q, V, O, G, gap=True):
         cal, res = calibrate(K, Q, V, O, G)
         n = G * D_HEAD
-        self.assertEqual((res.shape.kv_heads, res.shape.head_dim, res.shape.group),
+        self.assertEqual((res.shape.kv_heads, res.shape.head_dim, res.shape.q_per_kv),
                          (HKV // G, n, M * G))
         for l in range(L):
             for gi, g0 in enumerate(range(0, HKV, G)):

@@ -23,7 +23,7 @@ ROOT = os.geteuid() == 0
 def tiny():
     """A 1-layer, 1-head, d = 4 accumulator on random rows, and its result."""
     rng = np.random.default_rng(5)
-    cal = Calibrator(layers=1, kv_heads=1, group=1, head_dim=4, hidden=4)
+    cal = Calibrator(layers=1, kv_heads=1, q_per_kv=1, head_dim=4, hidden=4)
     for tensor in ("keys", "queries", "values"):
         cal.absorb(tensor, 0, 0, rng.standard_normal((8, 4)))
     cal.absorb_oproj(0, rng.standard_normal((4, 4)))
@@ -105,7 +105,7 @@ class HostileOutputs(unittest.TestCase):
             with open(path, "rb") as f:
                 self.assertEqual(f.read(8), b"\x89HDF\r\n\x1a\n", name)
             self.assertEqual(sorted(os.listdir(self.wd)), ["proj.h5"], name)
-        again = Calibrator(layers=1, kv_heads=1, group=1, head_dim=4, hidden=4)
+        again = Calibrator(layers=1, kv_heads=1, q_per_kv=1, head_dim=4, hidden=4)
         again.load(path)
         np.testing.assert_array_equal(again.factor("keys", 0, 0), self.cal.factor("keys", 0, 0))
         again.close()

@@ -125,7 +125,7 @@ def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):
     the value codes; then B_v^T or the folded o_proj, as P.attend.  P None:
     the model's own keys and values of hkv heads (B the identity)."""
     b, Hq = q.shape[:2]
-    g = Hq // hkv if P is None else P.g
+    g = Hq // hkv if P is None else P.q_per_kv  # query heads per KV head
     N = layer.get_seq_length()
     if P is None:
         qs = [q.reshape(b, hkv, g, -1)]

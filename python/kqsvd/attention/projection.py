@@ -136,8 +136,8 @@ class LayerProjection:
 
     def __init__(self, proj, layer, heads, dtype, device, o_weight=None, fold=False):
         G = getattr(proj, "head_groups", 1)
-        g = heads // proj.num_kv_heads  # query heads per (view) KV head
-        self.g, self.hkv, self.G, self.heads = g, proj.num_kv_heads, G, heads
+        q_per_kv = heads // proj.num_kv_heads  # of a (view) KV head
+        self.q_per_kv, self.hkv, self.G, self.heads = q_per_kv, proj.num_kv_heads, G, heads
         t = lambda a: torch.as_tensor(a, dtype=dtype, device=device)  # noqa: E731
         self.quant = getattr(proj, "quant", None)
         mats = [torch.as_tensor(m[layer], dtype=torch.float64) for m in
@@ -170,7 +170,7 @@ class LayerProjection:
             self.Av = [self.Av[j, :, :r] for j, r in enumerate(self.rv)]
             if self.o_folded is not None:  # each head's own columns of the padded fold
                 wide = int(rv.max())
-                cols = [h * wide + c for h in range(heads) for c in range(self.rv[h // g])]
+                cols = [h * wide + c for h in range(heads) for c in range(self.rv[h // q_per_kv])]
                 self.o_folded = self.o_folded[:, cols]
         else:
             self.rk, self.rv = int(self.A.shape[-1]), int(self.Av.shape[-1])
@@ -200,7 +200,7 @@ class LayerProjection:
         Bq [Hq, d, rk] (each query head's block), BkT [Hkv, rk, d] (keys
         brought back before RoPE) and BvT [Hq, rv, d]; with ranks per head,
         each KV head's own columns and query heads."""
-        g = self.g
+        g = self.q_per_kv
         self.Bq = per_query(qd, self.heads, self.G)
         self.BkT = qd.transpose(1, 2)
         self.BvT = per_query(vu, self.heads, self.G).transpose(1, 2)
@@ -248,7 +248,7 @@ class LayerProjection:
         if not self.ragged:
             yield q, kc, vc, self.BkT, self.Bq, self.BvT
             return
-        g = self.g
+        g = self.q_per_kv
         for j in range(self.hkv):
             yield (q[:, j * g:(j + 1) * g], kc[..., self.ko[j]:self.ko[j + 1]],
                    vc[..., self.vo[j]:self.vo[j + 1]], self.BkT[j], self.Bq[j], self.BvT[j])

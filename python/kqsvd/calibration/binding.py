@@ -2,7 +2,7 @@
 from Python, through ctypes over libkqsvd.so, so nothing is compiled at
 install time.
 
-    cal = Calibrator(layers=L, kv_heads=Hkv, group=Hq // Hkv, head_dim=d, hidden=D)
+    cal = Calibrator(layers=L, kv_heads=Hkv, q_per_kv=Hq // Hkv, head_dim=d, hidden=D)
     cal.absorb("keys", layer, kv_head, k_rows)            # [T, d] tensor or array
     cal.absorb("queries", layer, kv_head, q_rows, query=j)
     cal.absorb("values", layer, kv_head, v_rows)
@@ -40,7 +40,7 @@ STATUS = ("ok", "usage", "input", "data", "io", "hdf5", "mpi", "lapack", "cuda",
 
 class _Shape(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("group", ctypes.c_int64), ("head_dim", ctypes.c_int64),
+                ("q_per_kv", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("hidden", ctypes.c_int64)]
 
 
@@ -288,12 +288,12 @@ class Calibrator(_Handle):
     argument is checked before it reaches C: a bad one is a UsageError
     naming it."""
 
-    def __init__(self, layers, kv_heads, group, head_dim, hidden, block_rows=256,
+    def __init__(self, layers, kv_heads, q_per_kv, head_dim, hidden, block_rows=256,
                  mem_limit_mib=0.0, head_groups=1, qr="tsqr"):
         import math
         lib = library()
         sizes = {k: _whole(k, v, 1) for k, v in (("layers", layers), ("kv_heads", kv_heads),
-                                                 ("group", group), ("head_dim", head_dim),
+                                                 ("q_per_kv", q_per_kv), ("head_dim", head_dim),
                                                  ("hidden", hidden))}
         self.shape = _Shape(*sizes.values())
         self.head_groups = _whole("head_groups", head_groups, 1, sizes["kv_heads"])
@@ -320,12 +320,13 @@ class Calibrator(_Handle):
 
     def absorb(self, tensor, layer, kv_head, rows, query=0):
         """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of
-        KV head kv_head, or "queries" of its group's query head `query`.
+        KV head kv_head, or "queries" of its query head `query` (0 ..
+        q_per_kv - 1, the KV head's own).
         With head_groups G, keys and values are [T, G head_dim] rows of the
         group whose first KV head is kv_head."""
         h = self._live("absorb()")
         t, layer, kv_head = self._where(tensor, layer, kv_head)
-        query = _whole("query", query, 0, self.shape.group - 1)
+        query = _whole("query", query, 0, self.shape.q_per_kv - 1)
         ptr, dt, n, stride, keep = rows_of(rows)
         width = self.shape.head_dim * (1 if tensor == "queries" else self.head_groups)
         if keep.shape[1] != width:
@@ -344,7 +345,7 @@ class Calibrator(_Handle):
         s = self.shape
         layer = _whole("layer", layer, 0, s.layers - 1)
         ptr, dt, n, stride, keep = rows_of(weight)
-        want = s.kv_heads * s.group * s.head_dim
+        want = s.kv_heads * s.q_per_kv * s.head_dim
         if keep.shape[1] != want:
             raise UsageError(f"o_proj of layer {layer} is {keep.shape[1]} wide; expected Hq d = "
                              f"{want}")
@@ -418,7 +419,7 @@ class Calibrator(_Handle):
                f"finish(ranks={ranks!r}, beta={beta!r})")
         G = self.head_groups
         s = self.shape
-        return Result(res.value, _Shape(s.layers, s.kv_heads // G, s.group * G, s.head_dim * G,
+        return Result(res.value, _Shape(s.layers, s.kv_heads // G, s.q_per_kv * G, s.head_dim * G,
                                       s.hidden))
 
 
