@@ -17,7 +17,8 @@ foreach(part ${_kqsvd_parts})
   list(APPEND _kqsvd_objects $<TARGET_OBJECTS:${part}>)
 endforeach()
 
-# What the parts link: MPI is public (mpi.h is in accumulator.h); the rest is
+# What the parts link: MPI is public (mpi.h is in accumulator.h; decode.h and
+# result.h need none of it); the rest is
 # an implementation detail of the shared library, and a link requirement of
 # the static one.
 set(_kqsvd_private_libs hdf5::hdf5 kqsvd::lapacke Threads::Threads m ${CMAKE_DL_LIBS})
@@ -55,6 +56,7 @@ install(FILES ${PROJECT_SOURCE_DIR}/include/kqsvd/kqsvd.h ${PROJECT_SOURCE_DIR}/
               ${PROJECT_SOURCE_DIR}/include/kqsvd/error.h
               ${PROJECT_SOURCE_DIR}/include/kqsvd/accumulator.h
               ${PROJECT_SOURCE_DIR}/include/kqsvd/decode.h
+              ${PROJECT_SOURCE_DIR}/include/kqsvd/result.h
               ${PROJECT_BINARY_DIR}/include/kqsvd/version.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kqsvd)
 install(TARGETS kqsvd RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

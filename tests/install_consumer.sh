@@ -50,6 +50,21 @@ cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-shared" $(pkg-config --cfl
 run pkg-config-shared "$work/pc-shared"
 cc -std=c11 "$src/examples/c/consumer.c" -o "$work/pc-static" $(pkg-config --cflags --libs kqsvd-static) -llapacke
 run pkg-config-static "$work/pc-static"
+# A program that only decodes or reads a result builds with the installed
+# headers alone: no MPI include path (mpi.h is on none of the compiler's
+# own; the control shows that kqsvd.h, which has the accumulator, needs it).
+if ! echo '#include <mpi.h>' | cc -fsyntax-only -x c - 2> /dev/null; then
+  if echo '#include <kqsvd/kqsvd.h>' | cc -std=c11 -fsyntax-only -I"$prefix/include" -x c - \
+       2> /dev/null; then
+    echo "install_consumer: kqsvd.h compiled without MPI's headers: the control is void" >&2; exit 1
+  fi
+  cc -std=c11 -Wall -Werror -I"$prefix/include" "$src/examples/c/decode_only.c" \
+     -o "$work/decode-only" -L"$(dirname "$lib")" -lkqsvd -lm -Wl,-rpath,"$(dirname "$lib")" ||
+    { echo "install_consumer: decode_only.c needs more than the headers without MPI" >&2; exit 1; }
+  "$work/decode-only"
+else
+  echo "install_consumer: mpi.h is on the compiler's own path here; the no-MPI build is not shown"
+fi
 # C++: the header is extern "C" and must not drag in MPI's C++ bindings;
 # find_package must work in a project that enables only C++.
 if command -v c++ > /dev/null; then
