@@ -94,6 +94,12 @@ class AcrossEachOther(HostileCase):
         self.step(self.ids[:, :1], fresh)
         compress(self.m, None)
 
+    def test_nothing_to_install(self):
+        with self.assertRaises(kqsvd.UsageError) as cm:
+            compressed(self.m, None).__enter__()
+        self.assertIn("compressed: proj must be a Projections", str(cm.exception))
+        self.assertNotIn("or None", str(cm.exception))  # compressed() removes nothing
+
     def test_not_a_model(self):
         for bad in ("x", None, 3, torch.zeros(2)):
             for name, call in (("reading_codes", lambda: reading_codes(bad).__enter__()),

@@ -176,6 +176,23 @@ class Library(unittest.TestCase):
                          "dataset")
                 os.remove(bad)
 
+    def test_calls_found_by_their_docstrings(self):
+        """What writing the public API's docstrings found: each of these
+        raised a bare TypeError, ValueError or KeyError."""
+        import torch
+        from kqsvd.formats.projections import policy_ranks
+        U = kqsvd.UsageError
+        self.refused(U, lambda: policy_ranks(None), "path", "file name")
+        self.refused(kqsvd.KqsvdError, lambda: kqsvd.fold_o_proj(torch.zeros(4), torch.zeros(
+            (1, 2, 2)), 2), "o_proj", "[D, Hq d]")
+        self.refused(kqsvd.KqsvdError, lambda: kqsvd.fold_o_proj(torch.zeros((4, 4)), torch.zeros(
+            (2, 2)), 2), "value_up")
+        ranks = (np.full((L, HKV), 4), np.full((L, HKV), 3))
+        out = os.path.join(self.out, "x.h5")
+        self.refused(U, lambda: save_ranks(self.proj, out, {"kqsvd": ranks}, "p",
+                                           tuned={"ksvd": (None, None)}), "ksvd", "no new ranks")
+        self.refused(U, lambda: save_ranks(self.proj, out, {"palu": ranks}, "p"), "'palu'")
+
     def test_unquantized_in_files_before_the_one_encoding(self):
         """An older file said 0 for an unquantized unit (bits_*_heads); it
         loads as the one encoding says it, 16, and costs the same bytes as

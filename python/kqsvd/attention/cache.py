@@ -14,6 +14,8 @@ plain quantized cache to compare with), dequantized whenever they are
 returned, except for a decode step the attention function reads as codes
 (function._codes_attention): the latent's after RoPE, or QuantCache's
 inside compressed.reading_codes()."""
+from __future__ import annotations
+
 import contextlib
 import threading
 
@@ -202,11 +204,32 @@ class QuantCache(Cache):
         super().__init__(layers=[QuantLayer(None, scheme, bits) for _ in range(num_layers)])
 
 
-def cache_bytes(cache, float_bytes=None):
-    """Bytes held by a transformers cache (any Cache whose layers hold
-    keys and values tensors, or legacy tuples of them, or QuantLayers):
-    float_bytes per value held unquantized (None: as held; 2 counts them
-    as bf16), codes and scales as stored.  Not collective."""
+def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None) -> int:
+    """Bytes held by a transformers cache.
+
+    Values held unquantized count float_bytes each; codes and scales count
+    as stored.  Not collective.
+
+    Parameters
+    ----------
+    cache : transformers Cache, or tuple or list
+        Any Cache whose layers hold keys and values tensors (a latent
+        cache among them), or QuantLayers; or legacy (keys, values) tuples,
+        one per layer.
+    float_bytes : int or None
+        Bytes per floating-point value held unquantized (None or 0: as
+        held; 2 counts them as bf16).  Other tensors count as held.
+
+    Returns
+    -------
+    int
+        The bytes.
+
+    Examples
+    --------
+    >>> out = model(ids, use_cache=True)
+    >>> kqsvd.cache_bytes(out.past_key_values, float_bytes=2)
+    """
     layers = getattr(cache, "layers", None)
     if layers is None:
         tensors = [t for kv in cache for t in kv[:2]]

@@ -28,9 +28,12 @@ model's own implementation, not the block's.
 
 Every matrix is built and checked before anything changes, so an error
 leaves the model untouched."""
+from __future__ import annotations
+
 import contextlib
 import os
 import weakref
+from typing import Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -161,14 +164,15 @@ def _check_model(model, call):
                          f"config), not {type(model).__name__}")
 
 
-def _build(model, proj, fold, probe):
+def _build(model, proj, fold, probe, call="compress"):
     """The installation of proj in model, built and checked, not applied;
-    model checked by the caller (_check_model)."""
+    model checked by the caller (_check_model); call names it in errors."""
     if not isinstance(proj, Projections):
         hint = " (a path: load it with kqsvd.load_projections first)" if isinstance(
             proj, (str, os.PathLike)) else ""
-        raise UsageError(f"compress: proj must be a Projections from kqsvd.load_projections, or "
-                         f"None, not {type(proj).__name__}{hint}")
+        none = ", or None" if call == "compress" else ""  # compressed() has nothing to remove
+        raise UsageError(f"{call}: proj must be a Projections from kqsvd.load_projections{none}, "
+                         f"not {type(proj).__name__}{hint}")
     attns = attention_modules(model)
     cfg = model.config.get_text_config(decoder=True) if hasattr(
         model.config, "get_text_config") else model.config
@@ -202,15 +206,51 @@ def _build(model, proj, fold, probe):
     return _Install(model, sites)
 
 
-def compress(model, proj, fold=False, probe=False):
-    """Installs `proj` (a Projections, see load_projections) in every layer's
-    attention, replacing any installed before, or removes them when proj is
-    None.  fold: fold B_v into o_proj.  probe: measure instead of
-    compressing (function.py), read with probe_errors(); a probe runs
-    without a cache.  Returns the model.  Not collective, not thread-safe.
-    Raises UsageError for a proj that is not a Projections, KqsvdError for
-    an unsupported model or transformers, or projections of other sizes;
-    the model is then unchanged."""
+def compress(model: torch.nn.Module, proj: Projections | None, fold: bool = False,
+             probe: bool = False) -> torch.nn.Module:
+    """Installs `proj` in every layer's attention, or removes it when proj is None.
+
+    Projections installed before are replaced.  The model's attention
+    implementation becomes the kqsvd attention function, and a latent
+    cache (K A and V A_v) starts wherever the model would start a cache of
+    its own; compress(model, None) undoes all of it.  Every matrix is
+    built and checked before anything changes.  Not collective, not
+    thread-safe.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers decoder of a supported family (a torch module with
+        a config).
+    proj : Projections or None
+        Projections of this model's sizes (see load_projections); None
+        removes what is installed.
+    fold : bool
+        Fold B_v into each layer's o_proj, which is swapped for the folded
+        Linear (not with probe, which measures the unfolded heads).
+    probe : bool
+        Measure instead of compressing (function.py), read with
+        probe_errors(); a probe runs without a cache.
+
+    Returns
+    -------
+    torch.nn.Module
+        The model.
+
+    Raises
+    ------
+    UsageError
+        For a model that is not a transformers model, or a proj that is
+        not a Projections (nor None).
+    KqsvdError
+        For an unsupported model or transformers, projections of other
+        sizes, or projections of keys before RoPE for a model without a
+        rotary embedding.  The model is then unchanged.
+
+    Examples
+    --------
+    >>> kqsvd.compress(model, kqsvd.load_projections("proj.h5", ranks="budget:0.25"))
+    """
     check_transformers()
     _check_model(model, "compress")
     _swap(model, None if proj is None else _build(model, proj, fold, probe))
@@ -229,14 +269,46 @@ def _swap(model, built):
 
 
 @contextlib.contextmanager
-def compressed(model, proj, fold=False, probe=False):
-    """with compressed(model, proj): the model attends through `proj` (as
-    compress() installs it) inside the block and is exactly as it was after
-    it, including projections installed before the block.  Yields the
-    model.  Not collective, not thread-safe; raises as compress()."""
+def compressed(model: torch.nn.Module, proj: Projections, fold: bool = False,
+               probe: bool = False) -> Iterator[torch.nn.Module]:
+    """A block in which the model attends through `proj`, as compress() installs it.
+
+    After the block the model is exactly as it was, including projections
+    installed before the block.  Not collective, not thread-safe.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers decoder of a supported family.
+    proj : Projections
+        Projections of this model's sizes (see load_projections).
+    fold : bool
+        Fold B_v into each layer's o_proj inside the block.
+    probe : bool
+        Measure instead of compressing, read with probe_errors().
+
+    Yields
+    ------
+    torch.nn.Module
+        The model.
+
+    Raises
+    ------
+    UsageError
+        For a model that is not a transformers model, or a proj that is
+        not a Projections (None included).
+    KqsvdError
+        As compress().  Either is raised before the block is entered, the
+        model unchanged.
+
+    Examples
+    --------
+    >>> with kqsvd.compressed(model, proj):
+    ...     out = model.generate(ids, max_new_tokens=20)
+    """
     check_transformers()
     _check_model(model, "compressed")
-    before = _swap(model, _build(model, proj, fold, probe))
+    before = _swap(model, _build(model, proj, fold, probe, "compressed"))
     try:
         yield model
     finally:
@@ -244,20 +316,38 @@ def compressed(model, proj, fold=False, probe=False):
 
 
 @contextlib.contextmanager
-def reading_codes(model):
-    """with reading_codes(model): decode steps of `model` over a plain
-    quantized cache (cache.QuantCache, the model's own keys and values)
-    read its codes through the kernels (kernel.py) instead of attending
-    over a dequantized copy, as a quantized latent cache does; on the CPU,
-    below float64, with libkqsvd (elsewhere the cache dequantizes, as
-    outside the block).  The model attends through the kqsvd attention
-    function inside the block (SDPA itself where there are no codes to
-    read) and is exactly as it was after it.  Inside the block, the
-    thread's QuantCaches serve this model only.  Yields the model.  Not
-    collective, not thread-safe; raises UsageError for a model that is not
-    a transformers model, KqsvdError for a model whose family the kqsvd
-    attention does not support.  Projections installed inside the block
-    keep the kqsvd function after it (module docstring)."""
+def reading_codes(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """A block in which decode steps over a plain quantized cache read its codes.
+
+    Decode steps of `model` over a plain quantized cache (cache.QuantCache,
+    the model's own keys and values) read its codes through the kernels
+    (kernel.py) instead of attending over a dequantized copy, as a
+    quantized latent cache does; on the CPU, below float64, with libkqsvd
+    (elsewhere the cache dequantizes, as outside the block).  The model
+    attends through the kqsvd attention function inside the block (SDPA
+    itself where there are no codes to read) and is exactly as it was
+    after it.  Inside the block, the thread's QuantCaches serve this model
+    only.  Projections installed inside the block keep the kqsvd function
+    after it (module docstring).  Not collective, not thread-safe.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers decoder of a supported family.
+
+    Yields
+    ------
+    torch.nn.Module
+        The model.
+
+    Raises
+    ------
+    UsageError
+        For a model that is not a transformers model.
+    KqsvdError
+        For a model whose family the kqsvd attention does not support, or
+        an unsupported transformers.
+    """
     check_transformers()
     _check_model(model, "reading_codes")
     attention_modules(model)
@@ -279,16 +369,53 @@ def layer_projections(model):
     return [s.P for s in inst.sites]
 
 
-def probe_errors(model):
-    """After a probe run: per layer, the list of (err_kq, err_out) of each
-    sequence seen since compress(..., probe=True)."""
+def probe_errors(model: torch.nn.Module) -> list[list[tuple[float, float]]]:
+    """What a probe run measured: each layer's errors, one pair per sequence.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model after compress(..., probe=True) and a run over whole
+        sequences (use_cache=False).
+
+    Returns
+    -------
+    list of list of (float, float)
+        Per layer, the (err_kq, err_out) of each sequence seen since
+        compress(..., probe=True): the relative squared errors of the
+        scores and of the attention's output through o_proj.  Each layer's
+        list is empty when the projections installed are not a probe's,
+        and the whole list is empty when none are installed.
+    """
     inst = _INSTALLED.get(model)
     return [list(s.probe or []) for s in inst.sites] if inst is not None else []
 
 
-def latent_cache(model):
-    """A new, empty latent cache for a model with projections installed, to
-    pass as past_key_values (the model starts one by itself otherwise)."""
+def latent_cache(model: torch.nn.Module) -> LatentCache:
+    """A new, empty latent cache for a model with projections installed.
+
+    To pass as past_key_values (the model starts one by itself otherwise).
+    The cache holds K A and V A_v (quantized columns for projections with
+    bits) and serves only while these projections stay installed.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers model with projections installed (compress(), or
+        inside compressed()).
+
+    Returns
+    -------
+    LatentCache
+        A transformers Cache of one layer per attention module.
+
+    Raises
+    ------
+    UsageError
+        For a model that is not a transformers model.
+    KqsvdError
+        When no projections are installed in the model.
+    """
     _check_model(model, "latent_cache")
     inst = _INSTALLED.get(model)
     if inst is None:

@@ -1,6 +1,9 @@
 """Projections for programs outside Python's HDF5 stack: safetensors files."""
+from __future__ import annotations
+
 import json
 import os
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -8,13 +11,21 @@ from ..errors import UsageError
 from ..formats.files import check_outputs, write_atomic
 from ..formats.projections import Projections, load_projections
 
+if TYPE_CHECKING:
+    import torch
+
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
 
 
-def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", o_proj=None,
-                       force=False):
-    """Writes one method's per-layer matrices, cut at `ranks` (as
-    load_projections takes them), to a safetensors file:
+def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.PathLike,
+                       method: str = "kqsvd",
+                       ranks: int | Sequence[int] | np.ndarray | tuple | dict | str | None = None,
+                       dtype: str = "float32",
+                       o_proj: Sequence[torch.Tensor | np.ndarray] | None = None,
+                       force: bool = False) -> str | os.PathLike:
+    """Writes one method's per-layer matrices to a safetensors file.
+
+    The tensors, cut at the ranks::
 
         layers.{l}.key_down [Hkv, d, rank_k[l]]   (A)
         layers.{l}.query_down [Hkv, d, rank_k[l]] (B)
@@ -22,21 +33,57 @@ def export_safetensors(proj, path, method="kqsvd", ranks=None, dtype="float32", 
         layers.{l}.value_up [Hkv, d, rank_v[l]]   (B_v)
         layers.{l}.o_proj_folded [D, Hq rank_v[l]]  (with o_proj)
 
-    proj: a path to proj.h5 or a Projections.  o_proj: optional list of each
-    layer's o_proj weight [D, Hq d] (torch Linear layout), to store the
-    folded weights (see attention.fold_o_proj).  A head-groups file's
-    matrices are its group view's (docs/formats.md 5.3).  The metadata holds the
-    method, the policy, the ranks (per layer, and per layer and KV head:
-    a head's columns past its own rank are zero), whether B and B_v are
-    tuned (kqsvd.quality.tune) and the model's sizes (JSON strings), and
-    for a quantized latent (quality-bits:F) each head's bits and the
-    quantization scheme.
-    path is checked before any work: not the projections file itself (by
-    device and inode), not a folder or a device, in a folder that exists
-    and takes a new file; an existing file is replaced only with force.
-    Written under a temporary name and renamed, with the mode a new file
-    gets.  Raises UsageError for a bad argument (naming it), KqsvdError for
-    a bad file."""
+    A head-groups file's matrices are its group view's (docs/formats.md
+    5.3).  The metadata holds the method, the policy, the ranks (per
+    layer, and per layer and KV head: a head's columns past its own rank
+    are zero), whether B and B_v are tuned (kqsvd.quality.tune) and the
+    model's sizes (JSON strings), and for a quantized latent
+    (quality-bits:F) each head's bits and the quantization scheme.
+    path is checked before any work; the file is written under a temporary
+    name and renamed, with the mode a new file gets.  Needs torch and
+    safetensors.
+
+    Parameters
+    ----------
+    proj : Projections, str or os.PathLike
+        A Projections, or a path to proj.h5 to load with `method` and
+        `ranks`.
+    path : str or os.PathLike
+        The file to write: not the projections file itself (by device and
+        inode), not a folder or a device, in a folder that exists and
+        takes a new file.
+    method : str
+        One of METHODS; used only when proj is a path.
+    ranks : int, sequence of int, np.ndarray, tuple, dict, str or None
+        The ranks, as load_projections takes them; used only when proj is
+        a path (a Projections is written at its own ranks).
+    dtype : str
+        "float64", "float32", "float16" or "bfloat16": the tensors' type.
+    o_proj : sequence of torch.Tensor or np.ndarray, or None
+        Each layer's o_proj weight [D, Hq d] (torch Linear layout), one
+        per layer, to store the folded weights (see
+        attention.fold_o_proj).
+    force : bool
+        Replace an existing file at path.
+
+    Returns
+    -------
+    str or os.PathLike
+        path, as given.
+
+    Raises
+    ------
+    UsageError
+        For a bad argument, naming it: an unknown dtype, a proj or path of
+        the wrong type, an o_proj of the wrong length or shapes, a path
+        refused, impossible ranks or an unknown method.
+    KqsvdError
+        For a bad projections file.
+
+    Examples
+    --------
+    >>> kqsvd.export_safetensors("proj.h5", "proj.safetensors", ranks="budget:0.25")
+    """
     import torch
     from safetensors.torch import save_file
     from .projection import fold_o_proj

@@ -23,6 +23,8 @@ the query side: RoPE does not commute with a projection).  transformers
 hands the cache post-RoPE keys with the cos and sin that rotated them;
 `unrope` undoes the rotation exactly (up to round-off), partial and scaled
 RoPE included."""
+from __future__ import annotations
+
 import numpy as np
 import torch
 
@@ -77,16 +79,47 @@ def per_query(M, num_heads, head_groups=1):
     return M.reshape(hv, head_groups, d, r).repeat_interleave(per, 1).reshape(num_heads, d, r)
 
 
-def fold_o_proj(o_weight, value_up, num_heads, head_groups=1):
+def fold_o_proj(o_weight: torch.Tensor | np.ndarray, value_up: torch.Tensor | np.ndarray,
+                num_heads: int, head_groups: int = 1) -> torch.Tensor:
     """The o_proj weight that takes the compressed head outputs directly.
 
-    o_weight: [D, Hq d] (torch Linear layout); value_up: [Hkv, d, r_v] (B_v
-    of one layer; [Hkv / G, G d, r_v] for head groups G).  Returns float64
-    [D, Hq r_v]: head h's block W_h B_v,j for its KV head j, so softmax(.)
-    (V A_v) times it equals softmax(.) (V A_v B_v^T) W_h^T.  Not
-    collective; raises KqsvdError when the shapes do not match."""
+    Head h's block is W_h B_v,j for its KV head j, so softmax(.) (V A_v)
+    times it equals softmax(.) (V A_v B_v^T) W_h^T.  Computed in float64.
+    Not collective.
+
+    Parameters
+    ----------
+    o_weight : torch.Tensor or np.ndarray
+        One layer's o_proj weight, [D, Hq d] (torch Linear layout).
+    value_up : torch.Tensor or np.ndarray
+        B_v of the same layer, [Hkv, d, r_v] (Projections.value_up[l]);
+        [Hkv / G, G d, r_v] for head groups G.
+    num_heads : int
+        Hq, the model's query heads.
+    head_groups : int
+        G, the file's head_groups (1: per head).
+
+    Returns
+    -------
+    torch.Tensor
+        float64 [D, Hq r_v], on the inputs' device (a numpy array's is
+        the CPU; torch needs both on one device).
+
+    Raises
+    ------
+    KqsvdError
+        When the shapes do not match.
+
+    Examples
+    --------
+    >>> W = kqsvd.fold_o_proj(attn.o_proj.weight, proj.value_up[l], proj.num_heads)
+    """
     w = torch.as_tensor(o_weight, dtype=torch.float64)
-    bv = torch.as_tensor(value_up, dtype=torch.float64)
+    # B_v comes from the file, on the CPU; o_proj where the model runs.
+    bv = torch.as_tensor(value_up, dtype=torch.float64, device=w.device)
+    if w.dim() != 2 or bv.dim() != 3:
+        raise KqsvdError(f"fold_o_proj: o_proj must be [D, Hq d] and value_up [Hkv, d, r_v], "
+                         f"not {list(w.shape)} and {list(bv.shape)}")
     D, hd = w.shape
     hv, gd, r = bv.shape
     d = gd // head_groups

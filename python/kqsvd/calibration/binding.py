@@ -24,11 +24,18 @@ The library is found at $KQSVD_LIBRARY, else in the wheel's _native
 folder, else in the repository's build/ folder (this package sits in
 python/kqsvd), else beside an installed kqsvd (lib/ of the prefix of the
 `kqsvd` on PATH), else wherever the dynamic linker looks (kqsvd.native)."""
+from __future__ import annotations
+
 import ctypes
 import os
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import native
 from ..errors import KqsvdError, UsageError
+
+if TYPE_CHECKING:  # numpy loads at first use, torch never: rows may be either
+    import numpy as np
+    import torch
 
 TENSORS = {"keys": 0, "values": 1, "queries": 2}
 METHODS = ("kqsvd", "ksvd", "eigen")
@@ -181,7 +188,12 @@ class _Handle:
                              "closed (close() was called); make a new one")
         return self._h
 
-    def close(self):
+    def close(self) -> None:
+        """Frees the C object now rather than when this one is collected.
+
+        Every later call of a method that needs it raises KqsvdError
+        (closed); calling close() again does nothing.  Not collective.
+        """
         if self._h and self._release:
             free, ptr, byref = self._release
             free(byref(ptr(self._h)))
@@ -215,10 +227,22 @@ def _path(name, v):
 
 
 class Result(_Handle):
-    """Projections, spectra and ranks of the three methods (kqsvd_result_t);
-    `shape` is that of its items (the group view under head_groups)."""
+    """Projections, spectra and ranks of the three methods (kqsvd_result_t).
 
-    def __init__(self, handle, shape):
+    Made by Calibrator.finish(); read in memory (ranks, matrix, sigma) or
+    written as a projections file (write).  Its C object is freed by
+    close() or when it is collected.  Methods are one of "kqsvd", "ksvd"
+    and "eigen".
+
+    Attributes
+    ----------
+    shape : ctypes.Structure
+        That of its items, with fields layers, kv_heads, q_per_kv,
+        head_dim and hidden: the model's, or under head_groups G its group
+        view (kv_heads / G KV heads of head_dim G d, q_per_kv G times).
+    """
+
+    def __init__(self, handle: int, shape: _Shape) -> None:
         self.shape = shape
         self._own(handle, "kqsvd_result_free")
 
@@ -227,17 +251,60 @@ class Result(_Handle):
         return (METHODS.index(_one_of("method", method, METHODS)),
                 _whole("layer", layer, 0, s.layers - 1), _whole("kv_head", kv_head, 0, s.kv_heads - 1))
 
-    def ranks(self, method):
-        """(rank_k, rank_v) lists over layers."""
+    def ranks(self, method: Literal["kqsvd", "ksvd", "eigen"]) -> tuple[list[int], list[int]]:
+        """The ranks a method chose, per layer.
+
+        Parameters
+        ----------
+        method : {"kqsvd", "ksvd", "eigen"}
+
+        Returns
+        -------
+        (list of int, list of int)
+            (rank_k, rank_v) lists over layers.
+
+        Raises
+        ------
+        UsageError
+            For an unknown method.
+        KqsvdError
+            After close().
+        """
         h = self._live("ranks()")
         m = METHODS.index(_one_of("method", method, METHODS))
         lib, L = library(), self.shape.layers
         rk, rv = lib.kqsvd_result_rank_k(h, m), lib.kqsvd_result_rank_v(h, m)
         return [rk[i] for i in range(L)], [rv[i] for i in range(L)]
 
-    def matrix(self, method, which, layer, kv_head):
-        """One item's d x d matrix (numpy, a copy): which is "key_down",
-        "query_down", "value_down" or "value_up"."""
+    def matrix(self, method: Literal["kqsvd", "ksvd", "eigen"],
+               which: Literal["key_down", "query_down", "value_down", "value_up"],
+               layer: int, kv_head: int) -> np.ndarray:
+        """One item's d x d matrix (numpy, a copy).
+
+        Columns most important first: any rank r is the first r columns.
+
+        Parameters
+        ----------
+        method : {"kqsvd", "ksvd", "eigen"}
+        which : {"key_down", "query_down", "value_down", "value_up"}
+            A, B, A_v or B_v.
+        layer : int
+            0 .. shape.layers - 1.
+        kv_head : int
+            0 .. shape.kv_heads - 1 (a group under head_groups).
+
+        Returns
+        -------
+        np.ndarray
+            float64 [d, d], d = shape.head_dim.
+
+        Raises
+        ------
+        UsageError
+            For an unknown method or matrix, or an index out of range.
+        KqsvdError
+            After close().
+        """
         import numpy as np
         d = self.shape.head_dim
         names = ("key_down", "query_down", "value_down", "value_up")
@@ -249,9 +316,32 @@ class Result(_Handle):
             raise UsageError(f"no matrix {which} of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(d, d)).copy()
 
-    def sigma(self, method, values, layer, kv_head):
-        """The d singular values ordering one item's key (values False) or
-        value columns."""
+    def sigma(self, method: Literal["kqsvd", "ksvd", "eigen"], values: bool, layer: int,
+              kv_head: int) -> np.ndarray:
+        """The d singular values ordering one item's key or value columns.
+
+        Parameters
+        ----------
+        method : {"kqsvd", "ksvd", "eigen"}
+        values : bool
+            False for the key columns, True for the value columns.
+        layer : int
+            0 .. shape.layers - 1.
+        kv_head : int
+            0 .. shape.kv_heads - 1 (a group under head_groups).
+
+        Returns
+        -------
+        np.ndarray
+            float64 [d] (numpy, a copy), d = shape.head_dim.
+
+        Raises
+        ------
+        UsageError
+            For an unknown method or an index out of range.
+        KqsvdError
+            After close().
+        """
         import numpy as np
         h = self._live("sigma()")
         m, layer, kv_head = self._item(method, layer, kv_head)
@@ -260,14 +350,48 @@ class Result(_Handle):
             raise UsageError(f"no spectrum of ({layer}, {kv_head})")
         return np.ctypeslib.as_array(p, shape=(self.shape.head_dim,)).copy()
 
-    def write(self, path, model="", tokens=0, causal=1, force=False, inputs_hash=None,
-              rope=None, seq_len=0):
-        """proj.h5 (docs/formats.md section 3), under a temporary name;
-        inputs_hash, rope ("pre" or "post") and seq_len (the longest
-        calibration window in tokens), when given, are stored as the root
-        attributes of those names.  The C library refuses a path that
-        is a folder, a device, a FIFO or a socket (also with force), or that
-        exists without force, and a folder it cannot create a file in."""
+    def write(self, path: str | bytes | os.PathLike, model: str | None = "", tokens: int = 0,
+              causal: bool | int = 1, force: bool = False, inputs_hash: str | None = None,
+              rope: Literal["pre", "post"] | None = None, seq_len: int = 0) -> None:
+        """Writes proj.h5 (docs/formats.md section 3), under a temporary name.
+
+        inputs_hash, rope and seq_len, when given, are stored as the root
+        attributes of those names.  Not collective.
+
+        Parameters
+        ----------
+        path : str, bytes or os.PathLike
+            The file to write.
+        model : str or None
+            The root attribute `model` (None: "").
+        tokens : int
+            The root attribute `tokens`; 0 for the accumulator's count
+            when finish() made the result (Calibrator.tokens()).
+        causal : bool or int
+            The attribute `causal`: true for decoders, false for encoders.
+        force : bool
+            Replace an existing file.
+        inputs_hash : str or None
+            What the result was made from (at most 63 characters), so that
+            a later run can tell the file is up to date.
+        rope : {"pre", "post"} or None
+            Whether the keys and queries folded were taken before or after
+            RoPE; None stores no attribute, which readers take as "post".
+        seq_len : int
+            The longest calibration window in tokens, at most the tokens;
+            0 for unknown (no attribute).
+
+        Raises
+        ------
+        UsageError
+            For an argument of the wrong type or out of range, naming it
+            (an inputs_hash over 63 characters, a seq_len above the
+            tokens); from the C library for a path that is a folder, a
+            device, a FIFO or a socket (also with force), or that exists
+            without force, and for a folder it cannot create a file in.
+        KqsvdError
+            For an I/O or HDF5 failure, naming the path; after close().
+        """
         h = self._live("write()")
         where = _path("path", path)
         for name, v in (("model", model), ("inputs_hash", inputs_hash)):
@@ -283,13 +407,63 @@ class Result(_Handle):
 
 
 class Calibrator(_Handle):
-    """A kqsvd accumulator for one model shape: float64 R factors of every
-    (layer, KV head)'s keys, stacked queries, values and W^O.  Every
-    argument is checked before it reaches C: a bad one is a UsageError
-    naming it."""
+    """A kqsvd accumulator for one model shape (the C library's kqsvd_acc_t).
 
-    def __init__(self, layers, kv_heads, q_per_kv, head_dim, hidden, block_rows=256,
-                 mem_limit_mib=0.0, head_groups=1, qr="tsqr"):
+    It holds float64 R factors of every (layer, KV head)'s keys, stacked
+    queries, values and W^O; finish() solves them into projections.  Every
+    argument is checked before it reaches C: a bad one is a UsageError
+    naming it.  A failing C call raises KqsvdError (UsageError for a bad
+    argument) carrying the C library's message.  The C object is freed by
+    close() or when the Calibrator is collected.  Nothing but reduce() is
+    collective.
+
+    Parameters
+    ----------
+    layers, kv_heads, q_per_kv, head_dim, hidden : int
+        The model's sizes: L, Hkv, Hq / Hkv, d and D, each at least 1.
+    block_rows : int
+        Rows per Householder update, 1 .. 2^20; results depend on it by
+        round-off only, and checkpoints record it.
+    mem_limit_mib : float
+        Refuse an accumulator whose factors and buffers exceed this many
+        MiB; 0 for no limit.
+    head_groups : int
+        G, dividing kv_heads: each group of G consecutive KV heads is
+        solved as one, G d wide, and the result is the model's group view
+        (docs/formats.md 5.3); 1 is the per-head form.
+    qr : {"tsqr", "gram"}
+        How rows become factors: Householder QR merged by TSQR, or
+        float64 Gram matrices (kqsvd calibrate --qr).
+
+    Attributes
+    ----------
+    shape : ctypes.Structure
+        layers, kv_heads, q_per_kv, head_dim and hidden, as given.
+    head_groups : int
+        G, as given.
+
+    Raises
+    ------
+    UsageError
+        For a bad argument, naming it.
+    KqsvdError
+        When libkqsvd.so is not found or cannot load, or when the
+        accumulator would exceed mem_limit_mib or memory (saying how much
+        is needed).
+
+    Examples
+    --------
+    >>> cal = kqsvd.Calibrator(layers=L, kv_heads=Hkv, q_per_kv=Hq // Hkv, head_dim=d, hidden=D)
+    >>> cal.absorb("keys", layer, kv_head, k_rows)  # [T, d] tensor or array
+    >>> cal.absorb("queries", layer, kv_head, q_rows, query=j)
+    >>> cal.absorb("values", layer, kv_head, v_rows)
+    >>> cal.absorb_oproj(layer, o_proj_weight)  # [D, Hq d], once per layer
+    >>> cal.finish(ranks="eps:0.1").write("proj.h5", model="name")
+    """
+
+    def __init__(self, layers: int, kv_heads: int, q_per_kv: int, head_dim: int, hidden: int,
+                 block_rows: int = 256, mem_limit_mib: float = 0.0, head_groups: int = 1,
+                 qr: Literal["tsqr", "gram"] = "tsqr") -> None:
         import math
         lib = library()
         sizes = {k: _whole(k, v, 1) for k, v in (("layers", layers), ("kv_heads", kv_heads),
@@ -318,12 +492,44 @@ class Calibrator(_Handle):
         return (TENSORS[_one_of("tensor", tensor, tuple(TENSORS))],
                 _whole("layer", layer, 0, s.layers - 1), _whole("kv_head", kv_head, 0, s.kv_heads - 1))
 
-    def absorb(self, tensor, layer, kv_head, rows, query=0):
-        """Folds [T, head_dim] rows of one head: tensor "keys" or "values" of
-        KV head kv_head, or "queries" of its query head `query` (0 ..
-        q_per_kv - 1, the KV head's own).
-        With head_groups G, keys and values are [T, G head_dim] rows of the
-        group whose first KV head is kv_head."""
+    def absorb(self, tensor: Literal["keys", "values", "queries"], layer: int, kv_head: int,
+               rows: torch.Tensor | np.ndarray, query: int = 0) -> None:
+        """Folds [T, head_dim] rows of one head into its factor.
+
+        The rows are read where they lie, by pointer with their row stride,
+        without a copy.  The result depends on the rows, their order and
+        how they are split into calls only through round-off.  Not
+        collective.
+
+        Parameters
+        ----------
+        tensor : {"keys", "values", "queries"}
+            Keys or values of KV head kv_head, or queries of its query head
+            `query`.
+        layer : int
+            0 .. layers - 1.
+        kv_head : int
+            0 .. kv_heads - 1.  With head_groups G, keys and values come a
+            group at a time: kv_head is the group's first KV head.
+        rows : torch.Tensor or np.ndarray
+            [T, head_dim] rows ([T, G head_dim] for keys and values under
+            head_groups G: the group's heads side by side): a CPU torch
+            tensor or a numpy array, its last dimension contiguous, in
+            float16, bfloat16, float32 or float64 (a uint16 array is read
+            as bfloat16 bit patterns).
+        query : int
+            The query head, 0 .. q_per_kv - 1, the KV head's own; 0 for
+            keys and values.
+
+        Raises
+        ------
+        UsageError
+            For a bad argument, naming it: an index out of range, rows of
+            another width, type or layout, or on a GPU.
+        KqsvdError
+            For a NaN or Inf, naming the tensor, layer, head and row (the
+            factor is then left as it was); after close().
+        """
         h = self._live("absorb()")
         t, layer, kv_head = self._where(tensor, layer, kv_head)
         query = _whole("query", query, 0, self.shape.q_per_kv - 1)
@@ -338,9 +544,30 @@ class Calibrator(_Handle):
         _check(library().kqsvd_acc_absorb(h, t, layer, kv_head, query, ptr, dt, n, stride),
                f"{tensor} of layer {layer}")
 
-    def absorb_oproj(self, layer, weight):
-        """Folds a layer's output projection weight [D, Hq d] (torch's
-        nn.Linear layout)."""
+    def absorb_oproj(self, layer: int, weight: torch.Tensor | np.ndarray) -> None:
+        """Folds a layer's output projection weight into its W factors.
+
+        W is the model's, the same on every process: reduce() does not
+        merge it, so give it to the accumulator that finishes.  Not
+        collective.
+
+        Parameters
+        ----------
+        layer : int
+            0 .. layers - 1.
+        weight : torch.Tensor or np.ndarray
+            o_proj's weight, [D, Hq d] (torch's nn.Linear layout), rows
+            contiguous, of a type absorb() takes.
+
+        Raises
+        ------
+        UsageError
+            For a bad argument, naming it: a layer out of range, a weight
+            of another width, type or layout.
+        KqsvdError
+            For a NaN or Inf (the layer's W factors are then left as they
+            were); after close().
+        """
         h = self._live("absorb_oproj()")
         s = self.shape
         layer = _whole("layer", layer, 0, s.layers - 1)
@@ -352,13 +579,50 @@ class Calibrator(_Handle):
         _check(library().kqsvd_acc_absorb_oproj(h, layer, ptr, dt, n, stride),
                f"o_proj of layer {layer}")
 
-    def tokens(self):
-        """Rows folded so far into the keys of (layer 0, KV head 0)."""
+    def tokens(self) -> int:
+        """Rows folded so far into the keys of (layer 0, KV head 0).
+
+        Returns
+        -------
+        int
+            The tokens seen, when every head gets every token.
+
+        Raises
+        ------
+        KqsvdError
+            After close().
+        """
         return library().kqsvd_acc_tokens(self._live("tokens()"))
 
-    def factor(self, tensor, layer, kv_head):
-        """The current d x d R factor (numpy, upper triangular); keys and
-        values under head_groups G: the group's (G d) x (G d) one."""
+    def factor(self, tensor: Literal["keys", "values", "queries"], layer: int,
+               kv_head: int) -> np.ndarray:
+        """The current d x d R factor of one head's rows (numpy, upper triangular).
+
+        Unique up to the sign of each row; under qr="gram", the Cholesky
+        factor of the Gram matrix.  Not collective.
+
+        Parameters
+        ----------
+        tensor : {"keys", "values", "queries"}
+            As absorb(); queries: the KV head's query heads stacked.
+        layer : int
+            0 .. layers - 1.
+        kv_head : int
+            0 .. kv_heads - 1.
+
+        Returns
+        -------
+        np.ndarray
+            float64 [d, d], zeros below the diagonal; keys and values under
+            head_groups G: the group's (G d) x (G d) one.
+
+        Raises
+        ------
+        UsageError
+            For an unknown tensor or an index out of range.
+        KqsvdError
+            When the C library fails; after close().
+        """
         import numpy as np
         h = self._live("factor()")
         t, layer, kv_head = self._where(tensor, layer, kv_head)
@@ -368,25 +632,82 @@ class Calibrator(_Handle):
                f"factor of {tensor}")
         return R
 
-    def save(self, path, force=False):
-        """The factors in kqsvd's checkpoint format (docs/formats.md 7),
-        written under a unique temporary name and renamed.  Refused
-        (UsageError, nothing written) when path is a folder, a device, a
-        FIFO or a socket, force or not; when it exists and force is
-        false; when its folder is missing or takes no new file."""
+    def save(self, path: str | bytes | os.PathLike, force: bool = False) -> None:
+        """Writes the factors in kqsvd's checkpoint format (docs/formats.md 7).
+
+        Written under a unique temporary name and renamed, with a checksum.
+        Not collective.
+
+        Parameters
+        ----------
+        path : str, bytes or os.PathLike
+            The checkpoint to write.
+        force : bool
+            Replace an existing file.
+
+        Raises
+        ------
+        UsageError
+            Nothing written: for a path that is not a file name; when path
+            is a folder, a device, a FIFO or a socket, force or not; when
+            it exists and force is false; when its folder is missing or
+            takes no new file.
+        KqsvdError
+            For an I/O or HDF5 failure, naming the path; after close().
+        """
         h = self._live("save()")
         where = _path("path", path)
         _check(library().kqsvd_acc_save(h, where, 1 if force else 0),
                f"saving {os.fsdecode(where)}")
 
-    def load(self, path):
+    def load(self, path: str | bytes | os.PathLike) -> None:
+        """Replaces the factors with those a save() wrote.
+
+        The checkpoint must come from an accumulator of the same shape and
+        options.  Not collective.
+
+        Parameters
+        ----------
+        path : str, bytes or os.PathLike
+            The checkpoint to read.
+
+        Raises
+        ------
+        UsageError
+            For a path that is not a file name.
+        KqsvdError
+            Naming the file, for another shape or options, a damaged file
+            (checksum) or a missing one, or an HDF5 failure; after close().
+        """
         h = self._live("load()")
         where = _path("path", path)
         _check(library().kqsvd_acc_load(h, where), f"loading {os.fsdecode(where)}")
 
-    def reduce(self, comm, root=0):
-        """Collective over an mpi4py communicator: every process's factors
-        merged onto `root`.  One process (or comm None): nothing to do."""
+    def reduce(self, comm: Any, root: int = 0) -> None:
+        """Merges every process's factors onto `root` (collective).
+
+        Collective over an mpi4py communicator: root's accumulator then
+        holds the factors of all the processes' rows; the others' are left
+        unchanged.  Every process must have the same shape and options.
+        One process (or comm None): nothing to do.  After a failure root's
+        factors are unspecified.
+
+        Parameters
+        ----------
+        comm : mpi4py.MPI.Comm or None
+            The communicator.
+        root : int
+            The rank that receives the factors, 0 .. comm.Get_size() - 1.
+
+        Raises
+        ------
+        UsageError
+            For a comm that is not an mpi4py communicator (or mpi4py
+            missing), a bad root, or shapes that differ.
+        KqsvdError
+            For an MPI failure or out of memory (the same on every
+            process); after close().
+        """
         h = self._live("reduce()")
         if comm is None:
             return
@@ -403,8 +724,39 @@ class Calibrator(_Handle):
         _check(library().kqsvd_acc_reduce(h, ctypes.c_void_p(MPI._handleof(comm)), root),
                "reducing the factors")
 
-    def finish(self, ranks="eps:0.1", beta=1.0):
-        """The three methods' projections, spectra and ranks (a Result)."""
+    def finish(self, ranks: str = "eps:0.1", beta: float = 1.0) -> Result:
+        """The three methods' projections, spectra and ranks (a Result).
+
+        Solves the d x d problem of every (layer, KV head), or (layer,
+        group) under head_groups, from the factors and chooses ranks.
+        Call it after reduce(), on the root.  The accumulator is
+        unchanged.  Not collective.
+
+        Parameters
+        ----------
+        ranks : str
+            A rank policy: "eps:E", "fixed:R" or "budget:F".
+        beta : float
+            The eigen method's key/query unbalance, above 0.
+
+        Returns
+        -------
+        Result
+            Its shape is the group view under head_groups G: kv_heads / G
+            KV heads of head_dim G d.
+
+        Raises
+        ------
+        UsageError
+            For a ranks that is not a string, a beta not above 0, an
+            unknown policy or a rank above head_dim.
+        KqsvdError
+            For a LAPACK failure or out of memory; after close().
+
+        Examples
+        --------
+        >>> cal.finish(ranks="budget:0.25").write("proj.h5", model="name")
+        """
         import math
         h = self._live("finish()")
         if not isinstance(ranks, str):

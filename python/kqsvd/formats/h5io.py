@@ -1,10 +1,16 @@
 """Reading kqsvd's HDF5 files with h5py: element types, attributes and the
 checks every reader shares (numpy only, no torch)."""
+from __future__ import annotations
+
 import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import KqsvdError
+
+if TYPE_CHECKING:
+    import h5py
 
 SIZE_ATTRS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
 
@@ -24,8 +30,31 @@ def decode(a, bf16):
     return a.astype(np.float64)
 
 
-def read(ds, sel=()):
-    """ds[sel] as float64, whatever the contract's element type."""
+def read(ds: h5py.Dataset, sel: Any = ()) -> np.ndarray:
+    """ds[sel] as float64, whatever the contract's element type.
+
+    Exported as kqsvd.read_dataset.  bfloat16, which the contract stores
+    as uint16 bit patterns tagged dtype="bfloat16", is decoded exactly;
+    other element types are converted.
+
+    Parameters
+    ----------
+    ds : h5py.Dataset
+        A dataset of a kqsvd file (cache.h5, model.h5, proj.h5).
+    sel : selection
+        What to read, as h5py indexes a dataset (an index, a slice, a
+        tuple of them); () reads all of it.
+
+    Returns
+    -------
+    np.ndarray
+        float64, of the selection's shape.
+
+    Examples
+    --------
+    >>> with h5py.File("cache.h5", "r") as f:
+    ...     k0 = kqsvd.read_dataset(f["keys"], 0)  # layer 0's keys, [Hkv, T, d]
+    """
     return decode(ds[sel], is_bf16(ds))
 
 

@@ -5,12 +5,14 @@ Rank policies (eps:, fixed:, budget:) are resolved by the C tool itself,
 `kqsvd ranks --json`, so Python and `kqsvd calibrate`/`evaluate` always
 agree on the ranks: there is one implementation.
 """
+from __future__ import annotations
+
 import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import List
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -18,6 +20,9 @@ from . import h5io
 from .. import native
 from .quant import drop_bits, read_bits, write_bits
 from ..errors import KqsvdError, UsageError
+
+if TYPE_CHECKING:
+    from .quant import QuantScheme
 
 METHODS = ("kqsvd", "ksvd", "eigen")
 MATRICES = ("key_down", "query_down", "value_down", "value_up")
@@ -30,25 +35,57 @@ TUNED_SUFFIX = "_tuned"
 class Projections:
     """One method's projections, cut at per-(layer, KV head) ranks.
 
-    rank_k_heads, rank_v_heads: int [L, Hkv], each head's ranks; rank_k,
-    rank_v: [L], each layer's largest.  key_down[l], query_down[l]: float64
-    [Hkv, d, rank_k[l]] (A and B); value_down[l], value_up[l]: float64
-    [Hkv, d, rank_v[l]] (A_v and B_v); a head's columns past its own rank
-    are zero, so the padded matrices compute the same as each head's own.
-    Compressed keys are K @ A, queries q @ B, values V @ A_v, and each query
-    head h of KV group g uses B_v[g]^T W^O_h in place of W^O_h.  rope: the
-    file's `rope` attribute, "post" (keys after RoPE; also when the file has
-    none) or "pre" (keys before RoPE, brought back as RoPE(K A B^T) before
-    the scores: kqsvd.attention).  tuned: query_down and value_up are the
-    file's tuned up-projections (kqsvd.quality.tune), not the closed forms.
-    head_groups: G > 1 for a head-groups file (docs/formats.md 5.3), whose
-    num_kv_heads, head_dim, matrices and ranks are the model's group view
-    (Hkv / G groups, G d wide); sizes() gives the model's.  bits_k, bits_v:
-    the bits of the cached columns under the scheme `quant`
-    (formats.quant.QuantScheme), int [L, Hkv] one per unit or int [L, Hkv,
-    d] one per latent column, in formats.quant's one encoding (BITS,
-    UNQUANTIZED, and DROPPED for a column past its unit's rank), or None."""
-    path: str
+    What load_projections returns.  Each layer's matrices are padded to
+    its largest rank: a head's columns past its own rank are zero, so the
+    padded matrices compute the same as each head's own.  Compressed keys
+    are K @ A, queries q @ B, values V @ A_v, and each query head h of KV
+    group g uses B_v[g]^T W^O_h in place of W^O_h.
+
+    Attributes
+    ----------
+    path : str or os.PathLike
+        The projections file the matrices were read from, as given to
+        load_projections.
+    method : str
+        One of METHODS.
+    policy : str
+        How the ranks were chosen: the policy string given; for the stored
+        ranks the file's `rank_policy` ("stored" when it has none); for
+        ranks given as numbers "fixed:R", "per-layer" or "per-head".
+    model : str
+        The file's `model` attribute ("" when it has none).
+    num_layers, num_heads, num_kv_heads, head_dim, hidden_size : int
+        L, Hq, Hkv, d and D as the file has them: the group view's Hkv and
+        d for a head-groups file (see `head_groups`; sizes() gives the
+        model's).
+    rank_k, rank_v : np.ndarray
+        int [L]: each layer's largest key and value rank.
+    key_down, query_down : list of np.ndarray
+        Per layer l, float64 [Hkv, d, rank_k[l]]: A and B.
+    value_down, value_up : list of np.ndarray
+        Per layer l, float64 [Hkv, d, rank_v[l]]: A_v and B_v.
+    rank_k_heads, rank_v_heads : np.ndarray
+        int [L, Hkv]: each head's ranks.
+    rope : str
+        The file's `rope` attribute: "post" (keys after RoPE; also when the
+        file has none) or "pre" (keys before RoPE, brought back as
+        RoPE(K A B^T) before the scores: kqsvd.attention).
+    tuned : bool
+        True when query_down and value_up are the file's tuned
+        up-projections (kqsvd.quality.tune), not the closed forms.
+    head_groups : int
+        G > 1 for a head-groups file (docs/formats.md 5.3), whose
+        num_kv_heads, head_dim, matrices and ranks are the model's group
+        view (Hkv / G groups, G d wide); 1 otherwise.
+    bits_k, bits_v : np.ndarray or None
+        The bits of the cached columns under the scheme `quant`: int
+        [L, Hkv] one per unit or int [L, Hkv, d] one per latent column, in
+        formats.quant's one encoding (BITS, UNQUANTIZED, and DROPPED for a
+        column past its unit's rank); None without bits.
+    quant : formats.quant.QuantScheme or None
+        The quantization scheme of bits_k and bits_v; None without bits.
+    """
+    path: str | os.PathLike
     method: str
     policy: str
     model: str
@@ -59,33 +96,61 @@ class Projections:
     hidden_size: int
     rank_k: np.ndarray
     rank_v: np.ndarray
-    key_down: List[np.ndarray] = field(repr=False)
-    query_down: List[np.ndarray] = field(repr=False)
-    value_down: List[np.ndarray] = field(repr=False)
-    value_up: List[np.ndarray] = field(repr=False)
-    rank_k_heads: np.ndarray = None
-    rank_v_heads: np.ndarray = None
+    key_down: list[np.ndarray] = field(repr=False)
+    query_down: list[np.ndarray] = field(repr=False)
+    value_down: list[np.ndarray] = field(repr=False)
+    value_up: list[np.ndarray] = field(repr=False)
+    rank_k_heads: np.ndarray | None = None
+    rank_v_heads: np.ndarray | None = None
     rope: str = "post"
     tuned: bool = False
     head_groups: int = 1
-    bits_k: np.ndarray = None
-    bits_v: np.ndarray = None
-    quant: object = None
+    bits_k: np.ndarray | None = None
+    bits_v: np.ndarray | None = None
+    quant: QuantScheme | None = None
 
-    def sizes(self):
-        """The model's sizes (h5io.SIZE_ATTRS), whatever the head groups."""
+    def sizes(self) -> dict[str, int]:
+        """The model's sizes, whatever the head groups.
+
+        Returns
+        -------
+        dict of str to int
+            num_layers, num_heads, num_kv_heads, head_dim and hidden_size
+            (h5io.SIZE_ATTRS) of the model itself: for a head-groups file,
+            G times the group view's num_kv_heads, each head_dim / G wide.
+        """
         return model_sizes({k: getattr(self, k) for k in h5io.SIZE_ATTRS}, self.head_groups)
 
-    def per_head(self, layer):
-        """Whether the heads of `layer` have ranks of their own (not all alike)."""
+    def per_head(self, layer: int) -> bool:
+        """Whether the heads of `layer` have ranks of their own (not all alike).
+
+        Parameters
+        ----------
+        layer : int
+            The layer, 0 .. num_layers - 1.
+
+        Returns
+        -------
+        bool
+            True when some KV head's key or value rank is below the
+            layer's largest.
+        """
         return bool((self.rank_k_heads[layer] != self.rank_k[layer]).any() or
                     (self.rank_v_heads[layer] != self.rank_v[layer]).any())
 
-    def cache_kept(self):
-        """The fraction of the full KV cache kept: the sum over layers and KV
-        heads of (rank_k + rank_v) / (2 d L Hkv); with bits, the bytes of
-        the codes and scales over a bf16 cache's (a block's residual tokens
-        aside: docs/quantized-cache.md)."""
+    def cache_kept(self) -> float:
+        """The fraction of the full KV cache kept.
+
+        Without bits, the sum over layers and KV heads of (rank_k +
+        rank_v) / (2 d L Hkv); with bits, the bytes of the codes and scales
+        over a bf16 cache's (a block's residual tokens aside:
+        docs/quantized-cache.md).
+
+        Returns
+        -------
+        float
+            The fraction, above 0 and at most 1 without bits.
+        """
         if self.quant is None:
             return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
                          (2 * self.head_dim * self.num_layers * self.num_kv_heads))
@@ -115,14 +180,43 @@ def head_groups_of(f, path, head_dim):
     return int(G)
 
 
-def policy_ranks(path, policy=None):
-    """The ranks of a rank policy for every method, from `kqsvd ranks --json`:
-    {"policy": str, "methods": {method: {"rank_k": [L], "rank_v": [L]}},
-    "cache_kept": {method: float}, ...}.  policy None: the stored ranks.
-    Raises UsageError for a policy the tool refuses (unknown, a rank above
-    head_dim), KqsvdError for a bad file.  A command asks for the same
-    answer twice (its options checked, then its configurations built):
-    the tool runs once per executable, file version and policy."""
+def policy_ranks(path: str | os.PathLike, policy: str | None = None) -> dict[str, Any]:
+    """The ranks of a rank policy for every method, from `kqsvd ranks --json`.
+
+    The C tool resolves the policy, so Python and `kqsvd calibrate` /
+    `evaluate` agree on the ranks.  A command asks for the same answer
+    twice (its options checked, then its configurations built): the tool
+    runs once per executable, file version and policy, and each call gets
+    a copy of the answer of its own to change.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The projections file (proj.h5).
+    policy : str or None
+        A rank policy ("eps:0.1", "fixed:16", "budget:0.25"); None for the
+        ranks stored in the file.
+
+    Returns
+    -------
+    dict
+        The tool's JSON: {"policy": str, "methods": {method: {"rank_k":
+        [L], "rank_v": [L]}}, "cache_kept": {method: float}, ...}.
+
+    Raises
+    ------
+    UsageError
+        For a policy the tool refuses (unknown, a rank above head_dim).
+    KqsvdError
+        For a bad file, or a kqsvd executable that is missing or cannot
+        start (a system library it links is missing).
+
+    Examples
+    --------
+    >>> got = kqsvd.policy_ranks("proj.h5", "budget:0.25")
+    >>> rank_k = got["methods"]["kqsvd"]["rank_k"]  # one rank per layer
+    """
+    _check_path("path", path)
     exe = native.tool()
     try:
         st = os.stat(path)
@@ -255,20 +349,54 @@ def _stored_ranks(f, path, method, L, H):
     return tuple(heads)
 
 
-def load_projections(path, method="kqsvd", ranks=None, tuned=True):
+def load_projections(path: str | os.PathLike, method: str = "kqsvd",
+                     ranks: int | Sequence[int] | np.ndarray | tuple | dict | str | None = None,
+                     tuned: bool = True) -> Projections:
     """Reads one method's projections from proj.h5.
 
-    ranks: None for the ranks stored in the file (per head where it has
-    them, and with the group's tuned up-projections where it has them and
-    `tuned` is true: docs/formats.md section 5.3); an int for that rank
-    everywhere; a policy string ("eps:0.1", "fixed:16", "budget:0.25")
-    resolved by `kqsvd ranks`; a list of L ints or an [L, Hkv] array
-    (keys and values alike); a tuple (rank_k, rank_v), each an int or [L]
-    or [L, Hkv]; or a dict with keys rank_k/rank_v (or
-    rank_k_heads/rank_v_heads).  Every rank is a whole number (not a bool)
-    in 1..head_dim.
-    Returns a Projections.  Raises KqsvdError naming the file and field for
-    a bad file, UsageError for an unknown method or impossible ranks."""
+    The matrices are cut at `ranks` and checked: shapes as the file's
+    sizes say, no NaN or Inf.  Stored bits (quality-bits:F) belong to the
+    stored ranks, so they are read only with ranks None.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The projections file (`kqsvd calibrate`'s proj.h5).
+    method : str
+        One of METHODS: "kqsvd", "ksvd" or "eigen".
+    ranks : int, sequence of int, np.ndarray, tuple, dict, str or None
+        None for the ranks stored in the file (per head where it has
+        them, and with the group's tuned up-projections where it has them
+        and `tuned` is true: docs/formats.md section 5.3); an int for that
+        rank everywhere; a policy string ("eps:0.1", "fixed:16",
+        "budget:0.25") resolved by `kqsvd ranks` (policy_ranks); a list
+        of L ints or an [L, Hkv] array (keys and values alike); a tuple
+        (rank_k, rank_v), each an int or [L] or [L, Hkv]; or a dict with
+        keys rank_k/rank_v (or rank_k_heads/rank_v_heads).  Every rank is
+        a whole number (not a bool) in 1..head_dim.
+    tuned : bool
+        With ranks None, take the group's tuned up-projections
+        (query_down_tuned, value_up_tuned) where the file has them.
+
+    Returns
+    -------
+    Projections
+        The method's matrices at those ranks.
+
+    Raises
+    ------
+    KqsvdError
+        Naming the file and field for a bad file (missing, not a
+        projections file, a dataset missing or of the wrong shape, NaN or
+        Inf, inconsistent stored ranks or attributes).
+    UsageError
+        For a path that is not a file name, an unknown method or
+        impossible ranks (also a policy the tool refuses).
+
+    Examples
+    --------
+    >>> proj = kqsvd.load_projections("proj.h5", "kqsvd", ranks="budget:0.25")
+    """
     _check_path("path", path)
     if not isinstance(method, str) or method not in METHODS:
         raise UsageError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
@@ -340,21 +468,61 @@ def _tuned_names(f, path, method, shape):
     return names
 
 
-def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, scheme=None):
-    """Writes a copy of the projections file `src` to `dst` whose stored
-    ranks are `ranks`: {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, as
-    per-head datasets with the per-layer ones their maxima, and whose
-    rank_policy is `policy` (docs/formats.md section 5.3).  Methods not in
-    `ranks` keep theirs.  tuned: {method: (Projections, info)} from
-    kqsvd.quality.tune.tune at these ranks; their query_down and value_up columns
-    replace the file's, and the group records how they were trained
-    (section 5.3, "Tuned up-projections").  bits: {method: (bits_k, bits_v)},
-    each [L, Hkv] per unit or [L, Hkv, d] per column (Projections.bits_k),
-    stored with the quantization scheme (formats.quant);
-    a method given new ranks without bits loses the bits `src` has for it,
-    which were chosen for its stored ranks.  dst must not be src (by device
-    and inode), a folder or a device; an existing dst is replaced only
-    with force.  Written under a temporary name and renamed."""
+def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, Any],
+               policy: str, tuned: dict[str, tuple[Projections, dict]] | None = None,
+               force: bool = False, bits: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+               scheme: QuantScheme | None = None) -> str | os.PathLike:
+    """Writes a copy of the projections file `src` to `dst` with new stored ranks.
+
+    The ranks are stored as per-head datasets with the per-layer ones
+    their maxima, and the root's rank_policy is `policy` (docs/formats.md
+    section 5.3).  Methods not in `ranks` keep theirs.  A method given new
+    ranks without bits loses the bits `src` has for it, which were chosen
+    for its stored ranks.  Written under a temporary name and renamed.
+
+    Parameters
+    ----------
+    src : str or os.PathLike
+        The projections file to copy.
+    dst : str or os.PathLike
+        The file to write: not src (by device and inode), a folder or a
+        device.
+    ranks : dict
+        {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, each pair in any
+        non-string form load_projections takes.
+    policy : str
+        The rank_policy attribute to store.
+    tuned : dict or None
+        {method: (Projections, info)} from kqsvd.quality.tune.tune at these
+        ranks; their query_down and value_up columns replace the file's,
+        and the group records how they were trained (section 5.3, "Tuned
+        up-projections").
+    force : bool
+        Replace an existing dst.
+    bits : dict or None
+        {method: (bits_k, bits_v)}, each [L, Hkv] per unit or [L, Hkv, d]
+        per column (Projections.bits_k), stored with the quantization
+        scheme (formats.quant).
+    scheme : formats.quant.QuantScheme or None
+        The quantization scheme of `bits`.
+
+    Returns
+    -------
+    str or os.PathLike
+        dst, as given.
+
+    Raises
+    ------
+    UsageError
+        For src or dst not a file name, ranks that are not a dict, an
+        unknown method, ranks outside 1..head_dim, bits of the wrong shape
+        or values, a src whose method's up-projections were tuned at its
+        stored ranks, or a dst refused (src itself, a folder or a device,
+        existing without force, or in a folder that is missing or takes no
+        new file).
+    KqsvdError
+        For a bad src file.
+    """
     import h5py
     from .files import check_outputs, write_atomic
     _check_path("src", src)
@@ -367,9 +535,14 @@ def save_ranks(src, dst, ranks, policy, tuned=None, force=False, bits=None, sche
         s = h5io.sizes(f, src)
         L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
         checked = {m: _rank_lists(r, L, H, d, src) for m, r in ranks.items()}
-        for m, (rk, rv) in checked.items():
-            if m not in METHODS or min(rk.min(), rv.min()) < 1:
-                raise UsageError(f"ranks for {dst}: method {m!r} or a rank below 1")
+        for m in list(checked) + list(tuned or {}) + list(bits or {}):
+            if m not in METHODS or m not in f:
+                raise UsageError(f"ranks for {dst}: method {m!r} is not a method of {src} "
+                                 f"({', '.join(x for x in METHODS if x in f)})")
+        extra = sorted(set(tuned or {}) - set(checked))
+        if extra:  # tuned columns are trained at ranks: they come with them
+            raise UsageError(f"tuned up-projections for {dst}: method {extra[0]!r} has no new "
+                             "ranks in `ranks`")
         for m, pair in (bits or {}).items():
             _check_bits(m, pair, checked.get(m), (L, H, d), dst)
         # Tuned columns belong to the ranks they were trained at.
