@@ -62,7 +62,7 @@ PAIRS = """
 import sys, time, torch
 sys.path.insert(0, {python!r})
 from kqsvd import models
-from kqsvd.calibration.binding import Calibrator
+from kqsvd.calibration.calibrator import Calibrator
 from kqsvd.calibration.insitu import fold_heads, fold_sequences
 model, tok, info = models.load({model!r}, lm_head=False, dtype=torch.float32)
 seqs, _, _, _ = models.token_windows(tok, {text!r}, {seq_len}, {num_seqs}, "train")

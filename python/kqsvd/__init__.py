@@ -12,7 +12,8 @@ numpy and h5py suffice for load_projections and kqsvd.Calibrator (the C
 library's accumulator: docs/guide/c-library.md); compress and
 export_safetensors need torch (and transformers' models)."""
 from .errors import KqsvdError, UsageError
-from .formats.projections import METHODS, Projections, load_projections, policy_ranks, save_ranks
+from .formats.projections import METHODS, Projections, load_projections, policy_ranks
+from .formats.saving import save_ranks
 
 __version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
@@ -29,7 +30,7 @@ def __getattr__(name):  # torch-dependent parts load on first use
         from .attention.export import export_safetensors
         return export_safetensors
     if name == "Calibrator":  # ctypes over libkqsvd.so, loaded at its first use
-        from .calibration.binding import Calibrator
+        from .calibration.calibrator import Calibrator
         return Calibrator
     if name == "read_dataset":
         from .formats.h5io import read

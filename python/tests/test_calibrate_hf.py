@@ -1,5 +1,5 @@
 """In-situ calibration (python -m kqsvd.calibrate_hf) and the binding under
-it (kqsvd.calibration.binding.Calibrator): the binding's R factors against numpy's QR
+it (kqsvd.calibration.calibrator.Calibrator): the binding's R factors against numpy's QR
 for every element type, without copies of strided rows; the in-situ
 projections against export_hf.py --dtype f32 followed by kqsvd calibrate;
 1 rank against 3; a killed run resumed bit for bit; bad input refused
@@ -15,7 +15,7 @@ import torch
 
 from common import MPIENV, ROOT, TEXT, calibrate, export, tiny_decoder, workdir
 
-from kqsvd.calibration.binding import Calibrator, check_policy
+from kqsvd.calibration.calibrator import Calibrator, check_policy
 from kqsvd.errors import KqsvdError, UsageError
 
 METHODS = ("kqsvd", "ksvd", "eigen")

@@ -17,7 +17,7 @@ import torch
 from common import TEXT, Calibrated, workdir
 
 from kqsvd import models
-from kqsvd.formats.projections import save_ranks
+from kqsvd.formats.saving import save_ranks
 from kqsvd.formats.quant import QuantScheme
 from kqsvd.quality.frontier import continue_window, pareto
 from kqsvd.quality.configs import Config

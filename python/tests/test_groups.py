@@ -19,7 +19,7 @@ from common import calibrate as calibrate_cli
 
 import kqsvd
 from kqsvd import models
-from kqsvd.calibration.binding import Calibrator
+from kqsvd.calibration.calibrator import Calibrator
 from kqsvd.errors import UsageError
 
 L, HKV, M, D_HEAD, HIDDEN = 2, 4, 2, 6, 10

@@ -510,7 +510,7 @@ class Hostile(HostileCase):
     def test_new_ranks_over_a_file_with_bits(self):
         """kqsvd.allocate on a quality-bits file: the bits were fitted for
         the file's ranks, and the output holds the budget it names."""
-        from kqsvd.formats.projections import save_ranks
+        from kqsvd.formats.saving import save_ranks
         from kqsvd.formats.quant import QuantScheme
         bits = os.path.join(self.out, "bits.h5")
         four = {"kqsvd": (np.full((2, 2), 4), np.full((2, 2), 4))}

@@ -18,8 +18,9 @@ import numpy as np
 from common import ROOT, TEXT, tiny_decoder, workdir
 
 import kqsvd
-from kqsvd.calibration.binding import Calibrator
-from kqsvd.formats.projections import METHODS, load_projections, save_ranks
+from kqsvd.calibration.calibrator import Calibrator
+from kqsvd.formats.projections import METHODS, load_projections
+from kqsvd.formats.saving import save_ranks
 from kqsvd.formats.quant import QuantScheme
 
 L, HKV, GROUP, D, HIDDEN = 2, 2, 2, 8, 16
@@ -335,15 +336,16 @@ class Library(unittest.TestCase):
     def test_handles_alive_at_exit(self):
         code, err = python("""
             import numpy as np
-            from kqsvd.calibration import binding
-            cal = binding.Calibrator(1, 1, 1, 4, 4)
+            from kqsvd.calibration import binding, calibrator, result
+            cal = calibrator.Calibrator(1, 1, 1, 4, 4)
             cal.absorb("keys", 0, 0, np.ones((3, 4)))
             cal.absorb_oproj(0, np.ones((4, 4)))
             res = cal.finish("fixed:2")
             # What the interpreter does to a module's globals at exit, when
             # handles outlive it: each becomes None.
-            for name in [n for n in vars(binding) if not n.startswith("__")]:
-                setattr(binding, name, None)
+            for module in (binding, calibrator, result):
+                for name in [n for n in vars(module) if not n.startswith("__")]:
+                    setattr(module, name, None)
             del cal, res
             """)
         self.assertEqual((code, err), (0, ""))

@@ -15,7 +15,7 @@ import numpy as np
 from common import workdir
 
 import kqsvd
-from kqsvd.calibration.binding import Calibrator
+from kqsvd.calibration.calibrator import Calibrator
 
 ROOT = os.geteuid() == 0
 

@@ -21,7 +21,8 @@ from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.projection import rotate
 from kqsvd.attention.quant import Store, dequantize, hadamard, quantize, store
 from kqsvd.errors import KqsvdError, UsageError
-from kqsvd.formats.projections import load_projections, save_ranks
+from kqsvd.formats.projections import load_projections
+from kqsvd.formats.saving import save_ranks
 from kqsvd.formats.policy import split_bits
 from kqsvd.formats.quant import (QuantScheme, column_runs, option_bits, unit_bits,
                                  with_bits)

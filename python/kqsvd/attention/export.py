@@ -52,11 +52,8 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
         The file to write: not the projections file itself (by device and
         inode), not a folder or a device, in a folder that exists and
         takes a new file.
-    method : str
-        One of METHODS; used only when proj is a path.
-    ranks : int, sequence of int, np.ndarray, tuple, dict, str or None
-        The ranks, as load_projections takes them; used only when proj is
-        a path (a Projections is written at its own ranks).
+    method, ranks : str, and ranks as load_projections takes them
+        Used only when proj is a path (a Projections is written as it is).
     dtype : str
         "float64", "float32", "float16" or "bfloat16": the tensors' type.
     o_proj : sequence of torch.Tensor or np.ndarray, or None
@@ -84,9 +81,7 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
     --------
     >>> kqsvd.export_safetensors("proj.h5", "proj.safetensors", ranks="budget:0.25")
     """
-    import torch
     from safetensors.torch import save_file
-    from .projection import fold_o_proj
     if dtype not in DTYPES:
         raise UsageError(f"export_safetensors: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     if not isinstance(proj, (Projections, str, os.PathLike)):
@@ -98,15 +93,29 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
     check_outputs([("path", os.fspath(path))], [("proj", source)], force)
     p = proj if isinstance(proj, Projections) else load_projections(proj, method, ranks)
     if o_proj is not None:
-        want = (p.hidden_size, p.num_heads * p.sizes()["head_dim"])
-        got = len(o_proj) if hasattr(o_proj, "__len__") else repr(o_proj)
-        if got != p.num_layers:
-            raise UsageError(f"export_safetensors: o_proj must hold {p.num_layers} weights, one "
-                             f"per layer, not {got}")
-        for l, w in enumerate(o_proj):
-            if tuple(getattr(w, "shape", ())) != want:
-                raise UsageError(f"export_safetensors: o_proj[{l}] must have shape {list(want)}, "
-                                 f"not {list(getattr(w, 'shape', ()))}")
+        _check_o_proj(p, o_proj)
+    out, meta = _tensors(p, o_proj, dtype), _metadata(p)
+    write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
+    return path
+
+
+def _check_o_proj(p, o_proj):
+    """UsageError unless o_proj is one [D, Hq d] weight per layer of p."""
+    want = (p.hidden_size, p.num_heads * p.sizes()["head_dim"])
+    got = len(o_proj) if hasattr(o_proj, "__len__") else repr(o_proj)
+    if got != p.num_layers:
+        raise UsageError(f"export_safetensors: o_proj must hold {p.num_layers} weights, one "
+                         f"per layer, not {got}")
+    for l, w in enumerate(o_proj):
+        if tuple(getattr(w, "shape", ())) != want:
+            raise UsageError(f"export_safetensors: o_proj[{l}] must have shape {list(want)}, "
+                             f"not {list(getattr(w, 'shape', ()))}")
+
+
+def _tensors(p, o_proj, dtype):
+    """The file's tensors: every layer's matrices, and its folded o_proj."""
+    import torch
+    from .projection import fold_o_proj
     tdtype = getattr(torch, dtype)
     out = {}
     for l in range(p.num_layers):
@@ -115,6 +124,12 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
         if o_proj is not None:
             out[f"layers.{l}.o_proj_folded"] = fold_o_proj(
                 o_proj[l], p.value_up[l], p.num_heads, p.head_groups).to(tdtype).contiguous()
+    return out
+
+
+def _metadata(p):
+    """The file's metadata (JSON strings): what a reader needs besides the
+    tensors to use them, the bits and scheme of a quantized latent too."""
     meta = {"kqsvd_format": "projections-safetensors", "method": p.method, "policy": p.policy,
             "source": os.path.basename(p.path), "model": p.model,
             "rank_k": json.dumps(p.rank_k.tolist()), "rank_v": json.dumps(p.rank_v.tolist()),
@@ -130,5 +145,4 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
         meta.update({f"bits_k_{form}": json.dumps(p.bits_k.tolist()),
                      f"bits_v_{form}": json.dumps(p.bits_v.tolist())},
                     quant=json.dumps(dataclasses.asdict(p.quant)))
-    write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
-    return path
+    return meta

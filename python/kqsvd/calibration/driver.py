@@ -48,7 +48,7 @@ class Job:
     seconds: float = 0.0
 
     def new_cal(self):
-        from .binding import Calibrator
+        from .calibrator import Calibrator
         i, a = self.info, self.args
         return Calibrator(i.num_layers, i.num_kv_heads, i.num_heads // i.num_kv_heads,
                           i.head_dim, i.hidden_size, block_rows=a.qr_block,
@@ -90,7 +90,7 @@ def prepare(args, group):
 def _check_and_load(job):
     import torch
     from .. import models
-    from .binding import check_policy
+    from .calibrator import check_policy
     from .capture import rope_of
     from .insitu import TorchFold
     a = job.args

@@ -30,7 +30,8 @@ import time
 
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
-from ..formats.projections import METHODS, load_projections, save_ranks
+from ..formats.projections import METHODS, load_projections
+from ..formats.saving import save_ranks
 from ..formats.policy import QUALITY_BITS, QUALITY_BUDGET, QUALITY_TUNED, fitted_fraction
 from ..formats.policy import parse as parse_policy
 from ..quality.measure import measure, resolve_policies

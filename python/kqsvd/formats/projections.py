@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -18,7 +17,7 @@ import numpy as np
 
 from . import h5io
 from .. import native
-from .quant import drop_bits, read_bits, write_bits
+from .quant import read_bits
 from ..errors import KqsvdError, UsageError
 
 if TYPE_CHECKING:
@@ -216,7 +215,7 @@ def policy_ranks(path: str | os.PathLike, policy: str | None = None) -> dict[str
     >>> got = kqsvd.policy_ranks("proj.h5", "budget:0.25")
     >>> rank_k = got["methods"]["kqsvd"]["rank_k"]  # one rank per layer
     """
-    _check_path("path", path)
+    check_path("path", path)
     exe = native.tool()
     try:
         st = os.stat(path)
@@ -278,7 +277,8 @@ def _short(value):
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_path(name, path):
+def check_path(name, path):
+    """UsageError naming the argument `name` unless path is a file name."""
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"{name} must be a file name, not {type(path).__name__}")
 
@@ -299,7 +299,7 @@ def _tool_message(p):
     return msg
 
 
-def _rank_lists(ranks, L, H, d, path):
+def rank_lists(ranks, L, H, d, path):
     """Normalises the `ranks` argument of load_projections (see there) to
     two int arrays [L, Hkv]; UsageError naming the argument otherwise."""
     if isinstance(ranks, (bool, np.bool_)):
@@ -397,7 +397,7 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
     --------
     >>> proj = kqsvd.load_projections("proj.h5", "kqsvd", ranks="budget:0.25")
     """
-    _check_path("path", path)
+    check_path("path", path)
     if not isinstance(method, str) or method not in METHODS:
         raise UsageError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
     names = [f"{method}/{n}" for n in MATRICES + ("rank_k", "rank_v")]
@@ -409,38 +409,14 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
             if shape != (L, H, d, d):
                 raise KqsvdError(f"{path}: dataset '{method}/{n}' has shape {list(shape)}, "
                                  f"expected [{L}, {H}, {d}, {d}]")
-        if isinstance(ranks, str):
-            policy = ranks
-            got = policy_ranks(path, ranks)["methods"][method]
-            rk, rv = _rank_lists((got["rank_k"], got["rank_v"]), L, H, d, path)
-        elif ranks is None:
-            policy = str(h5io.attr(f, "rank_policy", "") or "stored")
-            try:
-                rk, rv = _rank_lists(_stored_ranks(f, path, method, L, H), L, H, d, path)
-            except UsageError as e:  # the file's own ranks: a bad file, not a bad argument
-                raise KqsvdError(f"{path}: group '{method}': stored {str(e).split(': ', 1)[1]}") \
-                    from None
-        else:
-            rk, rv = _rank_lists(ranks, L, H, d, path)
-            policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
-                      else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
-                      else "per-layer")
+        policy, rk, rv = _ranks_of(f, path, method, ranks, (L, H, d))
         up = _tuned_names(f, path, method, (L, H, d, d)) if ranks is None and tuned else {}
         groups = head_groups_of(f, path, d)
         rope = h5io.attr(f, "rope", "post")
         if rope not in ("post", "pre"):
             raise KqsvdError(f"{path}: attribute 'rope' is {rope!r}, expected 'pre' or 'post'")
-        mats = {}
-        for n in MATRICES:
-            ds, r = f[f"{method}/{up.get(n, n)}"], rk if n.startswith(("key", "query")) else rv
-            mats[n] = []
-            for l in range(L):
-                m = np.array(ds[l, :, :, :int(r[l].max())], dtype=np.float64)
-                for g in range(H):
-                    m[g, :, r[l, g]:] = 0.0
-                if not np.isfinite(m).all():
-                    raise KqsvdError(f"{path}: dataset '{ds.name[1:]}': NaN or Inf at layer {l}")
-                mats[n].append(m)
+        mats = {n: _matrices(f[f"{method}/{up.get(n, n)}"], path,
+                             rk if n.startswith(("key", "query")) else rv) for n in MATRICES}
         # Stored bits (quality-bits:F) belong to the stored ranks.
         bk, bv, scheme = (read_bits(f, path, method, L, H, d, (rk, rv)) if ranks is None
                           else (None,) * 3)
@@ -449,6 +425,41 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
                            tuned=bool(up), head_groups=groups, bits_k=bk, bits_v=bv,
                            quant=scheme, **s, **mats)
+
+
+def _ranks_of(f, path, method, ranks, shape):
+    """(policy, rank_k, rank_v [L, Hkv]) of load_projections' `ranks`."""
+    L, H, d = shape
+    if isinstance(ranks, str):
+        got = policy_ranks(path, ranks)["methods"][method]
+        return (ranks,) + tuple(rank_lists((got["rank_k"], got["rank_v"]), L, H, d, path))
+    if ranks is None:
+        policy = str(h5io.attr(f, "rank_policy", "") or "stored")
+        try:
+            rk, rv = rank_lists(_stored_ranks(f, path, method, L, H), L, H, d, path)
+        except UsageError as e:  # the file's own ranks: a bad file, not a bad argument
+            raise KqsvdError(f"{path}: group '{method}': stored {str(e).split(': ', 1)[1]}") \
+                from None
+        return policy, rk, rv
+    rk, rv = rank_lists(ranks, L, H, d, path)
+    policy = ("fixed:%d" % rk.flat[0] if len(set(rk.ravel()) | set(rv.ravel())) == 1
+              else "per-head" if (rk != rk[:, :1]).any() or (rv != rv[:, :1]).any()
+              else "per-layer")
+    return policy, rk, rv
+
+
+def _matrices(ds, path, r):
+    """A dataset's per-layer matrices [Hkv, d, max rank], each head's
+    columns past its rank r[l, h] zero; KqsvdError for NaN or Inf."""
+    out = []
+    for l in range(ds.shape[0]):
+        m = np.array(ds[l, :, :, :int(r[l].max())], dtype=np.float64)
+        for h in range(ds.shape[1]):
+            m[h, :, r[l, h]:] = 0.0
+        if not np.isfinite(m).all():
+            raise KqsvdError(f"{path}: dataset '{ds.name[1:]}': NaN or Inf at layer {l}")
+        out.append(m)
+    return out
 
 
 def _tuned_names(f, path, method, shape):
@@ -466,142 +477,6 @@ def _tuned_names(f, path, method, shape):
             raise KqsvdError(f"{path}: dataset '{method}/{t}' has shape "
                              f"{list(f[method][t].shape)}, expected {list(shape)}")
     return names
-
-
-def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, Any],
-               policy: str, tuned: dict[str, tuple[Projections, dict]] | None = None,
-               force: bool = False, bits: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-               scheme: QuantScheme | None = None) -> str | os.PathLike:
-    """Writes a copy of the projections file `src` to `dst` with new stored ranks.
-
-    The ranks are stored as per-head datasets with the per-layer ones
-    their maxima, and the root's rank_policy is `policy` (docs/formats.md
-    section 5.3).  Methods not in `ranks` keep theirs.  A method given new
-    ranks without bits loses the bits `src` has for it, which were chosen
-    for its stored ranks.  Written under a temporary name and renamed.
-
-    Parameters
-    ----------
-    src : str or os.PathLike
-        The projections file to copy.
-    dst : str or os.PathLike
-        The file to write: not src (by device and inode), a folder or a
-        device.
-    ranks : dict
-        {method: (rank_k [L, Hkv], rank_v [L, Hkv])}, each pair in any
-        non-string form load_projections takes.
-    policy : str
-        The rank_policy attribute to store.
-    tuned : dict or None
-        {method: (Projections, info)} from kqsvd.quality.tune.tune at these
-        ranks; their query_down and value_up columns replace the file's,
-        and the group records how they were trained (section 5.3, "Tuned
-        up-projections").
-    force : bool
-        Replace an existing dst.
-    bits : dict or None
-        {method: (bits_k, bits_v)}, each [L, Hkv] per unit or [L, Hkv, d]
-        per column (Projections.bits_k), stored with the quantization
-        scheme (formats.quant).
-    scheme : formats.quant.QuantScheme or None
-        The quantization scheme of `bits`.
-
-    Returns
-    -------
-    str or os.PathLike
-        dst, as given.
-
-    Raises
-    ------
-    UsageError
-        For src or dst not a file name, ranks that are not a dict, an
-        unknown method, ranks outside 1..head_dim, bits of the wrong shape
-        or values, a src whose method's up-projections were tuned at its
-        stored ranks, or a dst refused (src itself, a folder or a device,
-        existing without force, or in a folder that is missing or takes no
-        new file).
-    KqsvdError
-        For a bad src file.
-    """
-    import h5py
-    from .files import check_outputs, write_atomic
-    _check_path("src", src)
-    _check_path("dst", dst)
-    if not isinstance(ranks, dict):
-        raise UsageError(f"save_ranks: ranks must be a dict {{method: (rank_k, rank_v)}}, not "
-                         f"{type(ranks).__name__}")
-    check_outputs([("dst", dst)], [("src", src)], force)
-    with h5io.open_file(src, "projections") as f:
-        s = h5io.sizes(f, src)
-        L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
-        checked = {m: _rank_lists(r, L, H, d, src) for m, r in ranks.items()}
-        for m in list(checked) + list(tuned or {}) + list(bits or {}):
-            if m not in METHODS or m not in f:
-                raise UsageError(f"ranks for {dst}: method {m!r} is not a method of {src} "
-                                 f"({', '.join(x for x in METHODS if x in f)})")
-        extra = sorted(set(tuned or {}) - set(checked))
-        if extra:  # tuned columns are trained at ranks: they come with them
-            raise UsageError(f"tuned up-projections for {dst}: method {extra[0]!r} has no new "
-                             "ranks in `ranks`")
-        for m, pair in (bits or {}).items():
-            _check_bits(m, pair, checked.get(m), (L, H, d), dst)
-        # Tuned columns belong to the ranks they were trained at.
-        done = [m for m in checked if "query_down" + TUNED_SUFFIX in f[m]]
-    if done:
-        raise UsageError(f"{src}: the '{done[0]}' up-projections were tuned at its stored ranks; "
-                         "give new ranks to the calibrated file (kqsvd calibrate --out)")
-
-    def write(tmp):
-        shutil.copyfile(src, tmp)
-        with h5py.File(tmp, "r+") as f:
-            for m, (rk, rv) in checked.items():
-                for side, r in (("k", rk), ("v", rv)):
-                    for name, data in ((f"rank_{side}_heads", r), (f"rank_{side}", r.max(1))):
-                        if name in f[m]:
-                            del f[m][name]
-                        f[m].create_dataset(name, data=data.astype(np.int32))
-            for m, (p, info) in (tuned or {}).items():
-                _write_tuned(f[m], p, info, *checked[m])
-            for m, (bk, bv) in (bits or {}).items():
-                write_bits(f, m, bk, bv, scheme)
-            drop_bits(f, [m for m in checked if m not in (bits or {})])
-            f.attrs["rank_policy"] = policy
-    write_atomic(dst, write)
-    return dst
-
-
-def _check_bits(method, pair, ranks, shape, dst):
-    """UsageError naming dst for bits that are neither [L, Hkv] nor
-    [L, Hkv, d] per column with bits exactly on each unit's rank."""
-    from .quant import BITS, COL_BITS, UNQUANTIZED, off_rank
-    L, H, d = shape
-    per_unit = BITS + (UNQUANTIZED,)
-    for side, b in zip("kv", pair):
-        b = np.asarray(b)
-        if b.shape == (L, H) and np.isin(b, per_unit).all():
-            continue
-        ok = b.shape == (L, H, d) and ranks is not None and np.isin(b, COL_BITS).all()
-        if not ok or off_rank(b, ranks["kv".index(side)]) is not None:
-            raise UsageError(f"bits for {dst}: {method} bits_{side} must be [{L}, {H}] among "
-                             f"{', '.join(map(str, per_unit))}, or [{L}, {H}, {d}] among "
-                             f"{', '.join(map(str, COL_BITS))} with bits on the first rank "
-                             "columns of each unit and 0 past it")
-
-
-def _write_tuned(g, p, info, rk, rv):
-    """The tuned up-projections beside a method's closed forms, as
-    query_down_tuned and value_up_tuned (each head's columns up to its
-    rank; past it, the closed form's), with how they were trained."""
-    for name, r, mats in (("query_down", rk, p.query_down), ("value_up", rv, p.value_up)):
-        full = g[name][...]
-        for l, m in enumerate(mats):
-            for h in range(full.shape[1]):
-                full[l, h, :, :r[l, h]] = m[h, :, :r[l, h]]
-        g.create_dataset(name + TUNED_SUFFIX, data=full)
-    g.attrs["tuned_steps"] = np.int32(info["step"])
-    g.attrs["tuned_lr"] = float(info["lr"])
-    g.attrs["tuned_kl_fit"] = np.asarray(info["kl_fit"], dtype=np.float64)
-    g.attrs["tuned_kl_check"] = np.asarray(info["kl_check"], dtype=np.float64)
 
 
 def file_sizes(path, methods=METHODS):

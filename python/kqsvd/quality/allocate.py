@@ -374,7 +374,8 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
     argument, KqsvdError for a bad file or model."""
     import torch
     from .. import models
-    from ..formats.projections import check_sizes, file_sizes, save_ranks
+    from ..formats.projections import check_sizes, file_sizes
+    from ..formats.saving import save_ranks
     models.check_device(device)
     psizes = file_sizes(proj, methods)  # a bad file fails before the model loads
     loaded, tok, info = models.load(model, dtype=torch.float32, device=device)

@@ -134,11 +134,12 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
                force=False):
     """tune() for each method at its ranks ({method: (rank_k, rank_v)},
     e.g. from kqsvd.allocate.allocate), written with those ranks to `out`
-    as the policy quality-tuned:F (kqsvd.formats.projections.save_ranks).  Returns
+    as the policy quality-tuned:F (kqsvd.formats.saving.save_ranks).  Returns
     out.  Not collective.  out is checked as save_ranks checks it (force to
     replace a file) before any training."""
     from ..formats.files import check_outputs
-    from ..formats.projections import load_projections, save_ranks
+    from ..formats.projections import load_projections
+    from ..formats.saving import save_ranks
     check_outputs([("out", out)], [("proj_path", proj_path)], force)
     tuned = {}
     for m, r in ranks.items():
