@@ -14,8 +14,8 @@ export_safetensors need torch (and transformers' models)."""
 from .errors import KqsvdError, UsageError
 from .formats.projections import METHODS, Projections, load_projections, policy_ranks
 from .formats.saving import save_ranks
+from .version import __version__ as __version__
 
-__version__ = "0.5.0"
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
            "policy_ranks", "save_ranks", "compress", "compressed", "fold_o_proj", "cache_bytes",
            "probe_errors", "latent_cache", "export_safetensors", "read_dataset", "Calibrator"]

@@ -16,7 +16,7 @@ import unittest
 
 import torch
 
-from common import FAMILIES, orthonormal_projections, tiny_lm
+from common import FAMILIES, ROOT, orthonormal_projections, tiny_lm
 
 import kqsvd
 from kqsvd.calibration.capture import Capture
@@ -40,6 +40,14 @@ class Stack(unittest.TestCase):
         low, high = TRANSFORMERS
         self.assertTrue(_key(low) <= _key(transformers.__version__) < _key(high))
         self.assertGreaterEqual(_key(transformers.__version__), (4, 56))
+
+    def test_package_version_is_the_projects(self):
+        """kqsvd.__version__ (what an inputs_hash records) is CMakeLists.txt's
+        project VERSION, which the wheel takes."""
+        import re
+        with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+            want = re.search(r"project\(kqsvd VERSION ([0-9.]+)", f.read()).group(1)
+        self.assertEqual(kqsvd.__version__, want)
 
     def batch(self):
         g = torch.Generator().manual_seed(5)

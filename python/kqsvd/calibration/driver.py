@@ -245,7 +245,7 @@ def inputs_hash(args, model_path):
     that changes a number), stored as its `inputs_hash`: --skip-done skips
     an output whose hash matches.  The rank count is left out: 1 and N ranks
     agree to round-off."""
-    from .. import __version__
+    from ..version import __version__
     return hashlib.sha256(json.dumps(
         [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
          args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,
