@@ -59,6 +59,17 @@ def cache_kwarg(module):
     return "cache" if "cache" in params else "past_key_values"
 
 
+def no_init_weights():
+    """transformers' context that skips the random initialisation of a model
+    whose every weight is then overwritten (a GGUF file's): in
+    transformers.initialization from 5.0, in modeling_utils before."""
+    try:
+        from transformers.initialization import no_init_weights as skip
+    except ImportError:  # 4.56 .. 4.57
+        from transformers.modeling_utils import no_init_weights as skip
+    return skip()
+
+
 _MISSING = object()
 
 

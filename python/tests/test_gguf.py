@@ -110,7 +110,7 @@ def quantizable(arr, qtype, name=""):
     """Whether convert_hf_to_gguf would quantize `arr`: matrices (3-D expert stacks
     too) whose rows hold whole blocks; norms, biases and the MoE router stay F32."""
     return (arr.ndim >= 2 and qtype != QT.F32 and "ffn_gate_inp" not in name
-            and not name.endswith(".mlp.gate.weight")
+            and not name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight"))
             and arr.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0)
 
 

@@ -78,6 +78,20 @@ def to_gguf_tensors(model, family):
     if cfg.tie_word_embeddings:  # tied output is not written (Gemma's never is)
         sd.pop("lm_head.weight", None)
     out = []
+    # transformers 4's experts (block_sparse_moe.experts.E.w1, w3, w2: gate, up,
+    # down) stacked first into transformers 5's layout, which is converted below
+    stacks = {}
+    for hf in list(sd):
+        m = re.match(r"model\.layers\.(\d+)\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|"
+                     r"(gate))\.weight$", hf)
+        if m:
+            stacks.setdefault(int(m[1]), {})[(int(m[2]), m[3]) if m[2] else "gate"] = sd.pop(hf)
+    for l, parts in stacks.items():
+        n = max(e for e, _ in (k for k in parts if k != "gate")) + 1
+        sd[f"model.layers.{l}.mlp.gate.weight"] = parts["gate"]
+        sd[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([parts[e, "w1"], parts[e, "w3"]]) for e in range(n)])
+        sd[f"model.layers.{l}.mlp.experts.down_proj"] = np.stack([parts[e, "w2"] for e in range(n)])
     for hf, arr in sd.items():
         # transformers 5's experts: [E, 2F, D] gate and up side by side, [E, D, F] down
         m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj$", hf)
@@ -153,6 +167,9 @@ class TestFamilies(Base):
         for key in self.CONFIG_KEYS:
             if hasattr(want, key) and hasattr(got, key):
                 a, b = getattr(got, key), getattr(want, key)
+                if key == "head_dim":  # None (some releases' default): hidden / heads
+                    a = a or got.hidden_size // got.num_attention_heads
+                    b = b or want.hidden_size // want.num_attention_heads
                 if isinstance(b, float):  # GGUF stores float32
                     self.assertTrue(math.isclose(a, b, rel_tol=1e-6), f"{key}: {a} != {b}")
                 else:
@@ -202,7 +219,11 @@ class TestFamilies(Base):
         self.assertEqual((loaded.config.num_local_experts, loaded.config.num_experts_per_tok), (4, 2))
         # The routing really mixes experts: dropping one changes the output.
         with torch.no_grad():
-            loaded.model.layers[0].mlp.experts.down_proj[3].zero_()
+            moe = loaded.model.layers[0]
+            if hasattr(moe, "block_sparse_moe"):  # transformers 4: an expert's modules
+                moe.block_sparse_moe.experts[3].w2.weight.zero_()
+            else:
+                moe.mlp.experts.down_proj[3].zero_()
         self.assertGreater(max_rel_diff(logits(loaded, self.ids), logits(model, self.ids)), 1e-4)
         bf, _ = load_gguf(self.path("mixtral-F32.gguf"), dtype=torch.bfloat16)
         self.assertEqual(bf.lm_head.weight.dtype, torch.bfloat16)

@@ -158,10 +158,16 @@ def run_command(prog, body, every_rank=False):
         say("interrupted; nothing written")
         return 130
     except ModuleNotFoundError as e:  # a plain `pip install .` has no torch
-        if (e.name or "").split(".")[0] not in TORCH_EXTRA:
+        top = (e.name or "").split(".")[0]
+        if top not in TORCH_EXTRA:
             raise
-        say(f"error: this command needs {e.name.split('.')[0]}, which is not installed: "
-            "pip install 'kqsvd[torch]'")
+        if top == e.name:
+            say(f"error: this command needs {top}, which is not installed: "
+                "pip install 'kqsvd[torch]'")
+        else:  # installed, but not a release whose layout the package knows
+            from importlib.metadata import version
+            say(f"error: {top} {version(top)} has no module {e.name}; the package supports "
+                f"the releases pyproject.toml names (scripts/hf-env.sh prepares them)")
         return 1
     except OSError as e:  # the system's, not the input's: disk full, a lost mount
         say(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))

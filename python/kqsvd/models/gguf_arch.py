@@ -196,6 +196,11 @@ class _Llama:
         return dict(rms_norm_eps=hp["eps"], rope_scaling=hp["rope_scaling"], hidden_act="silu",
                     attention_bias=False, mlp_bias=False)
 
+    def layout(self, weights, params):
+        """weights renamed for the installed transformers' parameters (the
+        tables give transformers 5's names); params: the model's."""
+        return weights
+
     def finish(self, model, extras, m):
         factors = extras.get("rope_freqs.weight")
         if factors is not None:
@@ -242,6 +247,29 @@ class _Mixtral(_Llama):
                 "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj#0", (e, f, h)),
                 "ffn_up_exps.weight": ("mlp.experts.gate_up_proj#1", (e, f, h)),
                 "ffn_down_exps.weight": ("mlp.experts.down_proj", (e, h, f))}
+
+    def layout(self, weights, params):
+        """Before transformers 5 Mixtral held each expert as modules of its
+        own (block_sparse_moe.experts.E.w1, w3, w2: gate, up, down): the
+        stacked tensors are cut into them for such a release."""
+        if not any(".block_sparse_moe." in n for n in params):
+            return weights
+        out = {}
+        for name, arr in weights.items():
+            head, dot, tail = name.partition(".mlp.")
+            if not dot:
+                out[name] = arr
+            elif tail == "gate.weight":
+                out[f"{head}.block_sparse_moe.gate.weight"] = arr
+            elif tail == "experts.gate_up_proj":
+                f = arr.shape[1] // 2
+                for e in range(arr.shape[0]):
+                    out[f"{head}.block_sparse_moe.experts.{e}.w1.weight"] = arr[e, :f]
+                    out[f"{head}.block_sparse_moe.experts.{e}.w3.weight"] = arr[e, f:]
+            else:  # experts.down_proj
+                for e in range(arr.shape[0]):
+                    out[f"{head}.block_sparse_moe.experts.{e}.w2.weight"] = arr[e]
+        return out
 
     def config_kwargs(self, hp, extras, m):
         # llama.cpp's llama graph has no sliding window, so none here either.
@@ -496,7 +524,7 @@ def build_model(spec, m, hp, vocab, weights, extras, tokenizer, dtype):
     """The transformers model for ``spec`` holding ``weights`` (eager attention, eval mode)."""
     import torch
     import transformers
-    from transformers.initialization import no_init_weights
+    from ..compat import no_init_weights
 
     tied = "lm_head.weight" not in weights
     common = dict(
@@ -520,6 +548,7 @@ def build_model(spec, m, hp, vocab, weights, extras, tokenizer, dtype):
               for n, p in mod.named_parameters(recurse=False)}
     if tied:
         params.pop("lm_head.weight", None)
+    weights = spec.layout(weights, params)
     if set(params) != set(weights):  # a table above is out of step with transformers
         raise m.error(f"internal: {spec.model_class} parameters "
                       f"{sorted(set(params) ^ set(weights))[:4]} do not match the file's tensors")
