@@ -27,6 +27,16 @@ PY = [sys.executable, "-m", "kqsvd.frontier"]
 CTX, CONT, N = 80, 12, 2
 
 
+def side_bytes(L, H, T, n, bits, axis, res=0):
+    """One side's bytes by section 1 of docs/quantized-cache.md, group 16:
+    T tokens of n columns, the newest res (and, per channel, those of a
+    block not complete) held at 2 bytes."""
+    q = (T - res) // 16 * 16 if axis == "channel" else T - res
+    rows = n * (q // 16) if axis == "channel" else q
+    width = 16 if axis == "channel" else n
+    return L * H * (rows * ((width + 7) // 8 * bits + 4 * -(-width // 16)) + (T - q) * n * 2)
+
+
 def frontier(*args, expect=0):
     p = subprocess.run(PY + list(args), capture_output=True, text=True)
     if p.returncode != expect:
@@ -51,7 +61,8 @@ class Frontier(unittest.TestCase):
             "--proj", cls.bits + "=kqsvd/stored",
             "--ranks", "fixed:8@4,fixed:4@2/8", "--methods", "kqsvd,ksvd",
             "--plain", "4", "--quantized-cache", "quanto:4", "--presses", "snapkv",
-            "--press-kept", "0.5", "--group", "16", "--context", str(CTX),
+            "--press-kept", "0.5", "--press-quantized", "quanto:4,quanto:2",
+            "--press-bytes", "0.25,0.2", "--group", "16", "--context", str(CTX),
             "--continuation", str(CONT), "--num-seqs", str(N), "--dtype", "float64",
             "--json", cls.out, "--plot", os.path.join(cls.wd, "f.png"))
         with open(cls.out) as f:
@@ -102,12 +113,8 @@ class Frontier(unittest.TestCase):
         self.assertEqual(self.report["full"]["bytes_context"], full * CTX)
         self.assertEqual(self.report["full"]["bytes_end"], full * (CTX + CONT - 1))
 
-        def side(T, n, bits, axis):  # section 1 of docs/quantized-cache.md, group 16
-            q = T // 16 * 16 if axis == "channel" else T
-            rows = n * (q // 16) if axis == "channel" else q
-            width = 16 if axis == "channel" else n
-            return L * H * (rows * ((width + 7) // 8 * bits + 4 * -(-width // 16)) +
-                            (T - q) * n * 2)
+        def side(T, n, bits, axis):
+            return side_bytes(L, H, T, n, bits, axis)
         for label, r, bk, bv in (("int4", d, 4, 4), ("kqsvd fixed:8@4 [proj]", 8, 4, 4),
                                  ("kqsvd fixed:4@2/8 [proj]", 4, 2, 8),
                                  ("kqsvd stored [bits]", 6, 3, 8)):
@@ -118,6 +125,35 @@ class Frontier(unittest.TestCase):
         self.assertEqual(self.by["snapkv:0.5"]["bytes_context"], full * CTX // 2)
         q4 = self.by["quanto-int4"]["bytes_context"]
         self.assertEqual(q4, 2 * L * H * CTX * d * (4 / 8 + 4 / 16))
+        # snapkv over quanto int4 (0.375 of bf16's bytes with group 16) at a
+        # quarter and a fifth keeps 2/3 and 8/15 of the context, as kvpress
+        # rounds it (down); int2 (0.25) cannot hold a quarter with fewer tokens
+        for f, label in ((0.25, "snapkv:0.666667 over quanto-int4"),
+                         (0.2, "snapkv:0.533333 over quanto-int4"),
+                         (0.2, "snapkv:0.8 over quanto-int2")):
+            bits = 4 if "int4" in label else 2
+            kept = int(CTX * f / ((bits / 8 + 4 / 16) / 2) + 1e-9)
+            self.assertEqual(self.by[label]["bytes_context"],
+                             2 * L * H * kept * d * (bits / 8 + 4 / 16), label)
+            self.assertAlmostEqual(self.by[label]["kept"], f, delta=2 / CTX)
+        self.assertFalse([x for x in self.by if x.endswith("over quanto-int2") and ":1" in x])
+        self.assertIn("--press-bytes 0.25 over quanto-int2", self.p.stderr)
+
+    def test_kivi_window_on_a_stored_file(self):
+        """--residual replaces a file's stored residual: its newest tokens
+        held as they came, the rest quantized as before."""
+        out = os.path.join(self.wd, "kivi.json")
+        frontier("--model", self.cal.model, "--text", TEXT, "--proj", self.bits + "=kqsvd/stored",
+                 "--plain", "none", "--quantized-cache", "none", "--presses", "none",
+                 "--residual", "24", "--context", str(CTX), "--continuation", str(CONT),
+                 "--num-seqs", "1", "--json", out)
+        with open(out) as f:
+            got = json.load(f)["results"][0]["bytes_context"]
+        L, H = self.info.num_layers, self.info.num_kv_heads
+        self.assertEqual(got, side_bytes(L, H, CTX, 6, 3, "channel", 24) +
+                         side_bytes(L, H, CTX, 6, 8, "token", 24))
+        self.assertNotEqual(got, side_bytes(L, H, CTX, 6, 3, "channel") +
+                            side_bytes(L, H, CTX, 6, 8, "token"))
 
     def test_quality_is_ordered_as_the_bytes_say(self):
         r = self.by

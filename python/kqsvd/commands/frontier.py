@@ -5,6 +5,7 @@ already has, on the same windows, scored the same way.
         [--methods kqsvd,ksvd] [--group 32] [--key-axis channel] [--value-axis token]
         [--residual 0] [--rotate] [--plain 8,4,3,2] [--quantized-cache quanto:4,quanto:2]
         [--presses snapkv,expected,knorm] [--press-kept 0.5,0.25,0.125]
+        [--press-quantized quanto:4] [--press-bytes 0.25,0.125,0.0625]
         [--context 768] [--continuation 256] [--num-seqs 3] [--split validation] [--chunk 1]
         [--dtype float32] [--device cpu] --json OUT [--plot PNG] [--force]
 
@@ -17,7 +18,9 @@ with '@b' a b-bit latent (fixed:32@4, or fixed:32@4/8 for 4-bit keys and
 8-bit values); plain int-b caches of the
 model's keys and values (--plain); transformers' QuantizedCache
 (--quantized-cache backend:bits); kvpress presses keeping each fraction of
-the context (--presses, --press-kept).  Quantized latents and plain caches
+the context (--presses, --press-kept), and the same presses over a
+QuantizedCache holding each fraction of the bf16 bytes (--press-quantized,
+--press-bytes: kvpress's own composite).  Quantized latents and plain caches
 use one scheme (docs/quantized-cache.md): groups of --group values, keys
 per channel or per token (--key-axis), values likewise (--value-axis), the
 newest --residual tokens unquantized, the latent rotated by a Hadamard
@@ -27,6 +30,7 @@ tokens).  Every option is checked before the model loads: each policy as
 compared by device and inode: a link is its file).  Usage errors exit 2,
 bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -36,6 +40,7 @@ from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS
 from ..formats.policy import parse as parse_policy
 from ..formats.quant import AXES, BITS, QuantScheme
+from ..quality.peers import QuantizedCachePeer
 
 PROG = "python -m kqsvd.frontier"
 
@@ -79,8 +84,9 @@ def _options():
                     help=f"values per scale, 1..{GROUP_MAX} [32]")
     ap.add_argument("--key-axis", choices=AXES, default="channel", help="[channel]")
     ap.add_argument("--value-axis", choices=AXES, default="token", help="[token]")
-    ap.add_argument("--residual", type=count(0), default=0,
-                    help="newest tokens held unquantized, at most --context + --continuation [0]")
+    ap.add_argument("--residual", type=count(0),
+                    help="newest tokens held unquantized, at most --context + --continuation, "
+                    "in every quantized cache, a file's stored bits too [0; a file: its own]")
     ap.add_argument("--rotate", action="store_true",
                     help="rotate quantized latents by a Hadamard matrix (Palu)")
     ap.add_argument("--plain", default="8,4,3,2", help="bits of plain quantized caches [8,4,3,2]")
@@ -91,6 +97,12 @@ def _options():
                     help=f"kvpress presses ({', '.join(PRESSES)}) [snapkv,expected,knorm]")
     ap.add_argument("--press-kept", default="0.5,0.25,0.125",
                     help="fractions of the context the presses keep [0.5,0.25,0.125]")
+    ap.add_argument("--press-quantized", default="",
+                    help="QuantizedCache backend:bits that every press also runs over, as "
+                    "kvpress runs it (quanto:4,quanto:2) [none]")
+    ap.add_argument("--press-bytes", default="0.25,0.125,0.0625",
+                    help="fractions of the bf16 cache's bytes a press over a quantized cache "
+                    "holds: it keeps that over the cache's own fraction [0.25,0.125,0.0625]")
     ap.add_argument("--context", type=count(1), default=768, help="tokens prefilled [768]")
     ap.add_argument("--continuation", type=count(1), default=256, help="tokens scored [256]")
     ap.add_argument("--num-seqs", type=count(1), default=3, help="windows [3]")
@@ -114,6 +126,7 @@ def parse(argv):
     from ..quality.peers import BACKENDS, PRESSES
     a = _options().parse_args(argv)
     T = a.context + a.continuation
+    a.stored_residual, a.residual = a.residual, a.residual or 0
     if a.residual > T:  # a window holds no more tokens than that
         raise UsageError(f"--residual {a.residual}: at most --context + --continuation = {T}")
     a.scheme = QuantScheme(a.group, a.key_axis, a.value_axis, a.residual, a.rotate).check()
@@ -198,30 +211,15 @@ def _check_policies(opt, path, policies, methods):
 
 def _peer_configs(a, backends, presses):
     from ..quality.configs import PlainQuant
-    from ..quality.peers import PressPeer, QuantizedCachePeer
+    from ..quality.peers import PressPeer
     configs = []
     for b in _once("--plain", _list(a.plain), lambda b: int(b) if b.isdigit() else b):
         if not b.isdigit() or int(b) not in BITS:
             raise UsageError(f"--plain {a.plain}: '{b}' is not one of {BITS}")
         configs.append(PlainQuant(int(b), QuantScheme(a.group, a.key_axis, a.value_axis,
                                                       a.residual)))
-    for item in _once("--quantized-cache", _list(a.quantized_cache)):
-        backend, _, bits = item.partition(":")
-        if backend not in backends or bits not in ("2", "4"):
-            raise UsageError(f"--quantized-cache {item}: expected backend:bits, backend among "
-                             f"{', '.join(backends)}, bits 2 or 4")
-        configs.append(QuantizedCachePeer(backend, int(bits), a.group))
-    kept = []
-    for k in _list(a.press_kept):
-        try:
-            f = float(k)
-        except ValueError:
-            f = -1.0
-        if not 0 < f < 1:
-            raise UsageError(f"--press-kept {a.press_kept}: '{k}' is not a fraction in (0, 1)")
-        if f in kept:
-            raise _twice("--press-kept", k, _list(a.press_kept)[kept.index(f)])
-        kept.append(f)
+    configs += _quantized_caches("--quantized-cache", a.quantized_cache, backends, a.group)
+    kept = _fractions("--press-kept", a.press_kept)
     names = _once("--presses", _list(a.presses))
     if names and not kept:
         raise UsageError(f"--press-kept {a.press_kept}: give the fractions of the context "
@@ -230,7 +228,57 @@ def _peer_configs(a, backends, presses):
         if name not in presses:
             raise UsageError(f"--presses: unknown press '{name}' (expected {', '.join(presses)})")
         configs += [PressPeer(name, f, a.context) for f in kept]
-    return configs
+    return configs + _composites(a, names, backends)
+
+
+def _quantized_caches(opt, text, backends, group):
+    """The QuantizedCache peers a list of backend:bits names."""
+    out = []
+    for item in _once(opt, _list(text)):
+        backend, _, bits = item.partition(":")
+        if backend not in backends or bits not in ("2", "4"):
+            raise UsageError(f"{opt} {item}: expected backend:bits, backend among "
+                             f"{', '.join(backends)}, bits 2 or 4")
+        out.append(QuantizedCachePeer(backend, int(bits), group))
+    return out
+
+
+def _fractions(opt, text):
+    """The fractions in (0, 1) a list option gives, each once."""
+    got = []
+    for k in _list(text):
+        try:
+            f = float(k)
+        except ValueError:
+            f = -1.0
+        if not 0 < f < 1:  # NaN fails too
+            raise UsageError(f"{opt} {text}: '{k}' is not a fraction in (0, 1)")
+        if f in got:
+            raise _twice(opt, k, _list(text)[got.index(f)])
+        got.append(f)
+    return got
+
+
+def _composites(a, names, backends):
+    """Each press of --presses over each --press-quantized cache, at each
+    fraction of the bf16 bytes of --press-bytes.  A budget the cache alone
+    reaches keeping every token is no composite: said on stderr, skipped."""
+    from ..quality.peers import PressOverQuantized
+    caches = _quantized_caches("--press-quantized", a.press_quantized, backends, a.group)
+    budgets = _fractions("--press-bytes", a.press_bytes)
+    if caches and not (names and budgets):
+        raise UsageError(f"--press-quantized {a.press_quantized}: give the presses (--presses) "
+                         "and the fractions of the bytes they hold (--press-bytes)")
+    out = []
+    for q in caches:
+        for f in budgets:
+            if f >= q.fraction:
+                print(f"{PROG}: note: --press-bytes {f:g} over {q.label}: the cache holds "
+                      f"{q.fraction:.4g} of the bytes with every token; skipped",
+                      file=sys.stderr)
+                continue
+            out += [PressOverQuantized(name, q, f, a.context) for name in names]
+    return out
 
 
 def _latent_configs(a, L):
@@ -245,6 +293,9 @@ def _latent_configs(a, L):
             plain = text.partition("/")[2] if pol.method else text  # its label: no METHOD/
             for _, m, p in resolve_policies(path, [plain], [pol.method] if pol.method else
                                             a.methods, L, a.scheme):
+                if p.quant is not None and a.stored_residual is not None:  # KIVI's window
+                    p = dataclasses.replace(p, quant=dataclasses.replace(
+                        p.quant, residual=a.stored_residual))
                 out.append(Latent(plain, m, p, tag))
     return out
 

@@ -88,6 +88,11 @@ class QuantizedCachePeer(Config):
         super().__init__(f"{backend}-int{bits}", f"QuantizedCache ({backend})")
         self.backend, self.bits, self.group = backend, bits, group
 
+    @property
+    def fraction(self):
+        """Its bytes per value over bf16's (2), groups taken as whole."""
+        return (self.bits / 8 + 4 / self.group) / 2
+
     def check(self):
         need(BACKENDS[self.backend], f"the peer {self.label}")
 
@@ -169,3 +174,31 @@ class PressPeer(Config):
             for a, h in zip(attns, had):
                 if not h and hasattr(a, "rotary_emb"):
                     delattr(a, "rotary_emb")
+
+
+class PressOverQuantized(Config):
+    """A kvpress press over transformers' QuantizedCache, as kvpress ships
+    it: at prefill the press dequantizes each layer's context, keeps the
+    tokens it scores highest and quantizes them again (its forward hook
+    handles a QuantizedCache).  Tokens and bits both spent: `budget` is the
+    fraction of the bf16 cache's bytes it holds after the prefill, so the
+    press keeps budget / quant.fraction of the context."""
+    family = "kvpress over QuantizedCache"
+
+    def __init__(self, name, quant, budget, context):
+        self.quant, self.budget = quant, budget
+        self.press = PressPeer(name, budget / quant.fraction, context)
+        super().__init__(f"{self.press.label} over {quant.label}")
+
+    def check(self):
+        self.quant.check()
+        self.press.check()
+
+    def cache(self, model):
+        return self.quant.cache(model)
+
+    def prefill(self, model):
+        return self.press.prefill(model)
+
+    def nbytes(self, cache):
+        return self.quant.nbytes(cache)
