@@ -17,6 +17,7 @@ inside compressed.reading_codes()."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -116,39 +117,76 @@ def reads_codes(site, x):
     return x.shape[-2] == 1 and here and kernel.available(x)
 
 
+class Columns:
+    """Quantized columns of one cache layer, keys and values: a store per
+    slice of columns of its own bits (quant.store).  slices: [(cut, key
+    runs, value runs)] as LayerProjection.quant_slices() gives them (cut
+    None: every column); `dim` the axis the slices lie side by side on
+    (1: KV heads; -1: each head's own columns, ranks per head)."""
+
+    def __init__(self, slices, scheme, dim=1):
+        self.slices, self.scheme, self.dim = slices, scheme, dim
+        s = scheme
+        self.stores = [(store(bk, s.group, s.key_axis, s.residual),
+                        store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in slices]
+
+    def append(self, keys, values):
+        """Adds new tokens' columns [b, H, T, n] (every slice's)."""
+        for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
+            sk.append(keys if cut is None else cut(keys, 0), False)
+            sv.append(values if cut is None else cut(values, 1), False)
+
+    def read(self, dtype):
+        """Every token's columns, dequantized: (keys, values) [b, H, len, n]."""
+        ks = [sk.values(dtype) for sk, _ in self.stores]
+        vs = [sv.values(dtype) for _, sv in self.stores]
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, self.dim), torch.cat(vs, self.dim)
+
+    def __len__(self):
+        return len(self.stores[0][0])
+
+    def nbytes(self, float_bytes=None):
+        return sum(s.nbytes(float_bytes) for pair in self.stores for s in pair)
+
+
+def latent_columns(P, residual=None):
+    """The Columns of a latent under LayerProjection P (quantized);
+    residual replaces the scheme's."""
+    scheme = P.quant if residual is None else dataclasses.replace(P.quant, residual=residual)
+    return Columns(P.quant_slices(), scheme, -1 if P.ragged else 1)
+
+
 class QuantLayer(DynamicLayer):
-    """A cache layer holding quantized columns: `site` a compressed.Site
-    whose projections carry bits (the latent's columns, per slice of
-    columns of its own bits and ranks), or None with `scheme` and `bits`
-    (keys, values) for the model's own keys and values."""
+    """A cache layer holding quantized columns (Columns): `site` a
+    compressed.Site whose projections carry bits (the latent's columns,
+    per slice of columns of its own bits and ranks), or None with
+    `scheme` and `bits` (keys, values) for the model's own keys and
+    values."""
 
     def __init__(self, site=None, scheme=None, bits=None):
         super().__init__()
-        self.site, self.stores = site, None
-        if site is None:
-            self.slices = [(None, bits[0], bits[1])]
-            self.scheme = scheme
-        else:
-            self.slices, self.scheme = site.P.quant_slices(), site.P.quant
+        self.site, self.cols = site, None
+        self.scheme, self.bits = scheme, bits
 
     def lazy_initialization(self, key_states, value_states=None):
         self.dtype, self.device = key_states.dtype, key_states.device
-        s = self.scheme
-        self.stores = [(store(bk, s.group, s.key_axis, s.residual),
-                        store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in self.slices]
+        if self.site is None:
+            self.cols = Columns([(None, self.bits[0], self.bits[1])], self.scheme)
+        else:
+            self.cols = latent_columns(self.site.P)
         self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
-        if self.stores is None:
+        if self.cols is None:
             self.lazy_initialization(key_states, value_states)
         if self.site is not None:
             cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
         codes = reads_codes(self.site, key_states)
-        for (cut, _, _), (sk, sv) in zip(self.slices, self.stores):
-            sk.append(key_states if cut is None else cut(key_states, 0), False)
-            sv.append(value_states if cut is None else cut(value_states, 1), False)
+        self.cols.append(key_states, value_states)
         if codes:
             # Shapes without data (the attention function reads the stores):
             # a float copy of the cache is what reading codes avoids.
@@ -157,7 +195,7 @@ class QuantLayer(DynamicLayer):
             keys = none.expand(*key_states.shape[:2], n, key_states.shape[-1])
             values = none.expand(*value_states.shape[:2], n, value_states.shape[-1])
             return hand(keys, self, codes=True), hand(values, self, codes=True)
-        keys, values = self.read(key_states.dtype)
+        keys, values = self.cols.read(key_states.dtype)
         if self.site is not None:  # the latent's columns, dequantized
             return hand(keys, self), hand(values, self)
         return keys, values
@@ -166,18 +204,13 @@ class QuantLayer(DynamicLayer):
         """Every token's columns, dequantized: (keys, values) as the model's
         own or the latent's, [b, H, len, n] (ranks per head: each head's
         columns side by side)."""
-        ks = [sk.values(dtype) for sk, _ in self.stores]
-        vs = [sv.values(dtype) for _, sv in self.stores]
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        dim = 1 if self.site is None or not self.site.P.ragged else -1
-        return torch.cat(ks, dim), torch.cat(vs, dim)
+        return self.cols.read(dtype)
 
     def get_seq_length(self, *args):
-        return len(self.stores[0][0]) if self.stores else 0
+        return 0 if self.cols is None else len(self.cols)
 
     def nbytes(self, float_bytes=None):
-        return sum(s.nbytes(float_bytes) for pair in self.stores or [] for s in pair)
+        return 0 if self.cols is None else self.cols.nbytes(float_bytes)
 
     def _refuse(self, *args, **kwargs):
         raise KqsvdError("a quantized cache cannot be cropped, reordered or repeated")
@@ -186,13 +219,13 @@ class QuantLayer(DynamicLayer):
 
 
 class LatentCache(Cache):
-    """A cache of LatentLayers (QuantLayers for quantized projections), one
-    per attention module of a model inside kqsvd.compressed() (see
-    compressed.latent_cache)."""
+    """A cache of one layer per attention module of a model inside
+    kqsvd.compressed(): `layers` as compressed.latent_cache makes them
+    (LatentLayer, QuantLayer for quantized projections, tiers.TierLayer
+    for a tiered layout)."""
 
-    def __init__(self, sites):
-        super().__init__(layers=[QuantLayer(s) if s.P.quant is not None else LatentLayer(s)
-                                 for s in sites])
+    def __init__(self, layers):
+        super().__init__(layers=layers)
 
 
 class QuantCache(Cache):

@@ -42,7 +42,7 @@ from ..compat import cache_kwarg, check_transformers, restore_attention, switch_
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
 from ..models import COMPRESSIBLE
-from .cache import LatentCache, codes_block
+from .cache import LatentCache, LatentLayer, QuantLayer, codes_block
 from .function import NAME, attach, detach
 from .projection import LayerProjection
 
@@ -124,7 +124,7 @@ class _Install:
         fresh = past is None and use or (type(past) is DynamicCache and past.get_seq_length() == 0)
         if not fresh:
             return None
-        kwargs[key] = LatentCache(self.sites)
+        kwargs[key] = _new_cache(self.sites)
         return args, kwargs
 
 
@@ -420,4 +420,11 @@ def latent_cache(model: torch.nn.Module) -> LatentCache:
     inst = _INSTALLED.get(model)
     if inst is None:
         raise KqsvdError("no projections are installed in this model: call compress() first")
-    return LatentCache(inst.sites)
+    return _new_cache(inst.sites)
+
+
+def _new_cache(sites):
+    """A LatentCache of one layer per site: quantized where its projections
+    carry bits."""
+    return LatentCache([QuantLayer(s) if s.P.quant is not None else LatentLayer(s)
+                        for s in sites])

@@ -133,10 +133,10 @@ def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):
         qs = [(q[:, j * g:(j + 1) * g] @ P.Bq[j]).transpose(1, 2) for j in range(P.hkv)]
     else:
         qv = (q @ P.Bq).reshape(b, Hq // g, g, -1)
-        whole = layer.slices[0][0] is None
-        qs = [qv] if whole else [qv[:, j:j + 1] for j in range(len(layer.slices))]
+        whole = layer.cols.slices[0][0] is None
+        qs = [qv] if whole else [qv[:, j:j + 1] for j in range(len(layer.cols.slices))]
     outs = []
-    for qq, (sk, sv) in zip(qs, layer.stores):
+    for qq, (sk, sv) in zip(qs, layer.cols.stores):
         qq = qq.float() * scaling  # the module's scaling on the r-wide queries, not on N scores
         s = sk.scores(qq, torch.zeros(*qq.shape[:3], N, dtype=torch.float32, device=q.device))
         if mask is not None:

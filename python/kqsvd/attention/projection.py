@@ -286,19 +286,26 @@ class LayerProjection:
             yield (q[:, j * g:(j + 1) * g], kc[..., self.ko[j]:self.ko[j + 1]],
                    vc[..., self.vo[j]:self.vo[j + 1]], self.BkT[j], self.Bq[j], self.BvT[j])
 
-    def attend(self, attend, q, kc, vc, rotary):
-        """Attention through the projections.  attend(q, k, v) -> (out,
-        extra) computes one group's attention (queries [b, G, T, w], keys
-        and values [b, G/g, N, .]); rotary(x) rotates d-wide keys at their
-        positions (pre-RoPE projections).  Returns (heads [b, Hq, T, d],
-        folded [b, T, Hq r_v] or None, extras per group)."""
-        heads, folded, extras = [], [], []
+    def spaces(self, q, kc, vc, rotary):
+        """Attention's inputs per group of heads that share one set of
+        ranks (groups): (queries [b, G, T, w], keys [b, G/g, N, w] in the
+        space the scores are taken in, values [b, G/g, N, rv], B_v^T
+        [G, rv, d]); rotary(x) rotates d-wide keys at their positions.
+        Before RoPE each key is brought back, RoPE((k A) B^T), against the
+        full queries; after RoPE the queries come down, (q B)."""
         for qg, kg, vg, bkT, bq, bvT in self.groups(q, kc, vc):
             if self.pre:
-                kk, qq = rotary(self.from_view(kg @ bkT)), qg
-                vg = vg.repeat_interleave(self.G, 1)  # as many heads as the keys brought back
+                # as many value heads as the keys brought back
+                yield qg, rotary(self.from_view(kg @ bkT)), vg.repeat_interleave(self.G, 1), bvT
             else:
-                kk, qq = kg, qg @ bq
+                yield qg @ bq, kg, vg, bvT
+
+    def attend(self, attend, q, kc, vc, rotary):
+        """Attention through the projections.  attend(q, k, v) -> (out,
+        extra) computes one group's attention (spaces()).  Returns (heads
+        [b, Hq, T, d], folded [b, T, Hq r_v] or None, extras per group)."""
+        heads, folded, extras = [], [], []
+        for qq, kk, vg, bvT in self.spaces(q, kc, vc, rotary):
             out, extra = attend(qq, kk, vg)                  # [b, G, T, rv]
             extras.append(extra)
             if self.o_folded is not None:
