@@ -204,6 +204,14 @@ def reference_llama_nll(sd, cfg, ids, attention):
     attention(l, q, k, v, rot, mask) -> [T, Hq d] from the layer's q, k, v
     projections before RoPE ([T, H d]), rot(u) rotating a [T, d] block at
     its positions and the causal mask.  Returns the summed next-token NLL."""
+    import torch
+    logp = reference_llama_logp(sd, cfg, ids, attention)[:-1]
+    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+
+
+def reference_llama_logp(sd, cfg, ids, attention):
+    """reference_llama_nll's Llama: the log-probabilities of the next token
+    at every position, float64 [T, V]."""
     import math
     import torch
     x = sd["model.embed_tokens.weight"][ids].double()
@@ -230,5 +238,4 @@ def reference_llama_nll(sd, cfg, ids, attention):
         x = x + ((gate * torch.sigmoid(gate)) * (h @ W("mlp.up_proj.weight").T)) @ \
             W("mlp.down_proj.weight").T
     logits = norm(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].double().T
-    logp = torch.log_softmax(logits[:-1], -1)
-    return -float(logp.gather(1, torch.as_tensor(ids[1:])[:, None]).sum())
+    return torch.log_softmax(logits, -1)

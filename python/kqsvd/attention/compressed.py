@@ -45,17 +45,19 @@ from ..models import COMPRESSIBLE
 from .cache import LatentCache, LatentLayer, QuantLayer, codes_block
 from .function import NAME, attach, detach
 from .projection import LayerProjection
+from .tiers import TierLayer
 
 
 class Site:
     """One attention module's installation: its projections P, the model's
     rotary embedding (keys before RoPE), probe mode's records, the
-    original o_proj while a folded one stands in, and whether it is
+    original o_proj while a folded one stands in, a tiered layout's
+    (layout, [LayerProjection or None per tier]) or None, and whether it is
     installed now (`live`: a cache of a removed installation must not be
     used)."""
 
-    def __init__(self, attn, P, rotary, probe, folded):
-        self.attn, self.P, self.rotary = attn, P, rotary
+    def __init__(self, attn, P, rotary, probe, folded, tiers=None):
+        self.attn, self.P, self.rotary, self.tiers = attn, P, rotary, tiers
         self.probe = [] if probe else None
         self.folded, self.o_original = folded, None
         self.live = False
@@ -187,11 +189,17 @@ def _build(model, proj, fold, probe, call="compress"):
         raise KqsvdError(f"{proj.path}: projections of keys before RoPE need the model's rotary "
                          "embedding, which this model does not have")
     fold = fold and not probe  # probe mode measures the unfolded heads
+    if proj.tiers is not None and (fold or probe):
+        raise UsageError(f"{call}: a tiered cache ({proj.policy}) takes neither fold nor probe: "
+                         "its tiers bring their values up by B_v each")
     sites = []
     for l, attn in enumerate(attns):
         o = attn.o_proj
         w = o.weight  # each layer's own device: a model may be spread over GPUs
         P = LayerProjection(proj, l, hq, w.dtype, w.device, w.detach(), fold)
+        tiers = None if proj.tiers is None else (proj.tiers[0], [
+            None if p is None else LayerProjection(p, l, hq, w.dtype, w.device)
+            for p in proj.tiers[1]])
         folded = None
         if fold:
             folded = torch.nn.Linear(P.o_folded.shape[1], P.o_folded.shape[0],
@@ -202,7 +210,7 @@ def _build(model, proj, fold, probe, call="compress"):
                     folded.bias.copy_(o.bias)
             folded.train(o.training)
             P.o_folded = folded.weight  # one copy of the folded matrix, not two
-        sites.append(Site(attn, P, rotary, probe, folded))
+        sites.append(Site(attn, P, rotary, probe, folded, tiers))
     return _Install(model, sites)
 
 
@@ -424,7 +432,8 @@ def latent_cache(model: torch.nn.Module) -> LatentCache:
 
 
 def _new_cache(sites):
-    """A LatentCache of one layer per site: quantized where its projections
-    carry bits."""
-    return LatentCache([QuantLayer(s) if s.P.quant is not None else LatentLayer(s)
+    """A LatentCache of one layer per site: tiered where the site has tiers,
+    quantized where its projections carry bits."""
+    return LatentCache([TierLayer(s) if s.tiers is not None else
+                        QuantLayer(s) if s.P.quant is not None else LatentLayer(s)
                         for s in sites])

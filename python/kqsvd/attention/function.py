@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import KqsvdError
 from .handoff import received
 from .projection import key_positions, rope
+from .tiers import TierLayer
 
 NAME = "kqsvd"
 
@@ -53,13 +54,18 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # every registered attention function and passes it by position.
     layer, codes, key, value = received(key, value)
     site = _SITES.get(module)
+    if isinstance(layer, TierLayer):
+        return _tiered(module, site, layer, query, key, value, attention_mask, dropout, scaling,
+                       kwargs)
     if layer is not None and layer.site is None:  # a plain quantized cache's layer
         if site is None:  # the model's own keys and values, read as codes
             return _codes_attention(None, layer, query, attention_mask, scaling,
                                     dropout if module.training else 0.0, key.shape[1])
         key, value = layer.read(query.dtype)  # a compressed model given a plain cache
         layer, codes = None, False  # full keys and values from here
-    if site is None:  # a module of a model not (or no longer) compressed
+    if site is None or site.tiers is not None and layer is None:
+        # a module of a model not (or no longer) compressed; or a tiered
+        # one without its cache, which attends as at a prefill: exactly
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
@@ -116,6 +122,30 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if folded is not None:
         return folded.unsqueeze(2), None
     return heads.transpose(1, 2).contiguous(), None
+
+
+def _tiered(module, site, layer, query, key, value, mask, dropout, scaling, kwargs):
+    """A step over a tiered cache layer (tiers.py): the prefill attends
+    exactly, as the model does, and then settles its tokens into the
+    tiers; later steps attend over all the layer holds."""
+    if layer.site is not site:
+        raise KqsvdError("this cache was filled under other projections: start a new one "
+                         "(kqsvd.latent_cache) after each compress()")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if layer.prefill is None:
+        return layer.attend(query, scaling, dropout if module.training else 0.0)
+    if mask is not None and mask.dim() == 4:
+        n = mask.shape[-1]
+        seen = mask if mask.dtype == torch.bool else mask == 0
+        want = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()[-mask.shape[-2]:]
+        if not torch.equal(seen, want.expand_as(seen)):
+            raise KqsvdError("a tiered cache takes batches without padding (the tiers choose "
+                             "each sequence's tokens by position)")
+    out = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
+                                 dropout=dropout, **kwargs)
+    layer.settle(query, scaling)
+    return out
 
 
 def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):

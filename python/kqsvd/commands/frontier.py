@@ -195,11 +195,15 @@ def _check_policies(opt, path, policies, methods):
         except UsageError as e:
             raise UsageError(f"{opt}: {e}") from None
         base, bits = got.base, got.bits
-        if base.startswith("quality-"):
+        if got.tiers is not None:
+            _check_tiers(opt, path, got.tiers)
+            base = got.tiers.text()
+        elif base.startswith("quality-"):
             raise UsageError(f"{opt} {pol}: fit it with python -m kqsvd.quality, then give its "
                              "file as --proj FILE=stored")
         try:
-            name = policy_ranks(path, None if base == "stored" else base)["policy"]
+            name = base if got.tiers is not None else policy_ranks(
+                path, None if base == "stored" else base)["policy"]
         except UsageError as e:
             raise UsageError(f"{opt}: {e}") from None
         for m in [got.method] if got.method else methods:
@@ -207,6 +211,18 @@ def _check_policies(opt, path, policies, methods):
             if key in seen:
                 raise _twice(opt, pol, seen[key])
             seen[key] = pol
+
+
+def _check_tiers(opt, path, layout):
+    """Refuses a tier's columns beyond the file's units (UsageError naming
+    opt and the policy)."""
+    from ..formats.projections import file_sizes
+    sizes = file_sizes(path, ())
+    width = sizes["head_dim"] * sizes["head_groups"]
+    for t in layout.tiers:
+        if t.ranks is not None and t.ranks > width:
+            raise UsageError(f"{opt} {layout.text()}: the tier {t.code} takes {t.ranks} columns "
+                             f"of units {width} wide")
 
 
 def _peer_configs(a, backends, presses):

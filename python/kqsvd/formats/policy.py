@@ -6,6 +6,8 @@
     quality-budget:F             ranks fitted to the model (kqsvd.quality)
     quality-tuned:F              the same ranks, up-projections trained
     quality-bits:F               ranks and bits of a quantized latent, fitted
+    tiers:LAYOUT                 a tiered cache: tokens held in full, coded or
+                                 dropped by importance (formats/tiers.py)
 
 and after any but the fitted ones, @B or @BK/BV: the latent's columns held
 at B bits (keys and values alike), or BK for keys and BV for values, each
@@ -18,6 +20,7 @@ written."""
 import dataclasses
 
 from ..errors import UsageError
+from . import tiers
 
 QUALITY_BUDGET = "quality-budget:"
 QUALITY_TUNED = "quality-tuned:"
@@ -31,13 +34,15 @@ METHODS = ("kqsvd", "ksvd", "eigen")
 class Policy:
     """A policy as written: `base` without its bits, `bits` (keys, values)
     or None, `fitted` the prefix of a policy fitted to the model (FITTED)
-    or None, `fraction` its F, `method` the METHOD/ given or None."""
+    or None, `fraction` its F, `method` the METHOD/ given or None, `tiers`
+    a tiered cache's TierLayout or None."""
     text: str
     base: str
     bits: tuple = None
     fitted: str = None
     fraction: float = None
     method: str = None
+    tiers: object = None
 
 
 def split_bits(text):
@@ -82,6 +87,8 @@ def parse(text, methods=False):
         m, slash, rest = text.partition("/")
         if slash and m in METHODS:
             method, text = m, rest
+    if text.startswith(tiers.PREFIX):
+        return Policy(text, text, method=method, tiers=tiers.parse(text))
     base, bits = split_bits(text)
     frac = fitted_fraction(base)
     fitted = next((p for p in FITTED if base.startswith(p)), None) if frac is not None else None

@@ -83,6 +83,11 @@ class Projections:
         column past its unit's rank); None without bits.
     quant : formats.quant.QuantScheme or None
         The quantization scheme of bits_k and bits_v; None without bits.
+    tiers : tuple or None
+        A tiered cache's (formats.tiers.TierLayout, [Projections or None
+        per tier, None for a dropped one]); None for one latent per token.
+        The matrices above are then the file's stored ones, which give the
+        sizes.
     """
     path: str | os.PathLike
     method: str
@@ -107,6 +112,7 @@ class Projections:
     bits_k: np.ndarray | None = None
     bits_v: np.ndarray | None = None
     quant: QuantScheme | None = None
+    tiers: tuple | None = None
 
     def sizes(self) -> dict[str, int]:
         """The model's sizes, whatever the head groups.

@@ -60,7 +60,9 @@ class Latent(Config):
 
     def __init__(self, policy, method, proj, tag=""):
         bits = ""
-        if proj.quant is not None:
+        if proj.tiers is not None:
+            bits = " tiers"
+        elif proj.quant is not None:
             used = set(proj.bits_k.ravel()) | set(proj.bits_v.ravel())
             if proj.bits_k.ndim == 3:  # per column: 0 marks columns past the rank
                 used.discard(0)

@@ -18,12 +18,17 @@ def resolve_policies(proj, policies, methods, L, scheme=None):
     defaults when None); UsageError on a bad policy, and on one fitted to
     the model (quality-budget:F, ...), which the quality command fits."""
     from ..formats.quant import QuantScheme
+    from ..formats.tiers import load as load_tiers
     pairs = []
     for text in policies:
         pol = policies_.parse(text)
         if pol.fitted:
             raise UsageError(f"rank policy {text} needs the model: fit it with python -m "
                              "kqsvd.quality")
+        if pol.tiers is not None:
+            pairs += [(text, m, load_tiers(proj, m, pol.tiers, scheme or QuantScheme()))
+                      for m in methods]
+            continue
         stored = pol.base == policies_.STORED
         got = policy_ranks(proj, None if stored else pol.base)
         for m in methods:

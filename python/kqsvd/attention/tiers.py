@@ -1,0 +1,242 @@
+"""The tiered cache: each token of a layer held in one place, by its
+importance (formats/tiers.py writes the layout; docs/formats.md 5.6).
+
+- the sinks (the first tokens) and the window (the newest) as the model
+  gave them: keys after RoPE and values, in full;
+- every other token of the prefill in one tier, the ones the prefill's
+  last queries attend to most in the first: a tier holds its tokens'
+  latent columns under projections of its own (its ranks and bits), or
+  drops them;
+- the positions of a tier's tokens when its keys are taken before RoPE:
+  each is rotated back at its own position, gaps and all.
+
+The prefill attends exactly, as the model does; its last queries then
+score every token (formats.tiers.OBSERVED of them, SnapKV's observation
+window: the attention they pay each token, summed over the layer's heads
+and pooled over 5 neighbours) and the layer settles its tokens into the
+tiers.  Later tokens enter the window; those that leave it enter the
+first tier.  A decode step takes every score (tiers in their latent
+space, window and sinks exactly), one softmax over all of them, and the
+values' sum per tier, brought up by that tier's B_v.
+
+get_seq_length() is the tokens seen, not those held, so that positions
+count on from it (generate() takes them from there)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
+
+from ..errors import KqsvdError
+from ..formats.tiers import OBSERVED
+from .cache import latent_columns
+from .handoff import hand
+from .projection import rope
+
+
+def gqa_scores(q, k):
+    """q [b, Hq, T, w] against k [b, Hk, N, w], Hq a multiple of Hk:
+    [b, Hq, T, N]."""
+    b, hq, T, w = q.shape
+    hk = k.shape[1]
+    return (q.view(b, hk, hq // hk, T, w) @ k[:, :, None].transpose(-1, -2)).view(b, hq, T, -1)
+
+
+def gqa_weigh(p, v):
+    """Weights p [b, Hq, T, N] times values v [b, Hk, N, r]: [b, Hq, T, r]."""
+    b, hq, T, N = p.shape
+    hk = v.shape[1]
+    return (p.view(b, hk, hq // hk, T, N) @ v[:, :, None]).view(b, hq, T, -1)
+
+
+class Tier:
+    """One tier of one layer: its tokens' latent columns under P (a
+    LayerProjection; quantized when P carries bits) and, before RoPE,
+    their positions (int32 [b, n])."""
+
+    def __init__(self, P):
+        self.P = P
+        self.cols = latent_columns(P, residual=0) if P.quant is not None else None
+        self.kc = self.vc = self.pos = None
+        self.n = 0
+
+    def add(self, keys, values, pos, rotary):
+        """Takes tokens keys (after RoPE) and values [b, Hkv, t, d] at
+        positions pos [b, t]."""
+        cos, sin = rotary(values, pos) if self.P.pre else (None, None)
+        kc, vc = self.P.project(keys, values, cos, sin)
+        if self.cols is not None:
+            self.cols.append(kc, vc)
+        else:
+            self.kc = kc if self.kc is None else torch.cat([self.kc, kc], -2)
+            self.vc = vc if self.vc is None else torch.cat([self.vc, vc], -2)
+        if self.P.pre:
+            p = pos.to(torch.int32)
+            self.pos = p if self.pos is None else torch.cat([self.pos, p], -1)
+        self.n += keys.shape[-2]
+
+    def spaces(self, q, dtype, rotary):
+        """P.spaces() over this tier's tokens (dequantized)."""
+        kc, vc = self.cols.read(dtype) if self.cols is not None else (self.kc, self.vc)
+        pos = self.pos
+        return self.P.spaces(q, kc, vc, lambda x: rope(x, *rotary(x, pos.long())))
+
+    def nbytes(self, float_bytes=None):
+        held = self.cols.nbytes(float_bytes) if self.cols is not None else sum(
+            t.numel() * (float_bytes or t.element_size()) for t in (self.kc, self.vc)
+            if t is not None)
+        return held + (0 if self.pos is None else self.pos.numel() * 4)
+
+
+class TierLayer(DynamicLayer):
+    """A cache layer of one attention module whose site (compressed.Site)
+    carries a tier layout (site.tiers: (layout, [LayerProjection or None
+    per tier]))."""
+
+    def __init__(self, site):
+        super().__init__()
+        self.site = site
+        self.layout, Ps = site.tiers
+        self.tiers = [None if P is None else Tier(P) for P in Ps]
+        self.full = None       # keys, values [b, Hkv, n, d]: the sinks, then the window
+        self.held_sinks = 0    # of full's first tokens, the sinks
+        self.full_pos = None   # int64 [b, n]: their positions
+        self.seen = 0
+        self.prefill = None    # the prefill's keys, values, positions until settled
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def get_seq_length(self, *args):
+        return self.seen
+
+    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+        if not self.site.live:
+            raise KqsvdError("this tiered cache belongs to a compressed model that no longer is: "
+                             "start a new cache")
+        T = key_states.shape[-2]
+        pos = positions(cache_kwargs, kwargs, self.seen, key_states)
+        first = self.seen == 0
+        self.seen += T
+        if first:  # attended exactly, then settled (settle)
+            self.prefill = (key_states, value_states, pos)
+            return hand(key_states, self), hand(value_states, self)
+        self._enter(key_states, value_states, pos)
+        none = key_states.new_zeros(())
+        n = self.full[0].shape[-2]
+        shape = (*key_states.shape[:2], n, key_states.shape[-1])
+        return hand(none.expand(shape), self, codes=True), hand(none.expand(shape), self,
+                                                                 codes=True)
+
+    def _enter(self, keys, values, pos):
+        """New tokens into the window; the oldest of it, beyond the window's
+        length (or the new tokens' count), into the first tier."""
+        W, T = self.layout.window, keys.shape[-2]
+        fk, fv = self.full
+        out = fk.shape[-2] - self.held_sinks + T - max(W, T)
+        if out > 0:
+            a, b = self.held_sinks, self.held_sinks + out
+            if self.tiers[0] is not None:
+                self.tiers[0].add(fk[..., a:b, :], fv[..., a:b, :], self.full_pos[:, a:b],
+                                  self.site.rotary)
+            keep = lambda x, d: torch.cat([x.narrow(d, 0, a), x.narrow(d, b, x.shape[d] - b)], d)  # noqa: E731
+            fk, fv, self.full_pos = keep(fk, -2), keep(fv, -2), keep(self.full_pos, -1)
+        self.full = (torch.cat([fk, keys], -2), torch.cat([fv, values], -2))
+        self.full_pos = torch.cat([self.full_pos, pos.expand(fk.shape[0], -1)], -1)
+
+    def settle(self, query, scaling):
+        """Places the prefill's tokens, scored by the attention of its last
+        queries [b, Hq, T, d] (after RoPE)."""
+        keys, values, pos = self.prefill
+        self.prefill = None
+        b, _, N, _ = keys.shape
+        pos = pos.expand(b, -1)
+        S = min(self.layout.sinks, N)
+        W = min(self.layout.window, N - S)
+        middle = N - S - W
+        if middle:
+            share = importance(query, keys, scaling)[:, S:S + middle]
+            order = share.argsort(dim=-1, descending=True, stable=True)
+            at = 0
+            for tier, n in zip(self.tiers, self.layout.counts(middle)):
+                idx = order[:, at:at + n].sort(-1).values + S  # in their order in the text
+                at += n
+                if tier is not None and n:
+                    g = idx[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+                    tier.add(keys.gather(2, g), values.gather(2, g), pos.gather(1, idx),
+                             self.site.rotary)
+        keep = torch.cat([torch.arange(S), torch.arange(N - W, N)]).to(keys.device)
+        self.full = (keys[..., keep, :], values[..., keep, :])
+        self.full_pos, self.held_sinks = pos[:, keep], S
+
+    def attend(self, query, scaling, drop):
+        """A step of T new tokens' queries [b, Hq, T, d] over everything
+        held: one softmax (in float32 at least) over the tiers' scores and
+        the sinks' and window's, the last T of the window causal."""
+        acc = torch.promote_types(query.dtype, torch.float32)
+        parts, scores = [], []
+        for tier in self.tiers:
+            if tier is not None and tier.n:
+                sp = list(tier.spaces(query, query.dtype, self.site.rotary))
+                parts.append(sp)
+                scores.append(torch.cat([gqa_scores(qq, kk) for qq, kk, _, _ in sp], 1))
+        fk, fv = self.full
+        scores.append(gqa_scores(query, fk))
+        T, n = query.shape[2], fk.shape[-2]
+        s = torch.cat(scores, -1).to(acc) * scaling
+        causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
+        s[..., s.shape[-1] - T:] = s[..., s.shape[-1] - T:].masked_fill(~causal, float("-inf"))
+        p = torch.softmax(s, -1).to(query.dtype)
+        if drop:
+            p = F.dropout(p, drop)
+        out = gqa_weigh(p[..., p.shape[-1] - n:], fv)
+        at = 0
+        for sp, sc in zip(parts, scores):
+            pt, h = p[..., at:at + sc.shape[-1]], 0
+            at += sc.shape[-1]
+            for qq, _, vv, bvT in sp:
+                g = qq.shape[1]
+                out[:, h:h + g] += gqa_weigh(pt[:, h:h + g], vv) @ bvT
+                h += g
+        return out.transpose(1, 2).contiguous(), None
+
+    def nbytes(self, float_bytes=None):
+        held = sum(t.nbytes(float_bytes) for t in self.tiers if t is not None)
+        for x in (self.full or ()) + ((self.prefill[:2]) if self.prefill else ()):
+            held += x.numel() * (float_bytes or x.element_size())
+        return held
+
+    def _refuse(self, *args, **kwargs):
+        raise KqsvdError("a tiered cache cannot be cropped, reordered or repeated")
+
+    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _refuse
+
+
+def positions(cache_kwargs, kwargs, seen, x):
+    """The new tokens' positions [1 or b, T]: transformers 5.24 hands the
+    attention's keyword arguments (position_ids), older ones cache_kwargs
+    (cache_position); else they follow the tokens seen."""
+    for kw, name in ((kwargs, "position_ids"), (cache_kwargs, "cache_position")):
+        p = (kw or {}).get(name)
+        if p is not None:
+            return p.view(-1, p.shape[-1]).long()
+    return torch.arange(seen, seen + x.shape[-2], device=x.device)[None]
+
+
+def importance(query, keys, scaling):
+    """Each token's share of the attention of the last OBSERVED queries
+    [b, Hq, T, d] (causal among them), summed over queries and heads and
+    averaged over 5 neighbours: [b, N]."""
+    q = query[:, :, -OBSERVED:].float()
+    w, N = q.shape[2], keys.shape[2]
+    s = gqa_scores(q, keys.float()) * scaling
+    late = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
+    s[..., N - w:] = s[..., N - w:].masked_fill(~late, float("-inf"))
+    share = torch.softmax(s, -1).sum((1, 2))
+    return F.avg_pool1d(share[:, None], 5, 1, 2, count_include_pad=False)[:, 0]
+

@@ -1,0 +1,147 @@
+"""Token tiers: how a tiered cache spends its bytes on tokens, columns and
+bits (docs/formats.md, section 5.6).  One layout, as policies write it:
+
+    tiers:w128+s4+0.4xstored+0.3x48@2+0.3xdrop
+
+- `wN`: the newest N tokens held in full (the model's own keys and
+  values; KIVI's window);
+- `sN`: the first N tokens held in full too (attention sinks) [0];
+- `FxCODE`: a tier holding the fraction F of the other tokens of the
+  prefill, chosen by importance, the first tier the most important:
+  CODE `stored` (the file's own ranks and bits), `R@B` or `R@BK/BV` (the
+  first R latent columns of each unit, B bits, or BK for keys and BV for
+  values), `R` (R columns unquantized), or `drop` (not held);
+- `snap` (the default): importance is the attention that the prefill's
+  last 64 queries pay each token (SnapKV's observation window).
+
+The fractions sum to 1.  Tokens that leave the window after the prefill
+enter the first tier.  This module knows only how a layout is written;
+attention/tiers.py holds the cache."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..errors import UsageError
+
+PREFIX = "tiers:"
+DROP, STORED = "drop", "stored"
+SCORERS = ("snap",)
+OBSERVED = 64  # queries whose attention scores the prefill's tokens (snap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """One tier: `fraction` of the prefill's tokens outside the window and
+    the sinks; `code` as written; `ranks` (R) and `bits` (keys, values)
+    for an R@B code, `ranks` alone for R unquantized, neither for stored
+    and drop."""
+    fraction: float
+    code: str
+    ranks: int | None = None
+    bits: tuple | None = None
+
+    @property
+    def dropped(self) -> bool:
+        return self.code == DROP
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLayout:
+    """A tiered cache's layout: the window, the sinks, the tiers (most
+    important first) and the scorer."""
+    window: int
+    sinks: int
+    tiers: tuple
+    scorer: str = "snap"
+
+    def text(self) -> str:
+        """The layout as parse() reads it, in one canonical form."""
+        parts = [f"w{self.window}"] + ([f"s{self.sinks}"] if self.sinks else [])
+        parts += [f"{t.fraction:g}x{t.code}" for t in self.tiers]
+        return PREFIX + "+".join(parts + ([self.scorer] if self.scorer != "snap" else []))
+
+    def counts(self, n: int) -> list[int]:
+        """How many of n tokens (those outside the window and the sinks)
+        each tier holds: the cumulative fractions rounded to the nearest
+        token (half up), so that the counts sum to n."""
+        cut, out, total = 0, [], 0.0
+        for t in self.tiers:
+            total += t.fraction
+            nxt = min(n, math.floor(total * n + 0.5))
+            out.append(nxt - cut)
+            cut = nxt
+        out[-1] += n - cut
+        return out
+
+
+def _code(text, whole):
+    """The Tier fields (code, ranks, bits) of one CODE."""
+    from .policy import split_bits
+    if text in (DROP, STORED):
+        return text, None, None
+    try:
+        base, bits = split_bits(text)
+    except UsageError:
+        base, bits = "", None
+    if not base.isdigit() or int(base) < 1:
+        raise UsageError(f"rank policy {whole}: a tier's code '{text}' is not stored, drop, R, "
+                         "R@B or R@BK/BV (R columns, B bits)")
+    return text, int(base), bits
+
+
+def parse(text: str) -> TierLayout:
+    """The TierLayout a `tiers:` policy writes.  Raises UsageError naming
+    the policy and the part that is wrong."""
+    if not text.startswith(PREFIX):
+        raise UsageError(f"rank policy {text}: a tiered cache's layout starts with {PREFIX}")
+    window = sinks = None
+    scorer, tiers = "snap", []
+    for part in text[len(PREFIX):].split("+"):
+        head, x, code = part.partition("x")
+        if part in SCORERS:
+            scorer = part
+        elif part[:1] in "ws" and part[1:].isdigit():
+            if (window if part[0] == "w" else sinks) is not None:
+                raise UsageError(f"rank policy {text}: '{part[0]}' given twice")
+            if part[0] == "w":
+                window = int(part[1:])
+            else:
+                sinks = int(part[1:])
+        elif x:
+            try:
+                f = float(head)
+            except ValueError:
+                f = float("nan")
+            if not 0 < f <= 1:  # NaN fails too
+                raise UsageError(f"rank policy {text}: '{part}': the fraction must be in (0, 1]")
+            tiers.append(Tier(f, *_code(code, text)))
+        else:
+            raise UsageError(f"rank policy {text}: '{part}' is none of wN (window), sN (sinks), "
+                             f"FxCODE (a tier) or {', '.join(SCORERS)} (the scorer)")
+    if window is None or not tiers:
+        raise UsageError(f"rank policy {text}: give the window (wN) and at least one tier "
+                         "(FxCODE)")
+    if abs(sum(t.fraction for t in tiers) - 1) > 1e-9:
+        raise UsageError(f"rank policy {text}: the tiers' fractions sum to "
+                         f"{sum(t.fraction for t in tiers):g}, not 1")
+    return TierLayout(window, sinks or 0, tuple(tiers), scorer)
+
+
+def load(path, method, layout, scheme):
+    """The Projections of a tiered cache from the file `path` (see
+    Projections.tiers): its stored ones, carrying the layout and each
+    tier's own, R@B cut at R columns and quantized under scheme (a
+    QuantScheme), R cut and unquantized, stored as stored."""
+    from .projections import load_projections
+    from .quant import with_bits
+    base = load_projections(path, method)
+    per = []
+    for t in layout.tiers:
+        if t.dropped:
+            per.append(None)
+        elif t.code == STORED:
+            per.append(base)
+        else:
+            per.append(with_bits(load_projections(path, method, t.ranks), t.bits, scheme))
+    return dataclasses.replace(base, policy=layout.text(), tiers=(layout, tuple(per)))

@@ -1,0 +1,164 @@
+"""Token tiers (issue 49): the layout as policies write it, and the tiered
+cache on a tiny Llama calibrated by the C tool, checked by its properties:
+- a window that holds every token attends as the model does, and so does
+  one tier holding every token at full rank, unquantized, keys after RoPE
+  and before;
+- a layout that drops every token outside the sinks and the window is the
+  model attending to those alone (a mask in an independent Llama written
+  here);
+- the bytes after the prefill are the sinks' and window's in bf16 and each
+  tier's codes as docs/quantized-cache.md counts them, positions at 4
+  bytes where keys are taken before RoPE;
+- padded batches, fold and probe are refused in one line."""
+import dataclasses
+import unittest
+
+import numpy as np
+import torch
+
+from common import TEXT, Calibrated, orthonormal_projections, reference_llama_logp
+
+from kqsvd import compressed, latent_cache, models
+from kqsvd.compat import cache_kwarg
+from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.formats.policy import parse
+from kqsvd.formats.quant import QuantScheme
+from kqsvd.quality.configs import Config, Latent
+from kqsvd.quality.frontier import continue_window
+from kqsvd.quality.measure import resolve_policies
+
+CTX, T = 80, 92
+
+
+def tiered(cal, info, policy, scheme=None, path=None):
+    [(_, _, p)] = resolve_policies(path or cal.proj, [policy], ["kqsvd"], info.num_layers, scheme)
+    return p
+
+
+class Layout(unittest.TestCase):
+    def test_written_and_read(self):
+        lay = parse("tiers:w128+s4+0.4xstored+0.3x48@2/4+0.3xdrop").tiers
+        self.assertEqual((lay.window, lay.sinks, lay.scorer), (128, 4, "snap"))
+        self.assertEqual([(t.fraction, t.code, t.ranks, t.bits) for t in lay.tiers],
+                         [(0.4, "stored", None, None), (0.3, "48@2/4", 48, (2, 4)),
+                          (0.3, "drop", None, None)])
+        self.assertEqual(parse(lay.text()).tiers, lay)
+        # cumulative fractions rounded: the counts always sum to the tokens
+        for n in (0, 1, 7, 11, 1000):
+            self.assertEqual(sum(lay.counts(n)), n)
+        self.assertEqual(parse("tiers:w8+0.5x16+0.5xdrop").tiers.counts(11), [6, 5])
+
+    def test_refused_in_one_line(self):
+        for bad, says in (("tiers:w8", "at least one tier"), ("tiers:0.5xstored+0.5xdrop", "wN"),
+                          ("tiers:w8+0.5xstored", "sum to 0.5"), ("tiers:w8+1x48@5", "48@5"),
+                          ("tiers:w8+1xfoo", "'foo'"), ("tiers:w8+w9+1xdrop", "twice"),
+                          ("tiers:w8+0x16+1xdrop", "(0, 1]"), ("tiers:w8+1xdrop+q", "'q'"),
+                          ("tiers:w8+nanx16", "(0, 1]"), ("tiers:w-1+1xdrop", "'w-1'")):
+            with self.assertRaises(UsageError) as e:
+                parse(bad)
+            self.assertIn(says, str(e.exception), bad)
+            self.assertEqual(len(str(e.exception).splitlines()), 1)
+
+
+class Cache(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.cal = Calibrated.get()
+        cls.model, cls.tok, cls.info = models.load(cls.cal.model, dtype=torch.float64)
+        cls.ids = torch.from_numpy(models.token_windows(cls.tok, TEXT, T, 1, "validation")[0])
+        with torch.no_grad():
+            cls.full = continue_window(cls.model, cls.ids, CTX, Config())[0]
+
+    def window(self, policy, path=None, chunk=1, scheme=None):
+        p = tiered(self.cal, self.info, policy, scheme, path)
+        with torch.no_grad():
+            return continue_window(self.model, self.ids, CTX, Latent(policy, "kqsvd", p), chunk)
+
+    def test_a_window_of_everything_is_the_model(self):
+        for chunk in (1, 5):
+            lp, first, _ = self.window(f"tiers:w{T}+1xdrop", chunk=chunk)
+            # the model's eager attention takes its softmax in float32
+            np.testing.assert_allclose(lp, self.full, atol=1e-6, rtol=0)
+        d = self.info.head_dim
+        self.assertEqual(first, 2 * 2 * self.info.num_layers * self.info.num_kv_heads * d * CTX)
+
+    def test_one_tier_at_full_rank_is_the_model(self):
+        d = self.info.head_dim
+        for chunk in (1, 4):
+            lp = self.window(f"tiers:w0+1x{d}", chunk=chunk)[0]
+            np.testing.assert_allclose(lp, self.full, atol=1e-6, rtol=0)
+        lp = self.window(f"tiers:w4+s1+0.5x{d}+0.5x{d}")[0]
+        np.testing.assert_allclose(lp, self.full, atol=1e-6, rtol=0)
+        # keys before RoPE, each brought back at its own position: any
+        # orthonormal full-rank projections (A B^T = I) give the model
+        for rope in ("pre", "post"):
+            p = orthonormal_projections(self.model, d, rope)
+            lay = parse(f"tiers:w3+s2+0.5x{d}+0.5x{d}").tiers
+            p = dataclasses.replace(p, tiers=(lay, (p, p)))
+            with torch.no_grad():
+                lp = continue_window(self.model, self.ids, CTX, Latent("o", "kqsvd", p), 3)[0]
+            np.testing.assert_allclose(lp, self.full, atol=1e-6, rtol=0, err_msg=rope)
+        # a low rank is not
+        self.assertGreater(float((self.window("tiers:w0+1x2")[0] - self.full).abs().max()), 1e-3)
+
+    def test_dropping_is_attending_to_sinks_and_window_alone(self):
+        S, W = 2, 8
+        got = self.window(f"tiers:w{W}+s{S}+1xdrop")[0]
+        ref = reference_llama_logp(self.model.state_dict(), self.model.config,
+                                   self.ids[0].tolist(), _evicting(self.model.config, S, W))
+        np.testing.assert_allclose(got, ref[CTX - 1:T - 1], atol=1e-6, rtol=0)
+        self.assertGreater(float((got - self.full).abs().max()), 1e-3)
+
+    def test_bytes_after_the_prefill(self):
+        L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
+        scheme = QuantScheme(group=16)
+        _, first, _ = self.window("tiers:w8+s2+0.5x8@4+0.5xdrop", scheme=scheme)
+        n = (CTX - 10) // 2                          # the first tier's tokens: 35
+        q = n // 16 * 16                             # keys per channel: whole blocks of 16
+        keys = 8 * (q // 16) * ((16 + 7) // 8 * 4 + 4) + (n - q) * 8 * 2
+        values = n * ((8 + 7) // 8 * 4 + 4)
+        full = 10 * 2 * d * 2
+        self.assertEqual(first, L * H * (keys + values + full))
+
+    def test_refusals(self):
+        p = tiered(self.cal, self.info, "tiers:w8+1xdrop")
+        for kw in (dict(fold=True), dict(probe=True)):
+            with self.assertRaises(UsageError) as e:
+                with compressed(self.model, p, **kw):
+                    pass
+            self.assertIn("tiered", str(e.exception))
+        with compressed(self.model, p), torch.no_grad():
+            ids = self.ids[:, :20].repeat(2, 1)
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0
+            with self.assertRaises(KqsvdError) as e:
+                self.model(input_ids=ids, attention_mask=mask, use_cache=True,
+                           **{cache_kwarg(self.model): latent_cache(self.model)})
+            self.assertIn("padding", str(e.exception))
+
+
+def _evicting(cfg, S, W):
+    """The reference's attention for a cache that keeps the first S tokens
+    and the newest W (the current one among them) after the prefill of
+    CTX tokens, fed one token at a time: the prefill's queries attend to
+    every earlier token, written here with its own GQA."""
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // hq
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    for t in range(CTX, T):
+        allowed[t, S:t - W + 1] = False
+    bias = torch.zeros(T, T, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+
+    def attention(l, q, k, v, rot, mask):
+        out = torch.zeros(T, hq * d, dtype=torch.float64)
+        for h in range(hq):
+            g = h // (hq // hkv)
+            qh, kh = rot(q[:, h * d:(h + 1) * d]), rot(k[:, g * d:(g + 1) * d])
+            w = torch.softmax(qh @ kh.T / d ** 0.5 + bias, -1)
+            out[:, h * d:(h + 1) * d] = w @ v[:, g * d:(g + 1) * d]
+        return out
+    return attention
+
+
+if __name__ == "__main__":
+    unittest.main()
