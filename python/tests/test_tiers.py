@@ -11,6 +11,7 @@ cache on a tiny Llama calibrated by the C tool, checked by its properties:
   bytes where keys are taken before RoPE;
 - padded batches, fold and probe are refused in one line."""
 import dataclasses
+import math
 import unittest
 
 import numpy as np
@@ -22,7 +23,8 @@ from kqsvd import compressed, latent_cache, models
 from kqsvd.compat import cache_kwarg
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.policy import parse
-from kqsvd.formats.quant import QuantScheme
+from kqsvd.formats.projections import Projections
+from kqsvd.formats.quant import QuantScheme, with_bits
 from kqsvd.quality.configs import Config, Latent
 from kqsvd.quality.frontier import continue_window
 from kqsvd.quality.measure import resolve_policies
@@ -136,6 +138,139 @@ class Cache(unittest.TestCase):
                            **{cache_kwarg(self.model): latent_cache(self.model)})
             self.assertIn("padding", str(e.exception))
 
+
+class Independent(unittest.TestCase):
+    """One tiered configuration reproduced from the docs alone
+    (docs/formats.md 5.4.1, docs/quantized-cache.md section 1) by a Llama
+    written here: keys before RoPE, 2 sinks, a window of 8, half the
+    other tokens at rank 8 with 4-bit keys per channel and 2-bit values
+    per token (groups of 16), half dropped, continued token by token."""
+    S, W, R, BK, BV, G = 2, 8, 8, 4, 2, 16
+
+    @classmethod
+    def setUpClass(cls):
+        cal = Calibrated.get()
+        cls.model, tok, cls.info = models.load(cal.model, dtype=torch.float64)
+        cls.ids = torch.from_numpy(models.token_windows(tok, TEXT, T, 1, "validation")[0])
+        cfg = cls.model.config
+        L, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        d = cfg.hidden_size // cfg.num_attention_heads
+        rng = np.random.default_rng(7)
+        cls.mats = [[rng.standard_normal((hkv, d, cls.R)) / d ** 0.5 for _ in range(L)]
+                    for _ in range(4)]                              # A, B, A_v, B_v
+        ranks = np.full(L, cls.R)
+        p = Projections(path="random", method="kqsvd", policy="random", model="tiny",
+                        num_layers=L, num_heads=cfg.num_attention_heads, num_kv_heads=hkv,
+                        head_dim=d, hidden_size=cfg.hidden_size, rank_k=ranks,
+                        rank_v=ranks.copy(), key_down=cls.mats[0], query_down=cls.mats[1],
+                        value_down=cls.mats[2], value_up=cls.mats[3],
+                        rank_k_heads=np.repeat(ranks[:, None], hkv, 1),
+                        rank_v_heads=np.repeat(ranks[:, None], hkv, 1), rope="pre")
+        lay = parse(f"tiers:w{cls.W}+s{cls.S}+0.5x{cls.R}@{cls.BK}/{cls.BV}+0.5xdrop").tiers
+        tier = with_bits(p, (cls.BK, cls.BV), QuantScheme(group=cls.G))
+        cls.proj = dataclasses.replace(p, tiers=(lay, (tier, None)))
+        with torch.no_grad():
+            cls.got, cls.first, cls.last = continue_window(
+                cls.model, cls.ids, CTX, Latent("t", "kqsvd", cls.proj))
+
+    def test_log_probabilities(self):
+        """The model run once over the whole window with the attention
+        written here: the cache's arithmetic is all that differs."""
+        from transformers import AttentionInterface
+        from kqsvd.compat import restore_attention, switch_attention
+        AttentionInterface.register("tiers_reference", self.attention)
+        saved = switch_attention(self.model.config, "tiers_reference")
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=self.ids, use_cache=False).logits[0].double()
+        finally:
+            restore_attention(saved)
+        ref = torch.log_softmax(logits, -1)
+        np.testing.assert_allclose(self.got, ref[CTX - 1:T - 1], atol=1e-9, rtol=0)
+
+    def test_bytes(self):
+        cfg = self.model.config
+        L, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        d = cfg.hidden_size // cfg.num_attention_heads
+
+        def held(n1):  # one layer: sinks and window in bf16, the tier's codes, its positions
+            q = n1 // self.G * self.G
+            keys = self.R * (q // self.G) * (self.G // 8 * self.BK + 4) + (n1 - q) * self.R * 2
+            values = n1 * ((self.R + 7) // 8 * self.BV + 4)
+            return hkv * ((self.S + self.W) * 2 * d * 2 + keys + values) + 4 * n1
+        middle = CTX - self.S - self.W
+        self.assertEqual(self.first, L * held(middle // 2))
+        # the last step fed token T - 2: T - 1 - CTX tokens left the window
+        self.assertEqual(self.last, L * held(middle // 2 + T - 1 - CTX))
+
+    def attention(self, module, query, key, value, mask, dropout=0.0, scaling=None, **kw):
+        """A layer's attention at every position at once (the model's
+        queries, keys after RoPE and values): the prefill's exact, then each
+        continuation step over what the cache holds."""
+        cfg = self.model.config
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        d, rep = cfg.hidden_size // hq, hq // hkv
+        A, B, Av, Bv = (torch.from_numpy(m[module.layer_idx]) for m in self.mats)
+        cos, sin = (x[0] for x in self.model.model.rotary_emb(value, torch.arange(T)[None]))
+        half = lambda u: torch.cat([-u[:, d // 2:], u[:, :d // 2]], 1)  # noqa: E731
+        rot = lambda u, j: u * cos[j] + half(u) * sin[j]  # noqa: E731
+        # RoPE undone: the inverse of the 2 x 2 rotations, over cos^2 + sin^2
+        unrot = lambda u: (u * cos - half(u) * sin) / (cos * cos + sin * sin)  # noqa: E731
+        Q, K, V = query[0], key[0], value[0]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        out = torch.zeros(T, hq, d, dtype=torch.float64)
+        share = torch.zeros(CTX, dtype=torch.float64)
+        for h in range(hq):  # the prefill: exact, causal; its last 64 queries score the tokens
+            s = (Q[h][:CTX] @ K[h // rep][:CTX].T * scaling).masked_fill(~causal[:CTX, :CTX],
+                                                                           -math.inf)
+            out[:CTX, h] = torch.softmax(s, -1) @ V[h // rep][:CTX]
+            share += torch.softmax(s[CTX - 64:], -1).sum(0)
+        pooled = torch.stack([share[max(0, j - 2):j + 3].mean() for j in range(CTX)])
+        middle = list(range(self.S, CTX - self.W))
+        ranked = sorted(middle, key=lambda j: -float(pooled[j]))  # stable: ties by position
+        # the tier's tokens, in the order they entered it
+        tier = sorted(ranked[:len(middle) // 2]) + list(range(CTX - self.W, T - self.W))
+        for g in range(hkv):
+            lat, lat_v = unrot(K[g]) @ A[g], V[g] @ Av[g]
+            deq_v = _dequantized(lat_v, self.BV, self.G)     # values: per token
+            blocks = {}                                      # keys: per channel, blocks of G
+            for i in range(0, len(tier) - self.G + 1, self.G):
+                rows = tier[i:i + self.G]
+                blocks.update(zip(rows, _dequantized(lat[rows].T, self.BK, self.G).T))
+            for t in range(CTX, T):
+                n1 = len(middle) // 2 + t - CTX + 1  # token t - W has just left the window
+                coded = set(tier[:n1 // self.G * self.G])
+                keys = [K[g][j] for j in range(self.S)]
+                values = [V[g][j] for j in range(self.S)]
+                for j in tier[:n1]:
+                    x = blocks[j] if j in coded else lat[j]
+                    keys.append(rot((x @ B[g].T)[None], j)[0])
+                    values.append(deq_v[j] @ Bv[g].T)
+                keys += [K[g][j] for j in range(t - self.W + 1, t + 1)]
+                values += [V[g][j] for j in range(t - self.W + 1, t + 1)]
+                keys, values = torch.stack(keys), torch.stack(values)
+                for h in range(g * rep, (g + 1) * rep):
+                    out[t, h] = torch.softmax(Q[h][t] @ keys.T * scaling, -1) @ values
+        return out[None], None
+
+
+def _dequantized(rows, bits, group):
+    """Each row of values (float64 [n, m]) quantized in groups of `group`
+    and brought back, as docs/quantized-cache.md section 1 says: float32,
+    float16 zero and scale, round half to even, clamp, code x scale + zero
+    in float32."""
+    x = rows.float()
+    out = torch.empty_like(x)
+    top = 2 ** bits - 1
+    for a in range(0, x.shape[1], group):
+        part = x[:, a:a + group]
+        lo, hi = part.min(1).values, part.max(1).values
+        zero, scale = lo.half().float(), ((hi - lo) / top).half().float()
+        code = torch.where(scale[:, None] > 0,
+                           torch.round((part - zero[:, None]) / torch.where(
+                               scale > 0, scale, 1.0)[:, None]).clamp(0, top), 0.0)
+        out[:, a:a + group] = code * scale[:, None] + zero[:, None]
+    return out.double()
 
 def _evicting(cfg, S, W):
     """The reference's attention for a cache that keeps the first S tokens

@@ -231,10 +231,11 @@ def positions(cache_kwargs, kwargs, seen, x):
 def importance(query, keys, scaling):
     """Each token's share of the attention of the last OBSERVED queries
     [b, Hq, T, d] (causal among them), summed over queries and heads and
-    averaged over 5 neighbours: [b, N]."""
-    q = query[:, :, -OBSERVED:].float()
+    averaged over 5 neighbours: [b, N], in float32 at least."""
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q = query[:, :, -OBSERVED:].to(acc)
     w, N = q.shape[2], keys.shape[2]
-    s = gqa_scores(q, keys.float()) * scaling
+    s = gqa_scores(q, keys.to(acc)) * scaling
     late = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
     s[..., N - w:] = s[..., N - w:].masked_fill(~late, float("-inf"))
     share = torch.softmax(s, -1).sum((1, 2))
