@@ -1,5 +1,5 @@
 """The tiered cache: each token of a layer held in one place, by its
-importance (formats/tiers.py writes the layout; docs/formats.md 5.6).
+importance (formats/tiers.py writes the layout; docs/formats.md 5.4.1).
 
 - the sinks (the first tokens) and the window (the newest) as the model
   gave them: keys after RoPE and values, in full;

@@ -1,5 +1,5 @@
 """Token tiers: how a tiered cache spends its bytes on tokens, columns and
-bits (docs/formats.md, section 5.6).  One layout, as policies write it:
+bits (docs/formats.md, section 5.4.1).  One layout, as policies write it:
 
     tiers:w128+s4+0.4xstored+0.3x48@2+0.3xdrop
 
