@@ -12,12 +12,13 @@ cache on a tiny Llama calibrated by the C tool, checked by its properties:
 - padded batches, fold and probe are refused in one line."""
 import dataclasses
 import math
+import os
 import unittest
 
 import numpy as np
 import torch
 
-from common import TEXT, Calibrated, orthonormal_projections, reference_llama_logp
+from common import TEXT, Calibrated, orthonormal_projections, reference_llama_logp, workdir
 
 from kqsvd import compressed, latent_cache, models
 from kqsvd.compat import cache_kwarg
@@ -121,6 +122,34 @@ class Cache(unittest.TestCase):
         values = n * ((8 + 7) // 8 * 4 + 4)
         full = 10 * 2 * d * 2
         self.assertEqual(first, L * H * (keys + values + full))
+
+    def test_codes_read_as_the_floats(self):
+        """A quantized tier of keys after RoPE is read through the decode
+        kernels (float32, on the CPU) as its dequantized floats are, per
+        KV head and with ranks per head, one token or a chunk at a time."""
+        from kqsvd.attention import kernel
+        if not kernel.available(torch.zeros(1)):
+            self.skipTest("libkqsvd's decode kernels are not there")
+        model = models.load(self.cal.model, dtype=torch.float32)[0]
+        ids = self.ids
+        ragged = {"kqsvd": (np.array([[6, 4], [5, 8]]), np.array([[8, 3], [4, 6]]))}
+        from kqsvd.formats.saving import save_ranks
+        wd = workdir("tiers-codes")
+        heads = os.path.join(wd, "heads.h5")
+        save_ranks(self.cal.proj, heads, ragged, "test", force=True)
+        for path, pol in ((None, "tiers:w4+s1+0.6x8@4/2+0.4x4@3"),
+                          (heads, "tiers:w4+0.5xstored+0.5x8@2"),
+                          (None, "tiers:w0+1x8@8")):
+            p = tiered(self.cal, self.info, pol, QuantScheme(group=8), path)
+            got = []
+            for env in ("", "torch"):
+                os.environ["KQSVD_DECODE"] = env
+                kernel._LIB.clear()
+                with torch.no_grad():
+                    got.append(continue_window(model, ids, CTX, Latent(pol, "kqsvd", p), 3)[0])
+            os.environ.pop("KQSVD_DECODE")
+            kernel._LIB.clear()
+            np.testing.assert_allclose(got[0], got[1], atol=2e-4, rtol=0, err_msg=pol)
 
     def test_refusals(self):
         p = tiered(self.cal, self.info, "tiers:w8+1xdrop")

@@ -159,12 +159,8 @@ def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):
     N = layer.get_seq_length()
     if P is None:
         qs = [q.reshape(b, hkv, g, -1)]
-    elif P.ragged:
-        qs = [(q[:, j * g:(j + 1) * g] @ P.Bq[j]).transpose(1, 2) for j in range(P.hkv)]
     else:
-        qv = (q @ P.Bq).reshape(b, Hq // g, g, -1)
-        whole = layer.cols.slices[0][0] is None
-        qs = [qv] if whole else [qv[:, j:j + 1] for j in range(len(layer.cols.slices))]
+        qs = P.slice_queries(q, layer.cols.slices[0][0] is not None)
     outs = []
     for qq, (sk, sv) in zip(qs, layer.cols.stores):
         qq = qq.float() * scaling  # the module's scaling on the r-wide queries, not on N scores

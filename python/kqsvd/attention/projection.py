@@ -227,6 +227,20 @@ class LayerProjection:
         return [((lambda x, side, j=j: x[:, j:j + 1]), bk, bv)
                 for j, (bk, bv) in enumerate(zip(self.runs_k, self.runs_v))]
 
+    def slice_queries(self, q, per_unit):
+        """Queries after RoPE [b, Hq, T, d] brought down to each slice of
+        cached columns (quant_slices) and laid out for the decode kernels:
+        [b, units, q_per_kv T, r] per slice, one slice for every unit
+        (per_unit False), else each (view) KV head's, as with ranks per
+        head.  Keys after RoPE only."""
+        b, Hq, T, _ = q.shape
+        g = self.q_per_kv
+        if self.ragged:
+            return [(q[:, j * g:(j + 1) * g] @ self.Bq[j]).reshape(b, 1, g * T, -1)
+                    for j in range(self.hkv)]
+        qv = (q @ self.Bq).reshape(b, Hq // g, g * T, -1)
+        return [qv[:, j:j + 1] for j in range(qv.shape[1])] if per_unit else [qv]
+
     def set_up(self, qd, vu):
         """Sets the up-projections from one layer's B and B_v as the file
         has them, [Hkv, d, r] (tuning passes tensors that carry gradients):

@@ -29,6 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..errors import KqsvdError
 from ..formats.tiers import OBSERVED
+from . import kernel
 from .cache import latent_columns
 from .handoff import hand
 from .projection import rope
@@ -75,11 +76,50 @@ class Tier:
             self.pos = p if self.pos is None else torch.cat([self.pos, p], -1)
         self.n += keys.shape[-2]
 
-    def spaces(self, q, dtype, rotary):
-        """P.spaces() over this tier's tokens (dequantized)."""
-        kc, vc = self.cols.read(dtype) if self.cols is not None else (self.kc, self.vc)
+    def reads_codes(self, q):
+        """Whether a step reads this tier's codes through the decode kernels
+        (kernel.py): quantized keys after RoPE, and the kernels serve q."""
+        return self.cols is not None and not self.P.pre and kernel.available(q)
+
+    def scores(self, q, rotary):
+        """Queries q [b, Hq, T, d] against every token held: [b, Hq, T, n]
+        unscaled, and weigh(p) taking weights p [b, Hq, T, n] to the
+        heads' outputs [b, Hq, T, d]."""
+        if self.reads_codes(q):
+            return self._coded(q)
+        kc, vc = self.cols.read(q.dtype) if self.cols is not None else (self.kc, self.vc)
         pos = self.pos
-        return self.P.spaces(q, kc, vc, lambda x: rope(x, *rotary(x, pos.long())))
+        sp = list(self.P.spaces(q, kc, vc, lambda x: rope(x, *rotary(x, pos.long()))))
+
+        def weigh(p):
+            out, h = [], 0
+            for qq, _, vv, bvT in sp:
+                out.append(gqa_weigh(p[:, h:h + qq.shape[1]], vv) @ bvT)
+                h += qq.shape[1]
+            return torch.cat(out, 1)
+        return torch.cat([gqa_scores(qq, kk) for qq, kk, _, _ in sp], 1), weigh
+
+    def _coded(self, q):
+        """scores() read from the codes, slice by slice of stores."""
+        b, Hq, T, _ = q.shape
+        P, stores = self.P, self.cols.stores
+        qs = P.slice_queries(q, self.cols.slices[0][0] is not None)
+        parts = [sk.scores(qq.float(), torch.zeros(*qq.shape[:3], self.n, dtype=torch.float32,
+                                                    device=q.device))
+                 for qq, (sk, _) in zip(qs, stores)]
+        heads = [s.shape[1] * s.shape[2] // T for s in parts]
+
+        def weigh(p):
+            out, h = [], 0
+            for (_, sv), n, j in zip(stores, heads, range(len(heads))):
+                pj = p[:, h:h + n].reshape(b, n // P.q_per_kv, P.q_per_kv * T, self.n)
+                o = sv.weigh(pj).to(q.dtype).reshape(b, n, T, -1)
+                bvT = P.BvT[j] if P.ragged else P.BvT[h:h + n]
+                out.append(o @ bvT)
+                h += n
+            return torch.cat(out, 1)
+        return torch.cat([s.reshape(b, n, T, self.n) for s, n in zip(parts, heads)], 1).to(
+            q.dtype), weigh
 
     def nbytes(self, float_bytes=None):
         held = self.cols.nbytes(float_bytes) if self.cols is not None else sum(
@@ -179,16 +219,10 @@ class TierLayer(DynamicLayer):
         held: one softmax (in float32 at least) over the tiers' scores and
         the sinks' and window's, the last T of the window causal."""
         acc = torch.promote_types(query.dtype, torch.float32)
-        parts, scores = [], []
-        for tier in self.tiers:
-            if tier is not None and tier.n:
-                sp = list(tier.spaces(query, query.dtype, self.site.rotary))
-                parts.append(sp)
-                scores.append(torch.cat([gqa_scores(qq, kk) for qq, kk, _, _ in sp], 1))
+        tiers = [t.scores(query, self.site.rotary) for t in self.tiers if t is not None and t.n]
         fk, fv = self.full
-        scores.append(gqa_scores(query, fk))
+        s = torch.cat([sc for sc, _ in tiers] + [gqa_scores(query, fk)], -1).to(acc) * scaling
         T, n = query.shape[2], fk.shape[-2]
-        s = torch.cat(scores, -1).to(acc) * scaling
         causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
         s[..., s.shape[-1] - T:] = s[..., s.shape[-1] - T:].masked_fill(~causal, float("-inf"))
         p = torch.softmax(s, -1).to(query.dtype)
@@ -196,13 +230,9 @@ class TierLayer(DynamicLayer):
             p = F.dropout(p, drop)
         out = gqa_weigh(p[..., p.shape[-1] - n:], fv)
         at = 0
-        for sp, sc in zip(parts, scores):
-            pt, h = p[..., at:at + sc.shape[-1]], 0
+        for sc, weigh in tiers:
+            out = out + weigh(p[..., at:at + sc.shape[-1]])
             at += sc.shape[-1]
-            for qq, _, vv, bvT in sp:
-                g = qq.shape[1]
-                out[:, h:h + g] += gqa_weigh(pt[:, h:h + g], vv) @ bvT
-                h += g
         return out.transpose(1, 2).contiguous(), None
 
     def nbytes(self, float_bytes=None):
