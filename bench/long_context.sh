@@ -6,7 +6,8 @@
 # context on two held-out texts against every peer at 1/2 to 1/16 of the
 # bytes: plain int8/4/3/2, the same with a 128-token unquantized residual
 # (KIVI's setting), transformers' QuantizedCache (quanto int4 and int2),
-# and kvpress's ExpectedAttention, SnapKV, Knorm and StreamingLLM.
+# and kvpress's ExpectedAttention, SnapKV, Knorm and StreamingLLM, alone
+# and over quanto's int4 and int2 caches (kvpress's composite).
 #
 #   bench/long_context.sh [--work DIR] [--context 3840] [--continuation 256]
 #                         [--num-seqs 3] [--calib-len 4096] [--dtype float32]
@@ -20,7 +21,7 @@
 # these files never saw; examples/data/README.md),
 # --chunk 8, in .venv-peers.  Each configuration's ratio to the full model
 # comes with its range over the windows.  About 2.5 hours on 2 cores at
-# the defaults.  Writes DIR/{jargon,kjv}{,-kivi}.{json,txt,png}.
+# the defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite}.{json,txt,png}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work="" context=3840 continuation=256 nseqs=3 calib_len=4096 dtype=float32 reuse=0
@@ -71,6 +72,12 @@ for name in $texts; do
     --proj "$fit-0.125.h5=kqsvd/stored" --proj "$fit-0.0625.h5=kqsvd/stored" \
     --plain 8,4,3,2 --quantized-cache quanto:4,quanto:2 \
     --presses expected,snapkv,knorm,streaming --press-kept 0.5,0.25,0.125,0.0625
-  score "$1-kivi" "$2" --plain 4,3,2 --residual 128 --quantized-cache none --presses none
+  score "$1-kivi" "$2" --plain 4,3,2 --residual 128 --quantized-cache none --presses none \
+    --methods kqsvd --proj "$fit-0.25.h5=kqsvd/stored" --proj "$fit-0.125.h5=kqsvd/stored" \
+    --proj "$fit-0.0625.h5=kqsvd/stored"
+  # kvpress's composite: its presses over transformers' QuantizedCache at
+  # the same fractions of the bytes
+  score "$1-composite" "$2" --plain none --quantized-cache none --presses expected,snapkv \
+    --press-kept none --press-quantized quanto:4,quanto:2 --press-bytes 0.25,0.125,0.0625
 done
 echo "long_context.sh: done in $((SECONDS - t0)) s"

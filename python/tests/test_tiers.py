@@ -20,6 +20,7 @@ import torch
 
 from common import TEXT, Calibrated, orthonormal_projections, reference_llama_logp, workdir
 
+import kqsvd
 from kqsvd import compressed, latent_cache, models
 from kqsvd.compat import cache_kwarg
 from kqsvd.errors import KqsvdError, UsageError
@@ -300,6 +301,45 @@ def _dequantized(rows, bits, group):
                                scale > 0, scale, 1.0)[:, None]).clamp(0, top), 0.0)
         out[:, a:a + group] = code * scale[:, None] + zero[:, None]
     return out.double()
+
+class Fitted(unittest.TestCase):
+    def test_quality_tiers(self):
+        """quality-tiers:F writes a file whose stored policy is the layout it
+        chose, holding at most F of the bf16 bytes after the prefill, scored
+        on the windows' last tokens; the frontier reads it as stored."""
+        import json
+        import subprocess
+        import sys
+        import h5py
+        cal = Calibrated.get()
+        wd = workdir("tiers-fit")
+        out = os.path.join(wd, "q.json")
+        p = subprocess.run([sys.executable, "-m", "kqsvd.quality", "--model", cal.model,
+                            "--text", TEXT, "--proj", cal.proj, "--ranks", "quality-tiers:0.3",
+                            "--methods", "kqsvd", "--seq-len", "160", "--num-seqs", "1",
+                            "--calib-seqs", "1", "--json", out], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        fitted = os.path.join(wd, "q.quality-tiers-0.3.h5")
+        with h5py.File(fitted, "r") as f:
+            text = f["kqsvd"].attrs["tiers"]
+        lay = parse(text).tiers
+        self.assertIn(lay.window, (16, 32, 64, 128))
+        with open(out) as f:
+            r = json.load(f)["results"][0]
+        self.assertEqual((r["scored"], r["tokens_scored"]), ("tail", 20))
+        self.assertIn("KL", p.stderr)                   # each candidate said with its KL
+        info = models.load(cal.model, dtype=torch.float64)[2]
+        proj = kqsvd.load_projections(fitted, "kqsvd")
+        self.assertEqual(proj.tiers[0], lay)
+        ids = torch.from_numpy(models.token_windows(models.load(cal.model)[1], TEXT, 160, 1,
+                                                    "train")[0])
+        model = models.load(cal.model, dtype=torch.float64)[0]
+        with torch.no_grad():
+            _, first, _ = continue_window(model, ids, 140, Latent("s", "kqsvd", proj), 8)
+        full = 2 * 2 * info.num_layers * info.num_kv_heads * info.head_dim * 140
+        self.assertLessEqual(first, 0.3 * full)
+        self.assertGreater(first, 0.2 * full)
+
 
 def _evicting(cfg, S, W):
     """The reference's attention for a cache that keeps the first S tokens

@@ -200,7 +200,8 @@ class TierLayer(DynamicLayer):
         W = min(self.layout.window, N - S)
         middle = N - S - W
         if middle:
-            share = importance(query, keys, scaling)[:, S:S + middle]
+            share = importance(query, keys, scaling, values if self.layout.scorer == "snapv"
+                               else None)[:, S:S + middle]
             order = share.argsort(dim=-1, descending=True, stable=True)
             at = 0
             for tier, n in zip(self.tiers, self.layout.counts(middle)):
@@ -258,16 +259,21 @@ def positions(cache_kwargs, kwargs, seen, x):
     return torch.arange(seen, seen + x.shape[-2], device=x.device)[None]
 
 
-def importance(query, keys, scaling):
+def importance(query, keys, scaling, values=None):
     """Each token's share of the attention of the last OBSERVED queries
-    [b, Hq, T, d] (causal among them), summed over queries and heads and
-    averaged over 5 neighbours: [b, N], in float32 at least."""
+    [b, Hq, T, d] (causal among them), summed over queries and heads (each
+    head's share times the norm of the token's value there, with values:
+    its weight in the output) and averaged over 5 neighbours: [b, N], in
+    float32 at least."""
     acc = torch.promote_types(query.dtype, torch.float32)
     q = query[:, :, -OBSERVED:].to(acc)
     w, N = q.shape[2], keys.shape[2]
     s = gqa_scores(q, keys.to(acc)) * scaling
     late = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
     s[..., N - w:] = s[..., N - w:].masked_fill(~late, float("-inf"))
-    share = torch.softmax(s, -1).sum((1, 2))
-    return F.avg_pool1d(share[:, None], 5, 1, 2, count_include_pad=False)[:, 0]
-
+    share = torch.softmax(s, -1).sum(2)                                   # [b, Hq, N]
+    if values is not None:
+        b, hq = share.shape[:2]
+        norm = values.to(acc).norm(dim=-1)                                # [b, Hkv, N]
+        share = (share.view(b, norm.shape[1], -1, N) * norm[:, :, None]).view(b, hq, N)
+    return F.avg_pool1d(share.sum(1)[:, None], 5, 1, 2, count_include_pad=False)[:, 0]

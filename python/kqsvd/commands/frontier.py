@@ -237,7 +237,7 @@ def _peer_configs(a, backends, presses):
     configs += _quantized_caches("--quantized-cache", a.quantized_cache, backends, a.group)
     kept = _fractions("--press-kept", a.press_kept)
     names = _once("--presses", _list(a.presses))
-    if names and not kept:
+    if names and not kept and not _list(a.press_quantized):
         raise UsageError(f"--press-kept {a.press_kept}: give the fractions of the context "
                          f"--presses {a.presses} keep")
     for name in names:

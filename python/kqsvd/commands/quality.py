@@ -14,9 +14,13 @@ of the train split, kqsvd.allocate) and quality-tuned:F (those ranks with
 the up-projections trained on the same windows, the step kept chosen on
 --check-seqs more, kqsvd.quality.tune) and quality-bits:F (the rank and the
 bits of each unit's quantized latent at F of the bf16 cache's bytes,
-kqsvd.quality.bits); each is written with the report, as
-STEM.quality-budget-F.h5, STEM.quality-tuned-F.h5 or STEM.quality-bits-F.h5
-for a report STEM.json.  The full model runs once per sequence; every
+kqsvd.quality.bits) and quality-tiers:F (a tiered cache's layout holding F
+of the bytes after a prefill, fitted at --seq-len, kqsvd.quality.tiers);
+each is written with the report, as STEM.quality-budget-F.h5,
+STEM.quality-tuned-F.h5, STEM.quality-bits-F.h5 or STEM.quality-tiers-F.h5
+for a report STEM.json.  Tiered caches (tiers:LAYOUT, quality-tiers:F)
+attend exactly at a prefill, so they are scored on each window's last
+min(256, T/8) tokens after a prefill of the rest, in chunks of 8.  The full model runs once per sequence; every
 (policy, method) pair then runs on the same tokens.  Usage errors exit 2,
 bad input 1, each with one line naming the file and field; every policy
 and window is checked before the first fit.  Outputs (the fitted files
@@ -32,7 +36,8 @@ from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
 from ..formats.projections import METHODS, load_projections
 from ..formats.saving import save_ranks
-from ..formats.policy import QUALITY_BITS, QUALITY_BUDGET, QUALITY_TUNED, fitted_fraction
+from ..formats.policy import (QUALITY_BITS, QUALITY_BUDGET, QUALITY_TIERS, QUALITY_TUNED,
+                              fitted_fraction)
 from ..formats.policy import parse as parse_policy
 from ..quality.measure import measure, resolve_policies
 
@@ -238,6 +243,16 @@ def _fit(a, pol, out, model, info, cal, scheme, fitted, log):
     from ..quality.allocate import allocate
     from ..quality.tune import tuned_file
     frac = fitted_fraction(pol)
+    if pol.startswith(QUALITY_TIERS):  # a tiered cache's layout, at the windows' length
+        from ..quality.tiers import fit_tiers
+        layouts, ranks = {}, {}
+        for m in a.methods:
+            layouts[m] = fit_tiers(model, info, a.proj, m, frac, cal[:a.calib_seqs], scheme,
+                                   log)[0]
+            p = load_projections(a.proj, m)
+            ranks[m] = (p.rank_k_heads, p.rank_v_heads)
+        return save_ranks(a.proj, out, ranks, f"{QUALITY_TIERS}{frac:g}", force=True,
+                          scheme=scheme, tiers=layouts)
     if pol.startswith(QUALITY_BITS):  # ranks and bits of a quantized latent, chosen together
         from ..quality.bits import allocate_bits
         got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,

@@ -8,6 +8,7 @@
     quality-bits:F               ranks and bits of a quantized latent, fitted
     tiers:LAYOUT                 a tiered cache: tokens held in full, coded or
                                  dropped by importance (formats/tiers.py)
+    quality-tiers:F              a tiered cache's layout at F of the bytes, fitted
 
 and after any but the fitted ones, @B or @BK/BV: the latent's columns held
 at B bits (keys and values alike), or BK for keys and BV for values, each
@@ -25,7 +26,8 @@ from . import tiers
 QUALITY_BUDGET = "quality-budget:"
 QUALITY_TUNED = "quality-tuned:"
 QUALITY_BITS = "quality-bits:"
-FITTED = (QUALITY_BUDGET, QUALITY_TUNED, QUALITY_BITS)
+QUALITY_TIERS = "quality-tiers:"
+FITTED = (QUALITY_BUDGET, QUALITY_TUNED, QUALITY_BITS, QUALITY_TIERS)
 STORED = "stored"
 METHODS = ("kqsvd", "ksvd", "eigen")
 
@@ -63,7 +65,8 @@ def split_bits(text):
 
 
 def fitted_fraction(text):
-    """The F of quality-budget:F, quality-tuned:F or quality-bits:F, or None
+    """The F of a fitted policy (quality-budget:F, quality-tuned:F,
+    quality-bits:F, quality-tiers:F), or None
     for a policy of another kind.  Raises UsageError for F outside (0, 1]."""
     prefix = next((p for p in FITTED if text.startswith(p)), None)
     if prefix is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from . import h5io
+from . import h5io, tiers
 from .. import native
 from .quant import read_bits
 from ..errors import KqsvdError, UsageError
@@ -426,11 +426,16 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
         # Stored bits (quality-bits:F) belong to the stored ranks.
         bk, bv, scheme = (read_bits(f, path, method, L, H, d, (rk, rv)) if ranks is None
                           else (None,) * 3)
-        return Projections(path=path, method=method, policy=policy,
+        # A stored tiered layout (quality-tiers:F) is the stored policy's cache.
+        stored = tiers.read_stored(f, path, method) if ranks is None else None
+        proj = Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
                            tuned=bool(up), head_groups=groups, bits_k=bk, bits_v=bv,
                            quant=scheme, **s, **mats)
+    if stored is None:
+        return proj
+    return tiers.attach(proj, *stored, lambda r: load_projections(path, method, r))
 
 
 def _ranks_of(f, path, method, ranks, shape):

@@ -159,16 +159,22 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
                              "first rank columns need bits, the others 0")
         b = b.astype(np.int64)
         bits.append(b if cols else np.where(b == 0, UNQUANTIZED, b))
-    kw = {attr: _scheme_attr(f, path, attr) for attr in SCHEME_ATTRS}
-    kw = {SCHEME_ATTRS[a]: v for a, v in kw.items()}
+    return bits[0], bits[1], read_scheme(f, path)
+
+
+def read_scheme(f, path, why="the file has bits"):
+    """The file's quantization scheme (root attributes quant_*); KqsvdError
+    naming the attribute that is missing (`why` says what needs it) or
+    wrong."""
+    from ..errors import KqsvdError
+    kw = {SCHEME_ATTRS[a]: _scheme_attr(f, path, a, why) for a in SCHEME_ATTRS}
     try:
-        scheme = QuantScheme(**kw).check(f"{path}: attributes quant_*")
+        return QuantScheme(**kw).check(f"{path}: attributes quant_*")
     except UsageError as e:
         raise KqsvdError(str(e)) from None
-    return bits[0], bits[1], scheme
 
 
-def _scheme_attr(f, path, attr):
+def _scheme_attr(f, path, attr, why):
     """One quant_* root attribute as QuantScheme takes it: a scalar whole
     number in range (quant_group, quant_residual), 0 or 1 (quant_rotate),
     or one of AXES (the axes); KqsvdError naming the file and attribute
@@ -177,7 +183,7 @@ def _scheme_attr(f, path, attr):
     terabytes."""
     from ..errors import KqsvdError
     if attr not in f.attrs:
-        raise KqsvdError(f"{path}: attribute '{attr}' is missing (the file has bits)")
+        raise KqsvdError(f"{path}: attribute '{attr}' is missing ({why})")
     v = f.attrs[attr]
     if attr.endswith("_axis"):
         if isinstance(v, np.ndarray) and v.shape == ():
@@ -208,6 +214,11 @@ def write_bits(f, method, bits_k, bits_v, scheme):
     for side, b in (("k", bits_k), ("v", bits_v)):
         b = np.asarray(b, dtype=np.int32)
         f[method].create_dataset(f"bits_{side}_{'cols' if b.ndim == 3 else 'heads'}", data=b)
+    write_scheme(f, scheme)
+
+
+def write_scheme(f, scheme):
+    """The file's quantization scheme as root attributes quant_*."""
     for attr, key in SCHEME_ATTRS.items():
         v = getattr(scheme, key)
         f.attrs[attr] = np.int32(v) if isinstance(v, (bool, int)) else v
@@ -221,8 +232,8 @@ def drop_bits(f, methods):
     import h5py
     for m in methods:
         _drop(f, m)
-    if not any(isinstance(g, h5py.Group) and ("bits_k_heads" in g or "bits_k_cols" in g)
-               for g in f.values()):
+    if not any(isinstance(g, h5py.Group) and ("bits_k_heads" in g or "bits_k_cols" in g or
+                                              "tiers" in g.attrs) for g in f.values()):
         for attr in SCHEME_ATTRS:
             if attr in f.attrs:
                 del f.attrs[attr]

@@ -13,13 +13,15 @@ import numpy as np
 from ..errors import UsageError
 from . import h5io
 from .projections import METHODS, TUNED_SUFFIX, Projections, check_path, rank_lists
-from .quant import QuantScheme, drop_bits, write_bits
+from .quant import QuantScheme, drop_bits, write_bits, write_scheme
+from .tiers import parse as parse_tiers
 
 
 def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, Any],
                policy: str, tuned: dict[str, tuple[Projections, dict]] | None = None,
                force: bool = False, bits: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-               scheme: QuantScheme | None = None) -> str | os.PathLike:
+               scheme: QuantScheme | None = None,
+               tiers: dict[str, str] | None = None) -> str | os.PathLike:
     """Writes a copy of the projections file `src` to `dst` with new stored ranks.
 
     The ranks are stored as per-head datasets with the per-layer ones
@@ -50,7 +52,13 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
         per column (Projections.bits_k), stored with the quantization
         scheme (formats.quant).
     scheme : formats.quant.QuantScheme or None
-        The quantization scheme of `bits`.
+        The quantization scheme of `bits` (and of the tiers' codes).
+    tiers : dict or None
+        {method: a tiered cache's layout, as a tiers: policy writes it}:
+        stored as the group's `tiers` attribute (docs/formats.md 5.4.1),
+        so that the stored policy is that cache.  A method given new
+        ranks without a layout loses the one src has.
+
     Returns
     -------
     str or os.PathLike
@@ -77,6 +85,10 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
                          f"{type(ranks).__name__}")
     check_outputs([("dst", dst)], [("src", src)], force)
     checked = _checked_ranks(src, dst, ranks, tuned, bits)
+    for m, text in (tiers or {}).items():
+        if m not in checked or scheme is None:
+            raise UsageError(f"tiers for {dst}: method {m!r} needs new ranks and a scheme")
+        parse_tiers(text)
 
     def write(tmp):
         shutil.copyfile(src, tmp)
@@ -91,6 +103,12 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
                 _write_tuned(f[m], p, info, *checked[m])
             for m, (bk, bv) in (bits or {}).items():
                 write_bits(f, m, bk, bv, scheme)
+            for m in checked:
+                if m in (tiers or {}):
+                    f[m].attrs["tiers"] = parse_tiers(tiers[m]).text()
+                    write_scheme(f, scheme)
+                elif "tiers" in f[m].attrs:
+                    del f[m].attrs["tiers"]
             drop_bits(f, [m for m in checked if m not in (bits or {})])
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)

@@ -12,7 +12,9 @@ bits (docs/formats.md, section 5.4.1).  One layout, as policies write it:
   first R latent columns of each unit, B bits, or BK for keys and BV for
   values), `R` (R columns unquantized), or `drop` (not held);
 - `snap` (the default): importance is the attention that the prefill's
-  last 64 queries pay each token (SnapKV's observation window).
+  last 64 queries pay each token (SnapKV's observation window); `snapv`
+  weighs each head's attention by the norm of the token's value there
+  (its weight in the head's output).
 
 The fractions sum to 1.  Tokens that leave the window after the prefill
 enter the first tier.  This module knows only how a layout is written;
@@ -26,7 +28,7 @@ from ..errors import UsageError
 
 PREFIX = "tiers:"
 DROP, STORED = "drop", "stored"
-SCORERS = ("snap",)
+SCORERS = ("snap", "snapv")
 OBSERVED = 64  # queries whose attention scores the prefill's tokens (snap)
 
 
@@ -128,20 +130,33 @@ def parse(text: str) -> TierLayout:
     return TierLayout(window, sinks or 0, tuple(tiers), scorer)
 
 
-def load(path, method, layout, scheme):
-    """The Projections of a tiered cache from the file `path` (see
-    Projections.tiers): its stored ones, carrying the layout and each
-    tier's own, R@B cut at R columns and quantized under scheme (a
-    QuantScheme), R cut and unquantized, stored as stored."""
-    from .projections import load_projections
+def attach(base, layout, scheme, load):
+    """base (a file's stored Projections) carrying `layout`'s tiers (see
+    Projections.tiers): R@B cut at R columns (load(R) reads the file so)
+    and quantized under scheme (a QuantScheme), R cut and unquantized,
+    stored as base is."""
     from .quant import with_bits
-    base = load_projections(path, method)
-    per = []
-    for t in layout.tiers:
-        if t.dropped:
-            per.append(None)
-        elif t.code == STORED:
-            per.append(base)
-        else:
-            per.append(with_bits(load_projections(path, method, t.ranks), t.bits, scheme))
+    base = dataclasses.replace(base, tiers=None)
+    per = [None if t.dropped else base if t.code == STORED else
+           with_bits(load(t.ranks), t.bits, scheme) for t in layout.tiers]
     return dataclasses.replace(base, policy=layout.text(), tiers=(layout, tuple(per)))
+
+
+def read_stored(f, path, method):
+    """(layout, scheme) a method group stores (its `tiers` attribute,
+    docs/formats.md 5.4.1), or None; KqsvdError naming the attribute for
+    one that is not a layout."""
+    from ..errors import KqsvdError
+    from .quant import read_scheme
+    if "tiers" not in f[method].attrs:
+        return None
+    v = f[method].attrs["tiers"]
+    v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+    try:
+        layout = parse(str(v))
+    except UsageError as e:
+        raise KqsvdError(f"{path}: attribute '{method}/tiers': {e}") from None
+    if any(t.code == STORED for t in layout.tiers):
+        raise KqsvdError(f"{path}: attribute '{method}/tiers': a stored layout's tiers have "
+                         "codes of their own (R@B), not 'stored'")
+    return layout, read_scheme(f, path, "the file stores a tiered layout")

@@ -18,7 +18,7 @@ def resolve_policies(proj, policies, methods, L, scheme=None):
     defaults when None); UsageError on a bad policy, and on one fitted to
     the model (quality-budget:F, ...), which the quality command fits."""
     from ..formats.quant import QuantScheme
-    from ..formats.tiers import load as load_tiers
+    from ..formats.tiers import attach as attach_tiers
     pairs = []
     for text in policies:
         pol = policies_.parse(text)
@@ -26,7 +26,9 @@ def resolve_policies(proj, policies, methods, L, scheme=None):
             raise UsageError(f"rank policy {text} needs the model: fit it with python -m "
                              "kqsvd.quality")
         if pol.tiers is not None:
-            pairs += [(text, m, load_tiers(proj, m, pol.tiers, scheme or QuantScheme()))
+            pairs += [(text, m, attach_tiers(load_projections(proj, m), pol.tiers,
+                                             scheme or QuantScheme(),
+                                             lambda r, m=m: load_projections(proj, m, r)))
                       for m in methods]
             continue
         stored = pol.base == policies_.STORED
@@ -59,6 +61,8 @@ def check_fitted(policy, sizes, scheme):
     H, d = sizes["num_kv_heads"] // G, sizes["head_dim"] * G
     if policy.startswith(policies_.QUALITY_BITS):
         check_fraction(frac, d, scheme)
+    elif policy.startswith(policies_.QUALITY_TIERS):
+        return  # any fraction: the fit says when not even the window fits
     else:
         budget_ranks(frac, 2 * sizes["num_layers"] * H, d, policy[:policy.index(":") + 1])
 
@@ -127,7 +131,10 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
     """Scores every (policy, method, Projections) pair on the windows seqs
     (int64 [n, T]) against the full model, which runs once per window.
     Quantized projections are scored step by step (window_logprobs), the
-    others and the full model in one pass; cache bytes count values held
+    others and the full model in one pass, tiered caches on each window's
+    last tokens after a prefill of the rest (tiers.tiered_logprobs; their
+    results say scored "tail", the tokens and the full model's perplexity
+    on them); cache bytes count values held
     unquantized at 2 (bf16) in either dtype, as the frontier does.
     fold: fold B_v into o_proj; score_errors: also measure err_kq and
     err_out in the model (one more pass per pair).  Returns (full, [result
@@ -137,8 +144,10 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
     from ..attention import cache_bytes, compress, probe_errors
     from ..compat import cache_kwarg
     from ..progress import Progress
+    from .tiers import tiered_logprobs
     key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     full, tallies = Tally(), [Tally() for _ in pairs]
+    tails = [Tally() for _ in pairs]  # the full model on a tiered pair's tokens
     bar = Progress("quality", len(seqs) * (1 + len(pairs) * (1 + score_errors)), "passes")
     compress(model, None)
     dev = next(model.parameters()).device
@@ -151,8 +160,16 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
             full.add(ref, targets)
             full.cache_bytes = max(full.cache_bytes, cache_bytes(cache, 2))
             bar.advance()
-            for (pol, m, proj), t in zip(pairs, tallies):
+            for (pol, m, proj), t, ft in zip(pairs, tallies, tails):
                 compress(model, proj, fold=fold)
+                if proj.tiers is not None:  # exact at the prefill: scored after it
+                    logp, _, end = tiered_logprobs(model, ids)
+                    n = logp.shape[0]
+                    t.add(logp, targets[-n:], ref[-n:])
+                    ft.add(ref[-n:], targets[-n:])
+                    t.cache_bytes = max(t.cache_bytes, end)
+                    bar.advance()
+                    continue
                 logp, cache = window_logprobs(model, ids, key, stepwise=proj.quant is not None)
                 t.add(logp, targets, ref)
                 t.cache_bytes = max(t.cache_bytes, cache_bytes(cache, 2))
@@ -163,4 +180,9 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
                     t.add_probe(probe_errors(model))
                     bar.advance()
     compress(model, None)
-    return full.result(), [t.result() for t in tallies]
+    results = [t.result() for t in tallies]
+    for r, ft in zip(results, tails):
+        if ft.tokens:  # a tiered cache: its tokens and the full model's on them
+            r.update(scored="tail", tokens_scored=int(ft.tokens),
+                     full_perplexity=ft.result()["perplexity"])
+    return full.result(), results
