@@ -90,7 +90,9 @@ class Frontier(unittest.TestCase):
         self.assertEqual(set(self.by), {"kqsvd fixed:8@4 [proj]", "ksvd fixed:8@4 [proj]",
                                         "kqsvd fixed:4@2/8 [proj]", "ksvd fixed:4@2/8 [proj]",
                                         "kqsvd stored [bits]", "int4", "quanto-int4",
-                                        "snapkv:0.5"})
+                                        "snapkv:0.5", "snapkv:0.666667 over quanto-int4",
+                                        "snapkv:0.533333 over quanto-int4",
+                                        "snapkv:0.8 over quanto-int2"})
 
     def test_each_window_pools_to_the_report(self):
         """The per-window figures (the spread the table prints) average to
