@@ -51,6 +51,9 @@ class Layout(unittest.TestCase):
         for n in (0, 1, 7, 11, 1000):
             self.assertEqual(sum(lay.counts(n)), n)
         self.assertEqual(parse("tiers:w8+0.5x16+0.5xdrop").tiers.counts(11), [6, 5])
+        for scorer in ("snapv", "expected"):
+            lay = parse(f"tiers:w8+1xdrop+{scorer}").tiers
+            self.assertEqual((lay.scorer, parse(lay.text()).tiers), (scorer, lay))
 
     def test_refused_in_one_line(self):
         for bad, says in (("tiers:w8", "at least one tier"), ("tiers:0.5xstored+0.5xdrop", "wN"),
@@ -112,6 +115,15 @@ class Cache(unittest.TestCase):
                                    self.ids[0].tolist(), _evicting(self.model.config, S, W))
         np.testing.assert_allclose(got, ref[CTX - 1:T - 1], atol=1e-6, rtol=0)
         self.assertGreater(float((got - self.full).abs().max()), 1e-3)
+
+    def test_scorers_choose_other_tokens(self):
+        """Each scorer keeps tokens of its own choosing: at one layout the
+        three give three different caches, each scored as any layout."""
+        got = [self.window(f"tiers:w8+s2+0.5x16+0.5xdrop+{s}")[0]
+               for s in ("snap", "snapv", "expected")]
+        for i in range(3):
+            self.assertGreater(float((got[i] - got[i - 1]).abs().max()), 1e-6)
+            self.assertGreater(float((got[i] - self.full).abs().max()), 1e-6)
 
     def test_bytes_after_the_prefill(self):
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim

@@ -200,8 +200,11 @@ class TierLayer(DynamicLayer):
         W = min(self.layout.window, N - S)
         middle = N - S - W
         if middle:
-            share = importance(query, keys, scaling, values if self.layout.scorer == "snapv"
-                               else None)[:, S:S + middle]
+            if self.layout.scorer == "expected":
+                share = expected(query, keys, values, scaling, self.site.rotary)[:, S:S + middle]
+            else:
+                share = importance(query, keys, scaling, values if self.layout.scorer == "snapv"
+                                   else None)[:, S:S + middle]
             order = share.argsort(dim=-1, descending=True, stable=True)
             at = 0
             for tier, n in zip(self.tiers, self.layout.counts(middle)):
@@ -277,3 +280,35 @@ def importance(query, keys, scaling, values=None):
         norm = values.to(acc).norm(dim=-1)                                # [b, Hkv, N]
         share = (share.view(b, norm.shape[1], -1, N) * norm[:, :, None]).view(b, hq, N)
     return F.avg_pool1d(share.sum(1)[:, None], 5, 1, 2, count_include_pad=False)[:, 0]
+
+
+def expected(query, keys, values, scaling, rotary, ahead=256):
+    """Each token's expected weight in the output of the next `ahead`
+    queries: the last OBSERVED queries [b, Hq, T, d] (after RoPE) moved to
+    the positions ahead (each rotated by the mean of the rotations that
+    take it there), taken as Gaussian (their mean and covariance per
+    head), so that a key's expected logit is s mu.k + s^2 k'Ck / 2; the
+    softmax of those over the tokens, times the norm of each token's
+    value, summed over the heads: [b, N], in float32 at least."""
+    acc = torch.promote_types(query.dtype, torch.float32)
+    b, hq, T, d = query.shape
+    N = keys.shape[2]
+    q = query[:, :, -OBSERVED:].to(acc)
+    w = q.shape[2]
+    # the rotation from position N - w + i to N + u, averaged over u < ahead
+    shift = torch.arange(w, 0, -1, device=q.device)[:, None] + torch.arange(ahead,
+                                                                             device=q.device)
+    cos, sin = rotary(q, shift.reshape(1, -1))
+    cos, sin = (x.to(acc).view(w, ahead, -1).mean(1) for x in (cos, sin))   # [w, d]
+    moved = rope(q, cos[None], sin[None])                                   # [b, Hq, w, d]
+    mu = moved.mean(2, keepdim=True)                                        # [b, Hq, 1, d]
+    dev = moved - mu
+    cov = dev.transpose(-1, -2) @ dev / max(w - 1, 1)                       # [b, Hq, d, d]
+    k = keys.to(acc)
+    hk = k.shape[1]
+    kk = k[:, :, None].expand(b, hk, hq // hk, N, d).reshape(b, hq, N, d)
+    logit = scaling * (kk @ mu.transpose(-1, -2))[..., 0] + \
+        0.5 * scaling ** 2 * ((kk @ cov) * kk).sum(-1)                    # [b, Hq, N]
+    weight = torch.softmax(logit, -1)
+    norm = values.to(acc).norm(dim=-1)                                      # [b, Hkv, N]
+    return (weight.view(b, hk, -1, N) * norm[:, :, None]).sum((1, 2))

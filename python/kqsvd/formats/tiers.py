@@ -14,7 +14,9 @@ bits (docs/formats.md, section 5.4.1).  One layout, as policies write it:
 - `snap` (the default): importance is the attention that the prefill's
   last 64 queries pay each token (SnapKV's observation window); `snapv`
   weighs each head's attention by the norm of the token's value there
-  (its weight in the head's output).
+  (its weight in the head's output); `expected` takes the last 64
+  queries, moved to the next 256 positions, as Gaussian and weighs each
+  token by its expected attention times its value's norm.
 
 The fractions sum to 1.  Tokens that leave the window after the prefill
 enter the first tier.  This module knows only how a layout is written;
@@ -28,7 +30,7 @@ from ..errors import UsageError
 
 PREFIX = "tiers:"
 DROP, STORED = "drop", "stored"
-SCORERS = ("snap", "snapv")
+SCORERS = ("snap", "snapv", "expected")
 OBSERVED = 64  # queries whose attention scores the prefill's tokens (snap)
 
 
