@@ -159,11 +159,11 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
     def layout_for(window, code):
         r, bits = _code_fields(code)
         runs = uniform(width, units, r, bits)
-        lay = TierLayout(window, SINKS, (Tier(1.0, code, r, bits),))
+        whole = TierLayout(window, SINKS, (Tier(1.0, code, r, bits),))  # n tokens in the tier
         f = solve_fraction(frac, N, window,
-                           lambda n: layout_bytes(TierLayout(window, SINKS, (
-                               Tier(1.0, code, r, bits),)), n + SINKS + window, [runs], kvh, d,
-                               scheme, pre) - (SINKS + window) * full_token, full_token)
+                           lambda n: layout_bytes(whole, n + SINKS + window, [runs], kvh, d,
+                                                  scheme, pre) - (SINKS + window) * full_token,
+                           full_token)
         return None if f <= 0 else parse(fitted_text(single(window, code, f)))
 
     def kl(lay):
