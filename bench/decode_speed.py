@@ -104,16 +104,16 @@ def spec_of(name):
 
 
 def latent_spec(spec):
-    """kqsvd:PATH[=[METHOD/]POLICY[@B]] -> (absolute file, method, policy,
-    bits); a part before '/' that looks like no policy is a method (as
-    the frontier reads 'kqsvd/stored@4', and fixed:32@4/8 is bits)."""
-    from kqsvd.formats.policy import split_bits
+    """kqsvd:PATH[=[METHOD/]POLICY] -> (absolute file, method, policy), the
+    policy as formats.policy reads it (stored by default; @B bits, a
+    tiers: layout), the method kqsvd unless given."""
+    from kqsvd.formats.policy import parse
     path, _, pol = spec[6:].partition("=")
     head, slash, rest = (pol or "stored").partition("/")
-    method, pol = (head, rest) if slash and not any(c in head for c in ":@") \
-        and head != "stored" else ("kqsvd", pol or "stored")
-    base, bits = split_bits(pol)
-    return (os.path.abspath(path) if path else path, method, base, bits)
+    # a part before '/' that looks like no policy is a method, named if unknown
+    method, pol = (head, rest) if slash and not any(c in head for c in ":@") and \
+        head != "stored" else ("kqsvd", pol or "stored")
+    return (os.path.abspath(path) if path else path, method, parse(pol).text)
 
 
 def check(spec, info, contexts, scheme, what=None):
@@ -160,11 +160,9 @@ def check(spec, info, contexts, scheme, what=None):
 
 def _check_latent(spec, info, scheme, what):
     from kqsvd.formats.files import check_input_file
-    from kqsvd.formats.projections import (METHODS, check_sizes, file_sizes, load_projections,
-                                           policy_ranks)
-    from kqsvd.formats.quant import with_bits
+    from kqsvd.formats.projections import METHODS, check_sizes, file_sizes
     try:
-        path, method, pol, bits = latent_spec(spec)
+        path, method, pol = latent_spec(spec)
     except UsageError as e:
         raise UsageError(f"{what}: {e}") from None
     if method not in METHODS:
@@ -172,20 +170,23 @@ def _check_latent(spec, info, scheme, what):
     if not path:
         raise UsageError(f"{what}: give the projections file, kqsvd:PATH[=POLICY]")
     check_input_file(f"{what}:", path)
-    try:
-        got = policy_ranks(path, None if pol == "stored" else pol)
-        name = got["policy"]  # fixed:08 is fixed:8
-    except KqsvdError as e:
-        raise type(e)(f"{what}: {e}") from None
     check_sizes(file_sizes(path, [method]), path, info.sizes(), MODEL)
     # read whole as the run reads it: a bad dataset is found here, not after the full cache's run
-    got = got["methods"][method]
-    proj = load_projections(path, method, None if pol == "stored" else (got["rank_k"],
-                                                                          got["rank_v"]))
-    if bits is not None:
-        with_bits(proj, bits, scheme)
-    st = os.stat(path)  # a link to a file is that file
-    return ("kqsvd", st.st_dev, st.st_ino, method, pol if pol == "stored" else name, bits), path
+    from kqsvd.formats.policy import parse
+    proj = _resolved(path, method, pol, info.num_layers, scheme, what)[1]
+    st = os.stat(path)  # a link to a file is that file; fixed:08 is fixed:8
+    return ("kqsvd", st.st_dev, st.st_ino, method, proj.policy, parse(pol).bits), path
+
+
+def _resolved(path, method, pol, layers, scheme, what):
+    """(label, Projections) of a policy of the file, as the frontier
+    resolves it (quality.measure.resolve_policies)."""
+    from kqsvd.quality.measure import resolve_policies
+    try:
+        [(label, _, proj)] = resolve_policies(path, [pol], [method], layers, scheme)
+    except (UsageError, KqsvdError) as e:
+        raise type(e)(f"{what}: {e}") from None
+    return label, proj
 
 
 def install(model, info, spec, scheme, context):
@@ -218,17 +219,8 @@ def install(model, info, spec, scheme, context):
         peer.check()
         return (lambda: {}), (lambda: peer.prefill(model))
     from kqsvd.attention import compress, latent_cache
-    from kqsvd.formats.projections import load_projections, policy_ranks
-    from kqsvd.formats.quant import with_bits
-    path, method, pol, bits = latent_spec(spec)
-    ranks = None
-    if pol != "stored":
-        got = policy_ranks(path, pol)["methods"][method]
-        ranks = (got["rank_k"], got["rank_v"])
-    proj = load_projections(path, method, ranks)
-    if bits is not None:
-        proj = with_bits(proj, bits, scheme)
-    compress(model, proj)
+    path, method, pol = latent_spec(spec)
+    compress(model, _resolved(path, method, pol, info.num_layers, scheme, spec)[1])
     return (lambda: {"past_key_values": latent_cache(model)}), none
 
 

@@ -236,6 +236,9 @@ class HostileDecodeSpeed(unittest.TestCase):
                       f"kqsvd:{p}=kqsvd/fixed:08"], 2, "twice", f"kqsvd:{p}=fixed:8")
         self.refused(["--contexts", "64", "--config", f"kqsvd:{p}", "--config",
                       f"kqsvd:{p}=stored"], 2, "twice")
+        # one tiered layout, written two ways
+        self.refused(["--contexts", "64", "--config", f"kqsvd:{p}=tiers:w8+s0+1x8@4",
+                      "--config", f"kqsvd:{p}=tiers:w8+1.0x8@4"], 2, "twice")
         link = os.path.join(self.wd, "link.h5")
         if not os.path.lexists(link):
             os.symlink(p, link)
@@ -265,6 +268,8 @@ class HostileDecodeSpeed(unittest.TestCase):
                            ("fixed:0", ["fixed:0"]), ("eps:2", ["eps:2"]),
                            ("fixed:8@5", ["fixed:8@5", "bits"]), ("fixed:8@", ["bits"]),
                            ("stored@4/9", ["bits"]), ("nometh/fixed:8", ["'nometh'"]),
+                           ("tiers:w8+0.5x8@5+0.5xdrop", ["8@5"]),
+                           ("tiers:w8+0.5x8@4", ["sum to 0.5"]),
                            ("ksvd/bogus:1", ["bogus:1"])):
             self.refused(["--contexts", "64", "--config", f"kqsvd:{p}={pol}"], 2,
                          f"--config kqsvd:{p}={pol}", *words)
