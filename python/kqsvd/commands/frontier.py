@@ -348,39 +348,64 @@ def _decode_ratio(result):
     return result["decode"][0]["against_full"]
 
 
+def _ours(result):
+    """Whether a result is one of kqsvd's configurations (its family names
+    a method), not a peer's."""
+    return result["family"].split()[0] in METHODS
+
+
 def plot(report):
-    """The figure's writer (for files.write_all)."""
+    """The figure's writer (for files.write_all): perplexity over the full
+    model's and KL against the bytes kept, kqsvd's own front one
+    highlighted, labelled line, its other configurations faint, and each
+    peer family a muted line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    fams = sorted({r["family"] for r in report["results"]})
-    colors = plt.get_cmap("tab10" if len(fams) <= 10 else "tab20")
-    for i, fam in enumerate(fams):
-        pts = sorted((100 * r["kept"], r["perplexity"], max(r["kl"], 1e-6),
-                      (r["front"], r["front_kl"]))
-                     for r in report["results"] if r["family"] == fam)
-        for ax, k in zip(axes, (1, 2)):
-            ax.plot([p[0] for p in pts], [p[k] for p in pts], "o-" if len(pts) > 1 else "D",
-                    color=colors(i % colors.N), label=fam if k == 1 else None, ms=4)
-            front = [p for p in pts if p[3][k - 1]]
-            ax.plot([p[0] for p in front], [p[k] for p in front], "*", color="k", ms=9)
-        for r in report["results"]:  # decode rates, where measured, beside the points
-            if r["family"] == fam and "decode" in r:
-                for ax, y in zip(axes, (r["perplexity"], max(r["kl"], 1e-6))):
-                    ax.annotate(f"{_decode_ratio(r):.2f}x", (100 * r["kept"], y), fontsize=6,
-                                xytext=(4, 2 + 8 * (i % 3)), textcoords="offset points",
-                                color=colors(i % colors.N))
-    axes[0].axhline(report["full"]["perplexity"], color="gray", ls="--", label="full model")
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    axes[0].legend(fontsize=7)
+    from ..quality.frontier import pareto
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    full = report["full"]["perplexity"]
+    res = report["results"]
+    ys = (lambda r: r["perplexity"] / full, lambda r: max(r["kl"], 1e-6))
+    peers = sorted({r["family"] for r in res if not _ours(r)})
+    muted = plt.get_cmap("tab10" if len(peers) <= 10 else "tab20")
+    for i, fam in enumerate(peers):
+        pts = sorted((r for r in res if r["family"] == fam), key=lambda r: r["kept"])
+        for ax, y in zip(axes, ys):
+            ax.plot([100 * r["kept"] for r in pts], [y(r) for r in pts],
+                    "o-" if len(pts) > 1 else "D", color=muted(i % muted.N), alpha=0.45, lw=1,
+                    ms=3, label=fam if ax is axes[0] else None)
+    ours = [r for r in res if _ours(r)]
+    for ax, y in zip(axes, ys):
+        front = [ours[i] for i in pareto([(r["kept"], y(r)) for r in ours])]
+        rest = [r for r in ours if r not in front]
+        ax.plot([100 * r["kept"] for r in rest], [y(r) for r in rest], "s", color="C3",
+                alpha=0.35, ms=4, label="kqsvd, off its front" if rest and ax is axes[0] else None)
+        ax.plot([100 * r["kept"] for r in front], [y(r) for r in front], "s-", color="C3", lw=2.4,
+                ms=6, label="kqsvd (its front)" if front and ax is axes[0] else None, zorder=5)
+        for r in front:
+            ax.annotate(r["label"].split(" ", 1)[-1][:28], (100 * r["kept"], y(r)), fontsize=6,
+                        xytext=(5, -9), textcoords="offset points", color="C3")
+        for r in res:  # decode rates, where measured, beside the points
+            if "decode" in r:
+                ax.annotate(f"{_decode_ratio(r):.2f}x", (100 * r["kept"], y(r)), fontsize=6,
+                            xytext=(4, 4), textcoords="offset points", color="0.3")
+    axes[0].axhline(1.0, color="gray", ls="--", lw=1, label="full model")
+    for ax in axes:
+        ax.set_yscale("log")
+    times = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.3g}x")
+    axes[0].yaxis.set_major_formatter(times)
+    axes[0].yaxis.set_minor_formatter(times)
+    axes[0].tick_params(axis="y", which="minor", labelsize=7)
+    axes[0].legend(fontsize=6, ncol=2)
     from .cli import figure_writer
-    return figure_writer(fig, axes, ("perplexity", "KL(full || configuration) per token"),
+    return figure_writer(fig, axes, ("perplexity / the full model's",
+                                     "KL(full || configuration) per token"),
                          "KV cache bytes kept (% of bf16)",
                          f"{report['model']}: {report['num_seqs']} windows, {report['context']} "
-                         f"+ {report['continuation']} tokens (* the Pareto front"
-                         f"{'; Nx: decode rate against the full cache' if 'decode_full' in report else ''})")
+                         f"+ {report['continuation']} tokens; full model {full:.3f}"
+                         f"{'; Nx: decode rate against the full cache' if 'decode_full' in report else ''}")
+
 
 def run(a):
     import torch
