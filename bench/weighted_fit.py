@@ -142,7 +142,7 @@ def score(model, seqs, ref):
     sums), ref: full_logprobs of seqs."""
     import torch
     from kqsvd.quality.kl import logprobs
-    from kqsvd.quality.measure import Tally
+    from kqsvd.quality.tally import Tally
     t = Tally()
     with torch.no_grad():
         for i in range(0, len(seqs), 4):

@@ -22,6 +22,7 @@ import dataclasses
 
 from ..errors import UsageError
 from . import tiers
+from .quant import split_bits
 
 QUALITY_BUDGET = "quality-budget:"
 QUALITY_TUNED = "quality-tuned:"
@@ -45,23 +46,6 @@ class Policy:
     fraction: float = None
     method: str = None
     tiers: object = None
-
-
-def split_bits(text):
-    """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
-    no '@' -> (text, None).  Raises UsageError for bits not among BITS."""
-    from .quant import BITS
-    base, at, bits = text.rpartition("@")
-    if not at:
-        return text, None
-    try:
-        b = tuple(int(x) for x in bits.split("/"))
-    except ValueError:
-        b = ()
-    if len(b) not in (1, 2) or any(x not in BITS for x in b) or not base:
-        raise UsageError(f"rank policy {text}: bits after '@' must be one of "
-                         f"{', '.join(map(str, BITS))}, or keys/values such as 4/8")
-    return base, (b * 2)[:2]
 
 
 def fitted_fraction(text):

@@ -103,6 +103,22 @@ def unit_bits(bits, rank, axis, group):
     return sum(option_bits(len(c), b, axis, group) for c, b in column_runs(bits, rank))
 
 
+def split_bits(text):
+    """'fixed:32@4' -> ('fixed:32', (4, 4)); '...@4/8' -> (..., (4, 8));
+    no '@' -> (text, None).  Raises UsageError for bits not among BITS."""
+    base, at, bits = text.rpartition("@")
+    if not at:
+        return text, None
+    try:
+        b = tuple(int(x) for x in bits.split("/"))
+    except ValueError:
+        b = ()
+    if len(b) not in (1, 2) or any(x not in BITS for x in b) or not base:
+        raise UsageError(f"rank policy {text}: bits after '@' must be one of "
+                         f"{', '.join(map(str, BITS))}, or keys/values such as 4/8")
+    return base, (b * 2)[:2]
+
+
 def with_bits(proj, bits, scheme):
     """proj (a Projections) with every unit quantized at bits = (keys,
     values) under scheme, or unquantized for bits None."""

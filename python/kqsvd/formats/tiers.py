@@ -81,7 +81,7 @@ class TierLayout:
 
 def _code(text, whole):
     """The Tier fields (code, ranks, bits) of one CODE."""
-    from .policy import split_bits
+    from .quant import split_bits
     if text in (DROP, STORED):
         return text, None, None
     try:

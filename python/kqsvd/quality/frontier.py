@@ -11,7 +11,7 @@ import math
 
 from ..compat import cache_kwarg, output_cache
 from .configs import Config
-from .measure import Tally
+from .tally import Tally
 
 
 def continue_window(model, ids, context, config, chunk=1):
