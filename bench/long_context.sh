@@ -21,7 +21,7 @@
 # these files never saw; examples/data/README.md),
 # --chunk 8, in .venv-peers.  Each configuration's ratio to the full model
 # comes with its range over the windows.  About 2.5 hours on 2 cores at
-# the defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite}.{json,txt,png}.
+# the defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite,-tiers}.{json,txt,png}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work="" context=3840 continuation=256 nseqs=3 calib_len=4096 dtype=float32 reuse=0
@@ -64,6 +64,11 @@ score() {  # NAME TEXT, then the frontier's own options
     tee "$work/$name.txt"
   echo "long_context.sh: $name done at $((SECONDS - t0)) s"
 }
+# the fractions fill each budget after a prefill of 3,840 tokens
+# (kqsvd.quality.tiers.solve_fraction)
+tiers="tiers:w32+s4+0.8441x192@4/3+0.1559xdrop+snapv,tiers:w32+s4+0.4006x192@4/3+0.5994xdrop+snapv"
+tiers+=",tiers:w32+s4+0.3644x192@4+0.6356xdrop+snapv,tiers:w32+s4+0.1814x192@4/3+0.8186xdrop+snapv"
+tiers+=",tiers:w32+s4+0.164x192@4+0.836xdrop+snapv"
 declare -A file=([jargon]=$text [kjv]=examples/data/kjv-genesis-exodus.txt)
 for name in $texts; do
   [ -n "${file[$name]:-}" ] || { echo "long_context.sh: --texts: unknown text $name" >&2; exit 2; }
@@ -79,5 +84,11 @@ for name in $texts; do
   # the same fractions of the bytes
   score "$1-composite" "$2" --plain none --quantized-cache none --presses expected,snapkv \
     --press-kept none --press-quantized quanto:4,quanto:2 --press-bytes 0.25,0.125,0.0625
+  # token tiers (docs/formats.md 5.4.1) at a quarter, an eighth and a
+  # sixteenth: the layouts of the first, one-window exploration
+  # (docs/long-context.md), every latent column in 4-bit keys and 3-bit
+  # values (or 4 bits), a window of 32 and 4 sinks, tokens chosen by snapv
+  score "$1-tiers" "$2" --methods kqsvd --plain none --quantized-cache none --presses none \
+    --proj "$work/g3.h5=$tiers"
 done
 echo "long_context.sh: done in $((SECONDS - t0)) s"
