@@ -433,9 +433,8 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,
                            tuned=bool(up), head_groups=groups, bits_k=bk, bits_v=bv,
                            quant=scheme, **s, **mats)
-    if stored is None:
-        return proj
-    return tiers.attach(proj, *stored, lambda r: load_projections(path, method, r))
+    return proj if stored is None else tiers.attach(proj, *stored,
+                                                     lambda r: load_projections(path, method, r))
 
 
 def _ranks_of(f, path, method, ranks, shape):

@@ -93,26 +93,32 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
     def write(tmp):
         shutil.copyfile(src, tmp)
         with h5py.File(tmp, "r+") as f:
-            for m, (rk, rv) in checked.items():
-                for side, r in (("k", rk), ("v", rv)):
-                    for name, data in ((f"rank_{side}_heads", r), (f"rank_{side}", r.max(1))):
-                        if name in f[m]:
-                            del f[m][name]
-                        f[m].create_dataset(name, data=data.astype(np.int32))
-            for m, (p, info) in (tuned or {}).items():
-                _write_tuned(f[m], p, info, *checked[m])
-            for m, (bk, bv) in (bits or {}).items():
-                write_bits(f, m, bk, bv, scheme)
-            for m in checked:
-                if m in (tiers or {}):
-                    f[m].attrs["tiers"] = parse_tiers(tiers[m]).text()
-                    write_scheme(f, scheme)
-                elif "tiers" in f[m].attrs:
-                    del f[m].attrs["tiers"]
-            drop_bits(f, [m for m in checked if m not in (bits or {})])
+            _write(f, checked, tuned or {}, bits or {}, scheme, tiers or {})
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst
+
+
+def _write(f, checked, tuned, bits, scheme, tiers):
+    """save_ranks' changes to the open copy f of its src: the ranks, tuned
+    up-projections, bits and tiered layouts by method."""
+    for m, (rk, rv) in checked.items():
+        for side, r in (("k", rk), ("v", rv)):
+            for name, data in ((f"rank_{side}_heads", r), (f"rank_{side}", r.max(1))):
+                if name in f[m]:
+                    del f[m][name]
+                f[m].create_dataset(name, data=data.astype(np.int32))
+    for m, (p, info) in tuned.items():
+        _write_tuned(f[m], p, info, *checked[m])
+    for m, (bk, bv) in bits.items():
+        write_bits(f, m, bk, bv, scheme)
+    for m in checked:
+        if m in tiers:
+            f[m].attrs["tiers"] = parse_tiers(tiers[m]).text()
+            write_scheme(f, scheme)
+        elif "tiers" in f[m].attrs:
+            del f[m].attrs["tiers"]
+    drop_bits(f, [m for m in checked if m not in bits])
 
 
 def _checked_ranks(src, dst, ranks, tuned, bits):
