@@ -339,6 +339,8 @@ class Fitted(unittest.TestCase):
         with open(out) as f:
             r = json.load(f)["results"][0]
         self.assertEqual((r["scored"], r["tokens_scored"]), ("tail", 20))
+        self.assertEqual(r["cache_kept"], r["cache_bytes_ratio"])  # the bytes, not the ranks
+        self.assertLess(r["cache_kept"], 0.35)
         self.assertIn("KL", p.stderr)                   # each candidate said with its KL
         info = models.load(cal.model, dtype=torch.float64)[2]
         proj = kqsvd.load_projections(fitted, "kqsvd")

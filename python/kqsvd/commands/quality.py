@@ -286,8 +286,11 @@ def _report(a, pairs, full, results, seqs, start, bos, info, head_groups):
             r["proj"] = a.fitted[pol]
         if any(p.per_head(l) for l in range(p.num_layers)):
             r.update(rank_k_heads=p.rank_k_heads.tolist(), rank_v_heads=p.rank_v_heads.tolist())
+        ratio = r["cache_bytes"] / full["cache_bytes"]
+        # a tiered cache keeps what its layout chose, not what its ranks say
         r.update(policy=pol, method=m, rank_k=p.rank_k.tolist(), rank_v=p.rank_v.tolist(),
-                 cache_kept=p.cache_kept(), cache_bytes_ratio=r["cache_bytes"] / full["cache_bytes"])
+                 cache_kept=ratio if p.tiers is not None else p.cache_kept(),
+                 cache_bytes_ratio=ratio)
         report["results"].append({k: r[k] for k in ("policy", "method", "cache_kept") if k in r} |
                                  {k: v for k, v in r.items() if k not in ("policy", "method")})
     return report
