@@ -20,7 +20,7 @@ import math
 from ..errors import UsageError
 from ..formats.quant import UNQUANTIZED
 from ..attention.quant import packed_width
-from ..formats.tiers import DROP, PREFIX, Tier, TierLayout
+from ..formats.tiers import DROP, PREFIX, SCORERS, Tier, TierLayout
 
 CHUNK = 8        # continuation tokens per step, as the frontier's benches run
 SINKS = 4        # sink tokens of every fitted layout
@@ -136,6 +136,7 @@ def tiered_logprobs(model, ids):
 def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
     """The layout of quality-tiers:frac for `method` of the projections file
     `path`: the window (WINDOWS) first, then the tier's bits and columns,
+    then the scorer,
     each candidate's tier fraction the largest whose bytes fit, kept by
     its KL to the full model on the calibration windows cal (int64 [n,
     T]) at their length.  Returns (layout text, KL)."""
@@ -187,6 +188,8 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
     got = best(layout_for(w, f"{width}@4") for w in WINDOWS)
     W = parse(got[0]).window
     got = best(layout_for(W, c) for c in (f"{width}@3", f"{width * 3 // 4}@4", f"{width}@4/2"))
+    lay = parse(got[0])
+    got = best(TierLayout(lay.window, lay.sinks, lay.tiers, s) for s in SCORERS[1:])
     if not tried:
         raise UsageError(f"quality-{PREFIX}{frac:g}: no layout fits: the sinks and the "
                          "smallest window alone hold more")
