@@ -15,8 +15,6 @@ KL to the full model on the calibration windows, at the served length,
 and the best is kept."""
 from __future__ import annotations
 
-import math
-
 from ..errors import UsageError
 from ..formats.quant import UNQUANTIZED
 from ..attention.quant import packed_width
@@ -107,18 +105,13 @@ def _code_fields(code):
     return int(r), (int(bk), int(bv or bk))
 
 
-def fitted_text(layout):
-    """The layout's text with its fractions rounded to 6 digits, the last
-    making the sum 1, as a file stores it."""
+def rounded(layout):
+    """The layout with its fractions rounded to 6 digits, the last making
+    the sum 1, as a file stores it."""
     fr = [round(t.fraction, 6) for t in layout.tiers]
     fr[-1] = round(1 - sum(fr[:-1]), 6)
     tiers = tuple(Tier(f, t.code, t.ranks, t.bits) for f, t in zip(fr, layout.tiers))
-    return TierLayout(layout.window, layout.sinks, tiers, layout.scorer).text()
-
-
-def check_budget(frac):
-    if not 0 < frac <= 1 or math.isnan(frac):
-        raise UsageError(f"{PREFIX}: the budget must be in (0, 1]")
+    return TierLayout(layout.window, layout.sinks, tiers, layout.scorer)
 
 
 def tiered_logprobs(model, ids):
@@ -165,7 +158,7 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
                            lambda n: layout_bytes(whole, n + SINKS + window, [runs], kvh, d,
                                                   scheme, pre) - (SINKS + window) * full_token,
                            full_token)
-        return None if f <= 0 else parse(fitted_text(single(window, code, f)))
+        return None if f <= 0 else rounded(single(window, code, f))
 
     def kl(lay):
         p = attach(base, lay, scheme, lambda r: load_projections(path, method, r))
