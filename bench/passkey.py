@@ -2,13 +2,21 @@
 """Passkey retrieval at long context (kqsvd.quality.retrieval): a 5-digit
 key hidden at each depth of filler from the text's held-out end, asked
 for and answered greedily by the full model, plain int-b caches, kvpress
-presses and kqsvd's stored files, each through its own cache.
+presses (alone and over transformers' QuantizedCache) and kqsvd's stored
+files (tiered ones included), each through its own cache.
 
     .venv-peers/bin/python bench/passkey.py --proj FILE [--proj FILE ...] \\
-        [--lengths 2048,4096,8192] [--depths 0.1,0.3,0.5,0.7,0.9] \\
-        [--plain 4,3] [--presses expected:0.25,expected:0.125] [--json OUT]
+        [--task passkey|multikey] [--lengths 2048,4096,8192] \\
+        [--depths 0.1,0.3,0.5,0.7,0.9] [--plain 4,3] \\
+        [--presses expected:0.25,expected:0.125] \\
+        [--composites expected:quanto:4:0.125] [--json OUT]
 
-The presses need kvpress (.venv-peers; --presses none without it).  Each
+--task multikey hides four keys, each named by a colour, and asks for one
+(the others spread evenly after it): retrieval among look-alikes.
+--composites PRESS:BACKEND:BITS:BYTES runs a press over QuantizedCache
+keeping BYTES of the bf16 cache's bytes (as kqsvd.frontier's
+--press-quantized).  The presses need kvpress (.venv-peers; --presses
+none without it).  Each
 trial prefills its whole context: about 9 s at 2,048 tokens, 32 s at 4,096
 and 2 minutes at 8,192 on 2 cores in float32 for the full model.
 
@@ -31,7 +39,8 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.quant import BITS
-from kqsvd.quality.peers import PRESSES, press_of
+from kqsvd.quality.peers import BACKENDS, PRESSES, press_of
+from kqsvd.quality.retrieval import TASKS
 
 PROG = "passkey.py"
 TEXT = os.path.join("examples", "data", "jargon-file-4.4.7.txt")
@@ -64,6 +73,22 @@ def _press(text):
         return press_of(text)
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _composite(text):
+    """(press, backend, bits, bytes) of PRESS:BACKEND:BITS:BYTES."""
+    press, _, rest = text.partition(":")
+    backend, _, rest = rest.partition(":")
+    bits, _, budget = rest.partition(":")
+    try:
+        name, f = press_of(f"{press}:{budget}")
+    except UsageError:
+        name = None
+    if name is None or backend not in BACKENDS or bits not in ("2", "4"):
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not PRESS:BACKEND:BITS:BYTES, PRESS among {', '.join(PRESSES)}, "
+            f"BACKEND among {', '.join(BACKENDS)}, BITS 2 or 4 and BYTES a fraction in (0, 1)")
+    return name, backend, int(bits), f
 
 
 def _or_none(read):
@@ -99,6 +124,11 @@ def parse(argv):
                     default="expected:0.25,expected:0.125",
                     help=f"kvpress presses PRESS:KEPT, PRESS one of {', '.join(PRESSES)} and "
                     "KEPT the share of the context kept, or none [%(default)s]")
+    ap.add_argument("--composites", type=_or_none(listed(_composite)), default="none",
+                    help="presses over QuantizedCache, PRESS:BACKEND:BITS:BYTES, BYTES the "
+                    "fraction of the bf16 cache's bytes held, or none [%(default)s]")
+    ap.add_argument("--task", default="passkey", choices=TASKS,
+                    help="one key, or four named by colours with one asked [%(default)s]")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--seed", type=count(0), default=0, help="draws the keys [0]")
     ap.add_argument("--json", help=f"the report [{DEFAULT_JSON} in the current folder, its "
@@ -110,6 +140,24 @@ def parse(argv):
     if a.text is None:
         a.text = os.path.join(ROOT, TEXT)
     return a
+
+
+def _composite_config(spec):
+    """The PressOverQuantized of a --composites item, checked: its backend
+    and kvpress importable, and a budget below the cache's own."""
+    from kqsvd.quality.peers import PressOverQuantized, QuantizedCachePeer
+    name, backend, bits, budget = spec
+    item = f"{name}:{backend}:{bits}:{budget:g}"
+    q = QuantizedCachePeer(backend, bits, 64)
+    if budget >= q.fraction:
+        raise UsageError(f"--composites {item}: {q.label} holds {q.fraction:.4g} of the bytes "
+                         "with every token; give a smaller fraction")
+    c = PressOverQuantized(name, q, budget, 1 << 20)
+    try:
+        c.check()
+    except UsageError as e:
+        raise UsageError(f"--composites {item}: {e} (or give --composites none)") from None
+    return c
 
 
 def _stem(path):
@@ -157,6 +205,8 @@ def check(a):
             PressPeer(name, kept, 1 << 20).check()
         except UsageError as e:
             raise UsageError(f"--presses {name}:{kept:g}: {e} (or give --presses none)") from None
+    a.composites = [_composite_config(c) for c in a.composites]
+    for name in {n for n, _ in a.presses} | {c.press.name for c in a.composites}:
         # SnapKV scores the context by its last window_size queries, and
         # fails inside kvpress on a shorter one
         a.windows[name] = getattr(getattr(need("kvpress", name), PRESSES[name])(), "window_size", 0)
@@ -194,13 +244,16 @@ def _filler(a, text):
     calibrated on it), with every length checked against it and each
     press's window: by the model's tokenizer alone, before the load."""
     from kqsvd import models
-    from kqsvd.quality.retrieval import DIGITS, passkey_prompt
+    from kqsvd.quality.retrieval import DIGITS, MULTI, multikey_prompt, passkey_prompt
     tok = models.tokenizer(a.model)
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     filler = ids[len(ids) // 2:]
     for n in a.lengths:
         try:
-            context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
+            if a.task == "multikey":
+                context, _ = multikey_prompt(tok, filler, n, 0.5, [10 ** DIGITS - 1] * MULTI)
+            else:
+                context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
         except UsageError as e:
             raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
         for name, window in a.windows.items():
@@ -244,6 +297,7 @@ def run(a):
     t0 = time.time()
     configs = [PlainQuant(b, QuantScheme()) for b in a.plain]
     configs += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
+    configs += a.composites
     kept = {}
     for path, p in zip(a.proj, projs):
         configs.append(Latent("stored", "kqsvd", p, f" [{_stem(path)}]"))
@@ -256,8 +310,8 @@ def run(a):
         done[0] += 1
         print(f"passkey: {done[0]}/{total} answers, {time.time() - t0:.0f} s", file=sys.stderr,
               flush=True)
-    rows = passkey(model, tok, filler, a.lengths, a.depths, configs, a.seed, progress)
-    report = dict(model=a.model, text=os.path.basename(a.text), lengths=a.lengths,
+    rows = passkey(model, tok, filler, a.lengths, a.depths, configs, a.seed, progress, a.task)
+    report = dict(model=a.model, task=a.task, text=os.path.basename(a.text), lengths=a.lengths,
                   depths=a.depths, dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
     write(a.json, report, folders)
@@ -265,7 +319,7 @@ def run(a):
     print(f"{'configuration':<{w}}" + "".join(f"{n:>8}" for n in a.lengths))
     for label, got in rows.items():
         print(f"{label:<{w}}" + "".join(f"{100 * accuracy(got, n):>7.0f}%" for n in a.lengths))
-    print(f"passkey: {len(a.depths)} depths per length, wrote {a.json} in "
+    print(f"passkey ({a.task}): {len(a.depths)} depths per length, wrote {a.json} in "
           f"{time.time() - t0:.0f} s")
 
 

@@ -87,6 +87,16 @@ class HostilePasskey(HostileCase):
                 "--plain", "4", "--presses", "none"] + (["--proj", self.proj] if proj else []) + \
             (["--json", os.path.join(self.out, json_path)] if json_path else []) + list(extra)
 
+    def test_composites_and_task_are_checked(self):
+        self.refused(self.args("--composites", "expected:quanto:3:0.125"), 2, "--composites",
+                     "PRESS:BACKEND:BITS:BYTES")
+        self.refused(self.args("--composites", "expected:nope:4:0.125"), 2, "--composites")
+        self.refused(self.args("--composites", "expected:quanto:4:1.5"), 2, "--composites")
+        # a budget the quantized cache holds with every token is no composite
+        self.refused(self.args("--composites", "expected:quanto:2:0.25"), 2,
+                     "--composites expected:quanto:2:0.25", "every token")
+        self.refused(self.args("--task", "needles"), 2, "--task", "needles")
+
     # -- item 5: the report's place, and nothing made before the run succeeds --
     def test_json_in_a_missing_folder_is_refused(self):
         self.refused(self.args(json_path="missing/dir/x.json"), 2, "--json", "does not exist")

@@ -13,8 +13,9 @@ from kqsvd import models
 from kqsvd.errors import UsageError
 from kqsvd.formats.quant import QuantScheme
 from kqsvd.quality.configs import Config, PlainQuant
-from kqsvd.quality.retrieval import (DIGITS, INTRO, NEEDLE, QUESTION, accuracy, answer,
-                                     is_key, passkey, passkey_prompt)
+from kqsvd.quality.retrieval import (COLOURS, DIGITS, INTRO, MULTI, MULTI_INTRO,
+                                     MULTI_NEEDLE, MULTI_QUESTION, NEEDLE, QUESTION, accuracy,
+                                     answer, is_key, multikey_prompt, passkey, passkey_prompt)
 
 
 class Passkey(unittest.TestCase):
@@ -41,6 +42,35 @@ class Passkey(unittest.TestCase):
             passkey_prompt(self.tok, self.filler, 20, 0.5, 12345)
         with self.assertRaises(UsageError):
             passkey_prompt(self.tok, self.filler[:10], 500, 0.5, 12345)
+
+    def test_multikey_prompt(self):
+        """Every key at its share of the filler, in depth order, the filler
+        whole between them, the question naming the first key's colour."""
+        enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        keys = [11111, 22222, 33333, 44444]
+        needles = [enc(MULTI_NEEDLE.format(name=c, key=k)) for c, k in zip(COLOURS, keys)]
+        for n, depth in ((400, 0.0), (500, 0.6), (450, 0.9)):
+            ctx, q = multikey_prompt(self.tok, self.filler, n, depth, keys)
+            self.assertEqual(len(ctx) + len(q), n)
+            self.assertEqual(q, enc(MULTI_QUESTION.format(name=COLOURS[0])))
+            body = n - len(enc(MULTI_INTRO)) - sum(map(len, needles)) - len(q)
+            filler, at, i = [], len(enc(MULTI_INTRO)), 0
+            found = {}
+            while i < len(ctx):   # walk the context, lifting the needles out
+                hit = next((j for j, nd in enumerate(needles) if ctx[i:i + len(nd)] == nd), None)
+                if hit is None:
+                    if i >= at:
+                        filler.append(ctx[i])
+                    i += 1
+                else:
+                    found[hit] = len(filler)
+                    i += len(needles[hit])
+            self.assertEqual(filler, self.filler[:body])
+            self.assertEqual(sorted(found), list(range(MULTI)))
+            for j in range(MULTI):   # key j after (depth + j / 4) mod 1 of the filler
+                self.assertEqual(found[j], round(body * ((depth + j / MULTI) % 1)))
+        with self.assertRaises(UsageError):
+            multikey_prompt(self.tok, self.filler, 60, 0.5, keys)
 
     def test_answers_are_generates_own(self):
         ctx, q = passkey_prompt(self.tok, self.filler, 150, 0.3, 54321)
@@ -69,6 +99,14 @@ class Passkey(unittest.TestCase):
         self.assertEqual(keys, [r["key"] for r in rows["int4"]])
         for label, got in rows.items():
             self.assertEqual(accuracy(got), np.mean([is_key(r["answer"], r["key"]) for r in got]))
+        multi = passkey(self.model, self.tok, self.filler, [300], [0.5], [], seed=3,
+                        task="multikey")
+        (row,) = multi["full"]
+        self.assertEqual((row["length"], row["depth"]), (300, 0.5))
+        self.assertTrue(10000 <= row["key"] < 100000)
+        self.assertEqual(row["correct"], is_key(row["answer"], row["key"]))
+        with self.assertRaises(UsageError):
+            passkey(self.model, self.tok, self.filler, [300], [0.5], [], task="needles")
 
 
 if __name__ == "__main__":

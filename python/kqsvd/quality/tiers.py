@@ -180,7 +180,8 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
         return min(tried.items(), key=lambda kv: kv[1])
     got = best(layout_for(w, f"{width}@4") for w in WINDOWS)
     W = parse(got[0]).window
-    got = best(layout_for(W, c) for c in (f"{width}@3", f"{width * 3 // 4}@4", f"{width}@4/2"))
+    got = best(layout_for(W, c) for c in (f"{width}@4/3", f"{width}@3", f"{width * 3 // 4}@4",
+                                          f"{width}@4/2"))
     lay = parse(got[0])
     got = best(TierLayout(lay.window, lay.sinks, lay.tiers, s) for s in SCORERS[1:])
     if not tried:
