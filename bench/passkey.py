@@ -6,13 +6,13 @@ presses (alone and over transformers' QuantizedCache) and kqsvd's stored
 files (tiered ones included), each through its own cache.
 
     .venv-peers/bin/python bench/passkey.py --proj FILE [--proj FILE ...] \\
-        [--task passkey|multikey] [--lengths 2048,4096,8192] \\
+        [--task passkey|span] [--lengths 2048,4096,8192] \\
         [--depths 0.1,0.3,0.5,0.7,0.9] [--plain 4,3] \\
         [--presses expected:0.25,expected:0.125] \\
         [--composites expected:quanto:4:0.125] [--json OUT]
 
---task multikey hides four keys, each named by a colour, and asks for one
-(the others spread evenly after it): retrieval among look-alikes.
+--task span hides a 20-digit access code (four groups of five) and asks
+for it back: every token of a span retrieved and copied, not five digits.
 --composites PRESS:BACKEND:BITS:BYTES runs a press over QuantizedCache
 keeping BYTES of the bf16 cache's bytes (as kqsvd.frontier's
 --press-quantized).  The presses need kvpress (.venv-peers; --presses
@@ -128,7 +128,7 @@ def parse(argv):
                     help="presses over QuantizedCache, PRESS:BACKEND:BITS:BYTES, BYTES the "
                     "fraction of the bf16 cache's bytes held, or none [%(default)s]")
     ap.add_argument("--task", default="passkey", choices=TASKS,
-                    help="one key, or four named by colours with one asked [%(default)s]")
+                    help="a 5-digit key, or a 20-digit code to copy back [%(default)s]")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     ap.add_argument("--seed", type=count(0), default=0, help="draws the keys [0]")
     ap.add_argument("--json", help=f"the report [{DEFAULT_JSON} in the current folder, its "
@@ -179,7 +179,7 @@ def check(a):
     from kqsvd.formats.files import check_folder_output, check_input_file, check_outputs
     from kqsvd.formats.projections import check_sizes, file_sizes, load_projections
     from kqsvd.quality.peers import PressPeer, need
-    from kqsvd.quality.retrieval import DIGITS
+    from kqsvd.quality.retrieval import ANSWER_TOKENS
     check_input_file("--text", a.text)
     try:
         with open(a.text, encoding="utf-8") as f:
@@ -220,11 +220,11 @@ def check(a):
     # The answer's tokens stay within the model's positions: a length at the
     # limit is the prompt and answer together.
     limit = getattr(cfg, "max_position_embeddings", None)
+    new = ANSWER_TOKENS[a.task]
     for n in a.lengths if limit else ():
-        if n > limit - DIGITS - 1:
-            raise UsageError(f"--lengths {n}: at most {limit - DIGITS - 1}, the model's "
-                             f"max_position_embeddings = {limit} less the answer's {DIGITS + 1} "
-                             "tokens")
+        if n > limit - new:
+            raise UsageError(f"--lengths {n}: at most {limit - new}, the model's "
+                             f"max_position_embeddings = {limit} less the answer's {new} tokens")
     inputs = [("--text", a.text), ("--model", info.path)] + [("--proj", p) for p in a.proj]
     path, missing = a.json or DEFAULT_JSON, []
     folder = os.path.dirname(os.path.abspath(path))
@@ -244,14 +244,15 @@ def _filler(a, text):
     calibrated on it), with every length checked against it and each
     press's window: by the model's tokenizer alone, before the load."""
     from kqsvd import models
-    from kqsvd.quality.retrieval import DIGITS, MULTI, multikey_prompt, passkey_prompt
+    from kqsvd.quality.retrieval import DIGITS, SPAN, passkey_prompt, span_prompt
     tok = models.tokenizer(a.model)
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     filler = ids[len(ids) // 2:]
     for n in a.lengths:
         try:
-            if a.task == "multikey":
-                context, _ = multikey_prompt(tok, filler, n, 0.5, [10 ** DIGITS - 1] * MULTI)
+            if a.task == "span":
+                code = "-".join([str(10 ** DIGITS - 1)] * SPAN)
+                context, _ = span_prompt(tok, filler, n, 0.5, code)
             else:
                 context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
         except UsageError as e:

@@ -96,6 +96,8 @@ class HostilePasskey(HostileCase):
         self.refused(self.args("--composites", "expected:quanto:2:0.25"), 2,
                      "--composites expected:quanto:2:0.25", "every token")
         self.refused(self.args("--task", "needles"), 2, "--task", "needles")
+        # the span's answer takes 25 tokens of the tiny model's 512 positions
+        self.refused(self.args("--task", "span", "--lengths", "500"), 2, "--lengths", "487")
 
     # -- item 5: the report's place, and nothing made before the run succeeds --
     def test_json_in_a_missing_folder_is_refused(self):

@@ -13,9 +13,9 @@ from kqsvd import models
 from kqsvd.errors import UsageError
 from kqsvd.formats.quant import QuantScheme
 from kqsvd.quality.configs import Config, PlainQuant
-from kqsvd.quality.retrieval import (COLOURS, DIGITS, INTRO, MULTI, MULTI_INTRO,
-                                     MULTI_NEEDLE, MULTI_QUESTION, NEEDLE, QUESTION, accuracy,
-                                     answer, is_key, multikey_prompt, passkey, passkey_prompt)
+from kqsvd.quality.retrieval import (ANSWER_TOKENS, DIGITS, INTRO, NEEDLE, QUESTION, SPAN,
+                                     SPAN_INTRO, SPAN_NEEDLE, SPAN_QUESTION, accuracy, answer,
+                                     is_key, is_span, passkey, passkey_prompt, span_prompt)
 
 
 class Passkey(unittest.TestCase):
@@ -43,34 +43,23 @@ class Passkey(unittest.TestCase):
         with self.assertRaises(UsageError):
             passkey_prompt(self.tok, self.filler[:10], 500, 0.5, 12345)
 
-    def test_multikey_prompt(self):
-        """Every key at its share of the filler, in depth order, the filler
-        whole between them, the question naming the first key's colour."""
+    def test_span_prompt(self):
         enc = lambda s: self.tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        keys = [11111, 22222, 33333, 44444]
-        needles = [enc(MULTI_NEEDLE.format(name=c, key=k)) for c, k in zip(COLOURS, keys)]
-        for n, depth in ((400, 0.0), (500, 0.6), (450, 0.9)):
-            ctx, q = multikey_prompt(self.tok, self.filler, n, depth, keys)
+        phrase = "12345-67890-24680-13579"
+        needle = enc(SPAN_NEEDLE.format(code=phrase))
+        head = len(enc(SPAN_INTRO))
+        for n, depth in ((200, 0.0), (300, 0.6), (300, 1.0)):
+            ctx, q = span_prompt(self.tok, self.filler, n, depth, phrase)
             self.assertEqual(len(ctx) + len(q), n)
-            self.assertEqual(q, enc(MULTI_QUESTION.format(name=COLOURS[0])))
-            body = n - len(enc(MULTI_INTRO)) - sum(map(len, needles)) - len(q)
-            filler, at, i = [], len(enc(MULTI_INTRO)), 0
-            found = {}
-            while i < len(ctx):   # walk the context, lifting the needles out
-                hit = next((j for j, nd in enumerate(needles) if ctx[i:i + len(nd)] == nd), None)
-                if hit is None:
-                    if i >= at:
-                        filler.append(ctx[i])
-                    i += 1
-                else:
-                    found[hit] = len(filler)
-                    i += len(needles[hit])
-            self.assertEqual(filler, self.filler[:body])
-            self.assertEqual(sorted(found), list(range(MULTI)))
-            for j in range(MULTI):   # key j after (depth + j / 4) mod 1 of the filler
-                self.assertEqual(found[j], round(body * ((depth + j / MULTI) % 1)))
+            self.assertEqual(q, enc(SPAN_QUESTION))
+            at = next(i for i in range(len(ctx)) if ctx[i:i + len(needle)] == needle)
+            body = n - head - len(needle) - len(q)
+            self.assertEqual(at - head, round(body * depth))
+            self.assertEqual(ctx[head:at] + ctx[at + len(needle):], self.filler[:body])
         with self.assertRaises(UsageError):
-            multikey_prompt(self.tok, self.filler, 60, 0.5, keys)
+            span_prompt(self.tok, self.filler, 30, 0.5, phrase)
+        # the answer's room holds the code with its leading space
+        self.assertLessEqual(len(enc(" " + phrase)), ANSWER_TOKENS["span"])
 
     def test_answers_are_generates_own(self):
         ctx, q = passkey_prompt(self.tok, self.filler, 150, 0.3, 54321)
@@ -99,12 +88,17 @@ class Passkey(unittest.TestCase):
         self.assertEqual(keys, [r["key"] for r in rows["int4"]])
         for label, got in rows.items():
             self.assertEqual(accuracy(got), np.mean([is_key(r["answer"], r["key"]) for r in got]))
-        multi = passkey(self.model, self.tok, self.filler, [300], [0.5], [], seed=3,
-                        task="multikey")
-        (row,) = multi["full"]
-        self.assertEqual((row["length"], row["depth"]), (300, 0.5))
-        self.assertTrue(10000 <= row["key"] < 100000)
-        self.assertEqual(row["correct"], is_key(row["answer"], row["key"]))
+        self.assertTrue(is_span(" 12345-67890-24680-13579.", "12345-67890-24680-13579"))
+        self.assertFalse(is_span(" 12345-67890-24680", "12345-67890-24680-13579"))
+        self.assertFalse(is_span(" 12345-67890-24681-13579", "12345-67890-24680-13579"))
+        spans = passkey(self.model, self.tok, self.filler, [300], [0.5, 0.9], [], seed=3,
+                        task="span")
+        for row in spans["full"]:
+            groups = row["key"].split("-")
+            self.assertEqual(len(groups), SPAN)
+            self.assertTrue(all(len(g) == DIGITS and g.isdigit() for g in groups))
+            self.assertEqual(row["correct"], is_span(row["answer"], row["key"]))
+        self.assertNotEqual(*[r["key"] for r in spans["full"]])
         with self.assertRaises(UsageError):
             passkey(self.model, self.tok, self.filler, [300], [0.5], [], task="needles")
 

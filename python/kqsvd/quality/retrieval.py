@@ -10,10 +10,13 @@ when a long document is cached for questions to come.
 The answer is right when its first run of digits is the key, no more and
 no fewer digits (SmolLM2 sometimes appends one).
 
-The multi-key task (TASKS) hides MULTI keys, each named by a colour, one
-at the trial's depth and the others spread evenly after it (wrapping to
-the start), and asks for the first: the model must retrieve the right key
-among look-alikes, not the only number in the text."""
+The span task (TASKS) hides an access code of SPAN groups of DIGITS digits
+joined by dashes and asks for it back: twenty digits retrieved and copied
+in order, not five.  The answer is right when it starts with the code.
+(Tried first on the full SmolLM2-135M at 2,048 tokens, both too hard to
+judge a cache by: four keys named by colours with one asked, 2 of 3
+right; a phrase of six common words, 2 of 3, the one at a tenth of the
+filler lost.)"""
 import numbers
 import re
 
@@ -28,13 +31,16 @@ INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it an
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
 DIGITS = 5
-MULTI = 4
-COLOURS = ("red", "blue", "green", "yellow")
-MULTI_INTRO = ("There are several pass keys hidden inside a lot of irrelevant text, each with "
-               "a colour. Find them and memorize them. I will quiz you about one of them.\n")
-MULTI_NEEDLE = "\nThe {name} pass key is {key}. Remember it. {key} is the {name} pass key.\n"
-MULTI_QUESTION = "\nWhat is the {name} pass key? The {name} pass key is"
-TASKS = ("passkey", "multikey")
+SPAN = 4          # groups of DIGITS digits in the span task's code
+SPAN_INTRO = ("There is an access code hidden inside a lot of irrelevant text. Find it and "
+              "memorize it. I will quiz you about the access code.\n")
+SPAN_NEEDLE = "\nThe access code is {code}. Remember it. {code} is the access code.\n"
+SPAN_QUESTION = "\nWhat is the access code? The access code is"
+# tokens answered: the key and one more (SmolLM2 sometimes appends a
+# digit); the code's digits and dashes, one token each at most, and a
+# leading space
+ANSWER_TOKENS = {"passkey": DIGITS + 1, "span": SPAN * (DIGITS + 1) + 1}
+TASKS = ("passkey", "span")
 
 
 def _check_prompt(length, depth):
@@ -60,17 +66,12 @@ def passkey_prompt(tok, filler, length, depth, key):
     return _prompt(tok, filler, length, INTRO, [(depth, NEEDLE.format(key=key))], QUESTION)
 
 
-def multikey_prompt(tok, filler, length, depth, keys):
-    """passkey_prompt's (context ids, question ids) for len(keys) keys, each
-    named by a colour (COLOURS): keys[0] at `depth`, keys[j] at depth + j /
-    len(keys) (modulo 1), the question asking for keys[0]."""
+def span_prompt(tok, filler, length, depth, code):
+    """passkey_prompt's (context ids, question ids) for the span task: the
+    code (a string) after `depth` of the filler."""
     _check_prompt(length, depth)
-    if not 1 <= len(keys) <= len(COLOURS):
-        raise UsageError(f"multikey: {len(keys)} keys; 1 to {len(COLOURS)} have colours")
-    needles = [((depth + j / len(keys)) % 1, MULTI_NEEDLE.format(name=c, key=k))
-               for j, (c, k) in enumerate(zip(COLOURS, keys))]
-    return _prompt(tok, filler, length, MULTI_INTRO, needles,
-                   MULTI_QUESTION.format(name=COLOURS[0]))
+    return _prompt(tok, filler, length, SPAN_INTRO, [(depth, SPAN_NEEDLE.format(code=code))],
+                   SPAN_QUESTION)
 
 
 def _prompt(tok, filler, length, intro, needles, question):
@@ -130,39 +131,44 @@ def is_key(text, key):
     return bool(m) and m.group(1) == str(key)
 
 
+def is_span(text, code):
+    """Whether the answer starts with the code (after spaces)."""
+    return text.lstrip().startswith(code)
+
+
 def passkey(model, tok, filler, lengths, depths, configs, seed=0, progress=None,
             task="passkey"):
-    """Every (length, depth) trial of `task` (TASKS), keys drawn for each,
-    answered by the full model and by each configuration.  Returns {label:
-    [dict(length, depth, key, answer, correct)]}, "full" first, key the one
-    asked.  Not collective."""
+    """Every (length, depth) trial of `task` (TASKS), a key (or phrase)
+    drawn for each, answered by the full model and by each configuration.
+    Returns {label: [dict(length, depth, key, answer, correct)]}, "full"
+    first.  Not collective."""
     if task not in TASKS:
         raise UsageError(f"retrieval: unknown task '{task}' (expected {', '.join(TASKS)})")
     rng = np.random.default_rng(seed)
     trials = [(n, d, _draw(rng, task)) for n in lengths for d in depths]
     everyone = [Config()] + list(configs)
     out = {c.label: [] for c in everyone}
-    for n, d, keys in trials:
-        if task == "multikey":
-            context, question = multikey_prompt(tok, filler, n, d, keys)
+    for n, d, key in trials:
+        if task == "span":
+            context, question = span_prompt(tok, filler, n, d, key)
         else:
-            context, question = passkey_prompt(tok, filler, n, d, keys[0])
+            context, question = passkey_prompt(tok, filler, n, d, key)
         for c in everyone:
-            text = tok.decode(answer(model, context, question, c))
-            out[c.label].append(dict(length=n, depth=d, key=keys[0], answer=text,
-                                     correct=is_key(text, keys[0])))
+            text = tok.decode(answer(model, context, question, c, ANSWER_TOKENS[task]))
+            out[c.label].append(dict(length=n, depth=d, key=key, answer=text,
+                                     correct=is_span(text, key) if task == "span"
+                                     else is_key(text, key)))
             if progress:
                 progress()
     return out
 
 
 def _draw(rng, task):
-    """A trial's keys: one (drawn as before the multi-key task, so that a
-    seed gives the passkey reports it gave), or MULTI distinct ones."""
-    lo, hi = 10 ** (DIGITS - 1), 10 ** DIGITS
+    """A trial's key (drawn as before the span task, so that a seed gives
+    the passkey reports it gave) or code (SPAN keys joined by dashes)."""
     if task == "passkey":
-        return [int(rng.integers(lo, hi))]
-    return [int(k) for k in rng.choice(np.arange(lo, hi), MULTI, replace=False)]
+        return int(rng.integers(10 ** (DIGITS - 1), 10 ** DIGITS))
+    return "-".join(str(int(k)) for k in rng.integers(10 ** (DIGITS - 1), 10 ** DIGITS, SPAN))
 
 
 def accuracy(rows, length=None):
