@@ -109,8 +109,9 @@ def parse(argv):
     ap.add_argument("--text", help=f"UTF-8 text whose second half is the filler [{TEXT} of "
                     "this repository]")
     ap.add_argument("--proj", action="append", default=[],
-                    help="a kqsvd projections file, run with its stored policy; repeat it to "
-                    "compare files")
+                    help="a kqsvd projections file, PATH[=POLICY], run with POLICY (a rank "
+                    "policy the file resolves alone, tiers: layouts included; its stored one "
+                    "by default); repeat it to compare files or policies")
     ap.add_argument("--lengths", type=listed(count(1)), default="2048",
                     help="tokens of each prompt, question included, at most the model's "
                     "max_position_embeddings less the answer's; comma-separated [%(default)s]")
@@ -160,6 +161,23 @@ def _composite_config(spec):
     return c
 
 
+def _proj_item(item):
+    """(path, policy) of --proj PATH[=POLICY], the policy 'stored' unless given."""
+    path, eq, pol = item.partition("=")
+    return path, (pol if eq else "stored")
+
+
+def _resolved(item, path, pol, layers):
+    """The Projections of a --proj item, its policy resolved as the frontier
+    resolves one (quality.measure.resolve_policies)."""
+    from kqsvd.quality.measure import resolve_policies
+    try:
+        [(_, _, proj)] = resolve_policies(path, [pol], ["kqsvd"], layers)
+    except UsageError as e:
+        raise UsageError(f"--proj {item}: {e}") from None
+    return proj
+
+
 def _stem(path):
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -177,7 +195,7 @@ def check(a):
     report (the default's, where missing)."""
     from kqsvd import models
     from kqsvd.formats.files import check_folder_output, check_input_file, check_outputs
-    from kqsvd.formats.projections import check_sizes, file_sizes, load_projections
+    from kqsvd.formats.projections import check_sizes, file_sizes
     from kqsvd.quality.peers import PressPeer, need
     from kqsvd.quality.retrieval import ANSWER_TOKENS
     check_input_file("--text", a.text)
@@ -186,20 +204,19 @@ def check(a):
             text = f.read()
     except UnicodeDecodeError as e:
         raise KqsvdError(f"--text {a.text}: not UTF-8 text (byte {e.start})") from None
-    projs, seen = [], {}
-    for path in a.proj:
+    seen, stems = {}, {}
+    for item in a.proj:
+        path, pol = _proj_item(item)
         check_input_file("--proj", path)
         st = os.stat(path)  # a link to a file given already is that file
-        if (st.st_dev, st.st_ino) in seen:
-            raise UsageError(f"--proj {path}: the same file as --proj {seen[st.st_dev, st.st_ino]}")
-        seen[st.st_dev, st.st_ino] = path
-        projs.append(load_projections(path, "kqsvd"))
-    stems = {}
-    for path in a.proj:  # the report has one row per name
-        if _stem(path) in stems:
-            raise UsageError(f"--proj {path}: named [{_stem(path)}] in the report, as --proj "
-                             f"{stems[_stem(path)]} is; give the files names of their own")
-        stems[_stem(path)] = path
+        if (st.st_dev, st.st_ino, pol) in seen:
+            raise UsageError(f"--proj {item}: the same file as --proj "
+                             f"{seen[st.st_dev, st.st_ino, pol]}")
+        seen[st.st_dev, st.st_ino, pol] = item
+        if (_stem(path), pol) in stems:  # the report has one row per name
+            raise UsageError(f"--proj {item}: named [{_stem(path)}] in the report, as --proj "
+                             f"{stems[_stem(path), pol]} is; give the files names of their own")
+        stems[_stem(path), pol] = item
     for name, kept in a.presses:
         try:  # kvpress importable, and with this transformers
             PressPeer(name, kept, 1 << 20).check()
@@ -215,8 +232,11 @@ def check(a):
     info, cfg = models.describe(a.model)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the passkey needs a causal decoder, not '{info.model_type}'")
-    for path in a.proj:
+    projs = []
+    for item in a.proj:
+        path, pol = _proj_item(item)
         check_sizes(file_sizes(path, ("kqsvd",)), path, info.sizes(), a.model)
+        projs.append((_stem(path), pol, _resolved(item, path, pol, info.num_layers)))
     # The answer's tokens stay within the model's positions: a length at the
     # limit is the prompt and answer together.
     limit = getattr(cfg, "max_position_embeddings", None)
@@ -225,7 +245,8 @@ def check(a):
         if n > limit - new:
             raise UsageError(f"--lengths {n}: at most {limit - new}, the model's "
                              f"max_position_embeddings = {limit} less the answer's {new} tokens")
-    inputs = [("--text", a.text), ("--model", info.path)] + [("--proj", p) for p in a.proj]
+    inputs = [("--text", a.text), ("--model", info.path)] + [("--proj", _proj_item(p)[0])
+                                                              for p in a.proj]
     path, missing = a.json or DEFAULT_JSON, []
     folder = os.path.dirname(os.path.abspath(path))
     if a.json is None and not os.path.lexists(folder):
@@ -300,8 +321,8 @@ def run(a):
     configs += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
     configs += a.composites
     kept = {}
-    for path, p in zip(a.proj, projs):
-        configs.append(Latent("stored", "kqsvd", p, f" [{_stem(path)}]"))
+    for stem, pol, p in projs:
+        configs.append(Latent(pol, "kqsvd", p, f" [{stem}]"))
         kept[configs[-1].label] = p.cache_kept()
     model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
     total = len(a.lengths) * len(a.depths) * (1 + len(configs))

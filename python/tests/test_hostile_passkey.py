@@ -96,6 +96,9 @@ class HostilePasskey(HostileCase):
         self.refused(self.args("--composites", "expected:quanto:2:0.25"), 2,
                      "--composites expected:quanto:2:0.25", "every token")
         self.refused(self.args("--task", "needles"), 2, "--task", "needles")
+        # a policy the file cannot resolve, named with the file, before the load
+        self.refused(self.args(proj=False) + ["--proj", self.proj + "=tiers:w8+s2+1.0x4@9"], 2,
+                     "--proj", "tiers:w8")
         # the span's answer takes 25 tokens of the tiny model's 512 positions
         self.refused(self.args("--task", "span", "--lengths", "500"), 2, "--lengths", "487")
 
