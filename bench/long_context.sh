@@ -14,14 +14,19 @@
 #                         [--texts "jargon kjv"] [--reuse]
 #
 # Calibration: 4 windows of --calib-len tokens from the Jargon File's start
-# (its train split); fits on 4 x 512 train tokens (python -m kqsvd.quality).
+# (its train split), keys before RoPE and, for the tiers' serving, after;
+# per-column bits fitted on 4 x 512 train tokens, token tiers on 2 x 4,096
+# (python -m kqsvd.quality).  Retrieval (bench/passkey.py, passkey and
+# span tasks, 5 depths at 2,048 and 4,096 tokens) for the tiers and the
+# peers at an eighth and a sixteenth.
 # Scoring: --num-seqs windows of --context + --continuation tokens from the
 # end of the Jargon File (its validation split, never calibrated on) and
 # from the end of Genesis and Exodus in the King James Version (a text
 # these files never saw; examples/data/README.md),
 # --chunk 8, in .venv-peers.  Each configuration's ratio to the full model
-# comes with its range over the windows.  About 2.5 hours on 2 cores at
-# the defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite,-tiers}.{json,txt,png}.
+# comes with its range over the windows.  About 7 hours on 2 cores at the
+# defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite,-tiers}.{json,txt,png}
+# and DIR/{jargon,kjv}-{passkey,span}.{json,txt}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work="" context=3840 continuation=256 nseqs=3 calib_len=4096 dtype=float32 reuse=0
@@ -36,7 +41,7 @@ while [ $# -gt 0 ]; do
     --dtype) dtype=$2; shift 2 ;;
     --texts) texts=$2; shift 2 ;;
     --reuse) reuse=1; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "long_context.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -64,11 +69,28 @@ score() {  # NAME TEXT, then the frontier's own options
     tee "$work/$name.txt"
   echo "long_context.sh: $name done at $((SECONDS - t0)) s"
 }
-# the fractions fill each budget after a prefill of 3,840 tokens
-# (kqsvd.quality.tiers.solve_fraction)
-tiers="tiers:w32+s4+0.8441x192@4/3+0.1559xdrop+snapv,tiers:w32+s4+0.4006x192@4/3+0.5994xdrop+snapv"
-tiers+=",tiers:w32+s4+0.3644x192@4+0.6356xdrop+snapv,tiers:w32+s4+0.1814x192@4/3+0.8186xdrop+snapv"
-tiers+=",tiers:w32+s4+0.164x192@4+0.836xdrop+snapv"
+# token tiers (docs/formats.md 5.4.1), fitted at the served length on the
+# train split (quality-tiers:F, two windows of 4,096) and served on the
+# keys-before-RoPE file they were fitted on and, the same layouts, on a
+# keys-after-RoPE calibration (its tiers decode through the kernels)
+post=$work/g3-post.h5
+if [ $reuse = 0 ] || [ ! -f "$post" ]; then
+  mpirun -np 2 $py -m kqsvd.calibrate_hf --model "$model" --text "$text" --seq-len "$calib_len" \
+    --num-seqs 4 --keys post-rope --head-groups 3 --out "$post" --force
+fi
+qt=$work/g3.quality-tiers
+if [ $reuse = 0 ] || [ ! -f "$qt-0.25.h5" ]; then
+  $py -m kqsvd.quality --model "$model" --text "$text" --proj "$work/g3.h5" \
+    --ranks quality-tiers:0.125,quality-tiers:0.0625,quality-tiers:0.25 --methods kqsvd \
+    --seq-len 4096 --num-seqs 1 --calib-seqs 2 --json "$work/g3.tiers.json" --force
+fi
+layout() { $py -c 'import h5py, sys; print(h5py.File(sys.argv[1], "r")["kqsvd"].attrs["tiers"])' "$1"; }
+tiered=() served=()
+for f in 0.25 0.125 0.0625; do
+  tiered+=(--proj "$qt-$f.h5=kqsvd/stored")
+  served+=(--proj "$post=$(layout "$qt-$f.h5")")
+done
+echo "long_context.sh: tiers fitted at $((SECONDS - t0)) s"
 declare -A file=([jargon]=$text [kjv]=examples/data/kjv-genesis-exodus.txt)
 for name in $texts; do
   [ -n "${file[$name]:-}" ] || { echo "long_context.sh: --texts: unknown text $name" >&2; exit 2; }
@@ -84,11 +106,17 @@ for name in $texts; do
   # the same fractions of the bytes
   score "$1-composite" "$2" --plain none --quantized-cache none --presses expected,snapkv \
     --press-kept none --press-quantized quanto:4,quanto:2 --press-bytes 0.25,0.125,0.0625
-  # token tiers (docs/formats.md 5.4.1) at a quarter, an eighth and a
-  # sixteenth: the layouts of the first, one-window exploration
-  # (docs/long-context.md), every latent column in 4-bit keys and 3-bit
-  # values (or 4 bits), a window of 32 and 4 sinks, tokens chosen by snapv
   score "$1-tiers" "$2" --methods kqsvd --plain none --quantized-cache none --presses none \
-    --proj "$work/g3.h5=$tiers"
+    "${tiered[@]}" "${served[@]}"
+  # retrieval at 2k and 4k, the tiers and every peer at 1/8 and 1/16
+  for task in passkey span; do
+    .venv-peers/bin/python bench/passkey.py --task $task --text "$2" --lengths 2048,4096 \
+      --plain none --presses expected:0.125,expected:0.0625,snapkv:0.125,snapkv:0.0625 \
+      --composites expected:quanto:4:0.125,expected:quanto:4:0.0625 \
+      --proj "$qt-0.125.h5" --proj "$qt-0.0625.h5" "${served[@]:2}" \
+      --proj "$fit-0.125.h5" --proj "$fit-0.0625.h5" \
+      --json "$work/$1-$task.json" --force | tee "$work/$1-$task.txt"
+    echo "long_context.sh: $1 $task done at $((SECONDS - t0)) s"
+  done
 done
 echo "long_context.sh: done in $((SECONDS - t0)) s"
