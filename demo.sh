@@ -6,8 +6,9 @@
 # fast), calibrates on 2 MPI ranks, evaluates the three methods side by side,
 # draws the paper's figures, and (for the decoder) measures what the ranks
 # cost the model: perplexity, KL and top-1 agreement, and ends with a short
-# long-context frontier on held-out text (kqsvd against int4, int3 and an
-# eviction press at equal bytes).
+# long-context frontier on held-out text (kqsvd's latent at a quarter and
+# its token tiers at an eighth against int4, int3, an eviction press and a
+# press over a quantized cache, at equal bytes).
 #
 #   ./demo.sh            SmolLM2-135M-Instruct (Llama, GQA 9/3, d = 64, causal)
 #   ./demo.sh minilm     all-MiniLM-L6-v2 (BERT encoder, d = 32, bidirectional)
@@ -60,10 +61,12 @@ fi
 if [ "$which" = smollm2 ]; then
   # Long context, where a cache matters: a head-group latent (keys before
   # RoPE) calibrated in situ at 2,048-token windows of the Jargon File's
-  # start, fitted to a quarter of the bf16 cache's bytes, and scored on a
-  # window of the text's end it never saw, next to plain int4, int3 and
-  # kvpress's ExpectedAttention at the same quarter (bench/long_context.sh
-  # is the whole protocol).
+  # start, fitted to a quarter of the bf16 cache's bytes (bits per column)
+  # and to an eighth (token tiers: the window, the tokens kept and their
+  # bits), and scored on a window of the text's end it never saw, next to
+  # plain int4, int3, kvpress's ExpectedAttention at a quarter and an
+  # eighth, and ExpectedAttention over quanto's int4 cache at an eighth
+  # (bench/long_context.sh is the whole protocol).
   lc=$data/long-context jargon=examples/data/jargon-file-4.4.7.txt
   mkdir -p "$lc"
   if [ ! -f "$lc/g3.quality-bits-0.25.h5" ]; then
@@ -73,9 +76,16 @@ if [ "$which" = smollm2 ]; then
       --ranks quality-bits:0.25 --methods kqsvd --seq-len 512 --num-seqs 1 --calib-seqs 2 \
       --json "$lc/g3.json" --force
   fi
+  if [ ! -f "$lc/g3.quality-tiers-0.125.h5" ]; then
+    .venv/bin/python3 -m kqsvd.quality --model "$model" --text "$jargon" --proj "$lc/g3.h5" \
+      --ranks quality-tiers:0.125 --methods kqsvd --seq-len 2048 --num-seqs 1 --calib-seqs 1 \
+      --json "$lc/g3.tiers.json" --force
+  fi
   .venv-peers/bin/python3 -m kqsvd.frontier --model "$model" --text "$jargon" --split validation \
-    --proj "$lc/g3.quality-bits-0.25.h5=kqsvd/stored" --methods kqsvd --plain 4,3 \
-    --quantized-cache none --presses expected --press-kept 0.25 --context 1792 \
+    --proj "$lc/g3.quality-bits-0.25.h5=kqsvd/stored" \
+    --proj "$lc/g3.quality-tiers-0.125.h5=kqsvd/stored" --methods kqsvd --plain 4,3 \
+    --quantized-cache none --presses expected --press-kept 0.25,0.125 \
+    --press-quantized quanto:4 --press-bytes 0.125 --context 1792 \
     --continuation 256 --num-seqs 1 --chunk 8 --json "$lc/frontier.json" \
     --plot "$data/figures/long-context.png" --force
 fi
