@@ -149,7 +149,7 @@ def _composite_config(spec):
     from kqsvd.quality.peers import PressOverQuantized, QuantizedCachePeer
     name, backend, bits, budget = spec
     item = f"{name}:{backend}:{bits}:{budget:g}"
-    q = QuantizedCachePeer(backend, bits, 64)
+    q = QuantizedCachePeer(backend, bits, 32)  # the frontier's default --group
     if budget >= q.fraction:
         raise UsageError(f"--composites {item}: {q.label} holds {q.fraction:.4g} of the bytes "
                          "with every token; give a smaller fraction")
