@@ -76,14 +76,14 @@ if [ "$which" = smollm2 ]; then
       --ranks quality-bits:0.25 --methods kqsvd --seq-len 512 --num-seqs 1 --calib-seqs 2 \
       --json "$lc/g3.json" --force
   fi
-  if [ ! -f "$lc/g3.quality-tiers-0.125.h5" ]; then
+  if [ ! -f "$lc/g3.tiers.quality-tiers-0.125.h5" ]; then
     .venv/bin/python3 -m kqsvd.quality --model "$model" --text "$jargon" --proj "$lc/g3.h5" \
       --ranks quality-tiers:0.125 --methods kqsvd --seq-len 2048 --num-seqs 1 --calib-seqs 1 \
       --json "$lc/g3.tiers.json" --force
   fi
   .venv-peers/bin/python3 -m kqsvd.frontier --model "$model" --text "$jargon" --split validation \
     --proj "$lc/g3.quality-bits-0.25.h5=kqsvd/stored" \
-    --proj "$lc/g3.quality-tiers-0.125.h5=kqsvd/stored" --methods kqsvd --plain 4,3 \
+    --proj "$lc/g3.tiers.quality-tiers-0.125.h5=kqsvd/stored" --methods kqsvd --plain 4,3 \
     --quantized-cache none --presses expected --press-kept 0.25,0.125 \
     --press-quantized quanto:4 --press-bytes 0.125 --context 1792 \
     --continuation 256 --num-seqs 1 --chunk 8 --json "$lc/frontier.json" \

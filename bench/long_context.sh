@@ -78,7 +78,7 @@ if [ $reuse = 0 ] || [ ! -f "$post" ]; then
   mpirun -np 2 $py -m kqsvd.calibrate_hf --model "$model" --text "$text" --seq-len "$calib_len" \
     --num-seqs 4 --keys post-rope --head-groups 3 --out "$post" --force
 fi
-qt=$work/g3.quality-tiers
+qt=$work/g3.tiers.quality-tiers  # named after --json
 if [ $reuse = 0 ] || [ ! -f "$qt-0.25.h5" ]; then
   $py -m kqsvd.quality --model "$model" --text "$text" --proj "$work/g3.h5" \
     --ranks quality-tiers:0.125,quality-tiers:0.0625,quality-tiers:0.25 --methods kqsvd \
