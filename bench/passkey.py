@@ -265,17 +265,13 @@ def _filler(a, text):
     calibrated on it), with every length checked against it and each
     press's window: by the model's tokenizer alone, before the load."""
     from kqsvd import models
-    from kqsvd.quality.retrieval import DIGITS, SPAN, passkey_prompt, span_prompt
+    from kqsvd.quality.retrieval import task_prompt, widest_key
     tok = models.tokenizer(a.model)
     ids = tok(text, add_special_tokens=False, verbose=False)["input_ids"]
     filler = ids[len(ids) // 2:]
     for n in a.lengths:
         try:
-            if a.task == "span":
-                code = "-".join([str(10 ** DIGITS - 1)] * SPAN)
-                context, _ = span_prompt(tok, filler, n, 0.5, code)
-            else:
-                context, _ = passkey_prompt(tok, filler, n, 0.5, 10 ** DIGITS - 1)
+            context, _ = task_prompt(a.task, tok, filler, n, 0.5, widest_key(a.task))
         except UsageError as e:
             raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
         for name, window in a.windows.items():

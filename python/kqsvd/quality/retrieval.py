@@ -63,39 +63,45 @@ def passkey_prompt(tok, filler, length, depth, key):
     needs more filler than given, when it is not a whole number, and when
     depth is not a number in [0, 1] (NaN and the infinities included)."""
     _check_prompt(length, depth)
-    return _prompt(tok, filler, length, INTRO, [(depth, NEEDLE.format(key=key))], QUESTION)
+    return _prompt(tok, filler, length, depth, INTRO, NEEDLE.format(key=key), QUESTION)
 
 
 def span_prompt(tok, filler, length, depth, code):
     """passkey_prompt's (context ids, question ids) for the span task: the
     code (a string) after `depth` of the filler."""
     _check_prompt(length, depth)
-    return _prompt(tok, filler, length, SPAN_INTRO, [(depth, SPAN_NEEDLE.format(code=code))],
+    return _prompt(tok, filler, length, depth, SPAN_INTRO, SPAN_NEEDLE.format(code=code),
                    SPAN_QUESTION)
 
 
-def _prompt(tok, filler, length, intro, needles, question):
-    """intro, the filler with each needle (depth, text) after that share of
-    it, then the question: (context ids, question ids), `length` in all."""
+def task_prompt(task, tok, filler, length, depth, key):
+    """The prompt of a trial of `task` (TASKS) for its key (or code)."""
+    return (span_prompt if task == "span" else passkey_prompt)(tok, filler, length, depth, key)
+
+
+def widest_key(task):
+    """The key of `task` whose prompt takes the most tokens: what a check of
+    the lengths against the filler tries."""
+    widest = 10 ** DIGITS - 1
+    return "-".join([str(widest)] * SPAN) if task == "span" else widest
+
+
+def _prompt(tok, filler, length, depth, intro, needle, question):
+    """intro, the filler with the needle after `depth` of it, then the
+    question: (context ids, question ids), `length` in all."""
     def enc(s):
         return tok(s, add_special_tokens=False)["input_ids"]
-    head, question = enc(intro), enc(question)
-    needles = sorted((d, enc(t)) for d, t in needles)
-    body = length - len(head) - sum(len(t) for _, t in needles) - len(question)
-    kind = "key" if len(needles) == 1 else "keys"
+    head, needle, question = enc(intro), enc(needle), enc(question)
+    body = length - len(head) - len(needle) - len(question)
     if body < 1:
         raise UsageError(f"passkey: a prompt of {length} tokens leaves no room for filler: the "
-                         f"instructions, {kind} and question take {length - body}, so at least "
+                         f"instructions, key and question take {length - body}, so at least "
                          f"{length - body + 1}")
     if body > len(filler):
         raise UsageError(f"passkey: a prompt of {length} tokens needs {body} tokens of filler; "
                          f"the text gives {len(filler)}")
-    out, at = list(head), 0
-    for d, t in needles:
-        cut = int(round(body * d))
-        out += filler[at:cut] + t
-        at = cut
-    return out + filler[at:body], question
+    at = int(round(body * depth))
+    return head + filler[:at] + needle + filler[at:body], question
 
 
 def answer(model, context, question, config, new=DIGITS + 1):
@@ -138,7 +144,7 @@ def is_span(text, code):
 
 def passkey(model, tok, filler, lengths, depths, configs, seed=0, progress=None,
             task="passkey"):
-    """Every (length, depth) trial of `task` (TASKS), a key (or phrase)
+    """Every (length, depth) trial of `task` (TASKS), a key (or code)
     drawn for each, answered by the full model and by each configuration.
     Returns {label: [dict(length, depth, key, answer, correct)]}, "full"
     first.  Not collective."""
@@ -149,15 +155,12 @@ def passkey(model, tok, filler, lengths, depths, configs, seed=0, progress=None,
     everyone = [Config()] + list(configs)
     out = {c.label: [] for c in everyone}
     for n, d, key in trials:
-        if task == "span":
-            context, question = span_prompt(tok, filler, n, d, key)
-        else:
-            context, question = passkey_prompt(tok, filler, n, d, key)
+        context, question = task_prompt(task, tok, filler, n, d, key)
+        grade = is_span if task == "span" else is_key
         for c in everyone:
             text = tok.decode(answer(model, context, question, c, ANSWER_TOKENS[task]))
             out[c.label].append(dict(length=n, depth=d, key=key, answer=text,
-                                     correct=is_span(text, key) if task == "span"
-                                     else is_key(text, key)))
+                                     correct=grade(text, key)))
             if progress:
                 progress()
     return out
