@@ -68,6 +68,8 @@ class Layout(unittest.TestCase):
 
 
 class Cache(unittest.TestCase):
+    CODES = ""  # KQSVD_DECODE of the path read as codes (test_triton_decode: triton)
+
     @classmethod
     def setUpClass(cls):
         cls.cal = Calibrated.get()
@@ -154,13 +156,15 @@ class Cache(unittest.TestCase):
                           (heads, "tiers:w4+0.5xstored+0.5x8@2"),
                           (None, "tiers:w0+1x8@8")):
             p = tiered(self.cal, self.info, pol, QuantScheme(group=8), path)
-            got = []
-            for env in ("", "torch"):
+            got, before = [], os.environ.get("KQSVD_DECODE")
+            for env in (self.CODES, "torch"):
                 os.environ["KQSVD_DECODE"] = env
                 kernel._LIB.clear()
                 with torch.no_grad():
                     got.append(continue_window(model, ids, CTX, Latent(pol, "kqsvd", p), 3)[0])
             os.environ.pop("KQSVD_DECODE")
+            if before is not None:
+                os.environ["KQSVD_DECODE"] = before
             kernel._LIB.clear()
             np.testing.assert_allclose(got[0], got[1], atol=2e-4, rtol=0, err_msg=pol)
 

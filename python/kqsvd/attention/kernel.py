@@ -5,9 +5,13 @@ Dequantizing a whole cache to float32 at every step, as quant.Store's
 values() does, writes and reads back four bytes per cached value where
 the codes hold two to four bits; at long context that traffic sets the
 step's time.  The kernels decode a tile of tokens at a time into a buffer
-that stays in the core's cache.  They serve CPU tensors; elsewhere, or
-without the C library, or with KQSVD_DECODE=torch in the environment, the
-stores dequantize as before (the same values up to float32 round-off).
+that stays in the core's cache.  They serve CPU tensors; tensors on a GPU
+are served by the same two reads in Triton (triton_decode.py).  In float64,
+without the C library (or Triton), or with KQSVD_DECODE=torch in the
+environment, the stores dequantize as before (the same values up to
+float32 round-off).  KQSVD_DECODE=triton runs the Triton kernels on CPU
+tensors too, under Triton's interpreter (TRITON_INTERPRET=1): how they are
+tested without a GPU.
 
 `scores(stores, cuts, q, out)` and `weigh(stores, cuts, p)` take the
 quant.Stores of one side's runs of columns: the tokens they hold
@@ -68,10 +72,52 @@ def _check(lib, status, what=""):
         raise KqsvdError(what + msg)
 
 
+_MODES = ("", "torch", "triton")
+_TRITON = []  # [triton_decode or None], once imported
+
+
+def _triton_decode():
+    """triton_decode, or None where Triton is not installed; imported when
+    first asked, since TRITON_INTERPRET is read as its kernels are made."""
+    if not _TRITON:
+        try:
+            from . import triton_decode
+        except ImportError:
+            triton_decode = None
+        _TRITON.append(triton_decode)
+    return _TRITON[0]
+
+
+def backend(x):
+    """What reads codes in a step over tensors like x: "native" (libkqsvd,
+    CPU tensors), "triton" (GPU tensors, or any under KQSVD_DECODE=triton),
+    or None (dequantized values: float64 runs keep their precision that
+    way).  Raises KqsvdError for a KQSVD_DECODE the kernels cannot honour."""
+    mode = os.environ.get("KQSVD_DECODE", "").lower()
+    if mode not in _MODES:
+        raise KqsvdError(f"KQSVD_DECODE={mode}: expected one of {', '.join(_MODES[1:])}")
+    if mode == "torch" or x.dtype == torch.float64:
+        return None
+    if mode == "triton" or x.device.type == "cuda":
+        if mode == "triton" and x.device.type == "cpu" and \
+                os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise KqsvdError("KQSVD_DECODE=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                             "(Triton's interpreter)")
+        if _triton_decode() is None and mode == "triton":
+            raise KqsvdError("KQSVD_DECODE=triton: Triton is not installed")
+        return "triton" if _triton_decode() is not None else None
+    return "native" if x.device.type == "cpu" and library() is not None else None
+
+
 def available(x):
-    """Whether a step over tensors like x reads codes through the kernels:
-    on the CPU, in float32 or narrower (float64 runs keep their precision
-    through the dequantized values)."""
+    """Whether a step over tensors like x reads codes through the kernels
+    (backend())."""
+    return backend(x) is not None
+
+
+def quantizes(x):
+    """Whether libkqsvd quantizes tensors like x (CPU, float32 or narrower):
+    the same codes as quant.quantize, faster."""
     return x.device.type == "cpu" and x.dtype != torch.float64 and library() is not None
 
 
@@ -79,6 +125,16 @@ def _call(name, stores, a, out, ld):
     """One kernel call on the quantized tokens of stores (runs of columns
     side by side, all holding the same tokens); a and out float32,
     contiguous, [b, H, nq, .]; the caller has checked available()."""
+    if backend(a) == "triton":  # a launch per run: each has its own bits
+        td, at = _triton_decode(), 0
+        for st in stores:
+            n = st.rest.shape[-1]
+            if name == "kqsvd_codes_scores":
+                td.scores(st, a[..., at:at + n].contiguous(), out)
+            else:
+                out[..., at:at + n] += td.weigh(st, a)
+            at += n
+        return
     lib = _LIB[0]
     descs = (_Codes * len(stores))(*[_desc(st) for st in stores])
     st = getattr(lib, name)(descs, len(stores), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
@@ -110,8 +166,8 @@ def quantize_into(x, bits, group, dest):
     """quant.quantize(x, bits, group) written into dest = (codes, scale,
     zero) by libkqsvd (the same codes, scales and zeros to the bit),
     straight into them when they are contiguous; False (nothing written)
-    where the kernels do not serve x (available())."""
-    if not available(x):
+    where the library does not serve x (quantizes())."""
+    if not quantizes(x):
         return False
     quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
     return True
@@ -123,7 +179,7 @@ _RUNS = {}  # (cols, bits) -> their ctypes arrays
 def quantize_runs(x, cols, bits, group, dests):
     """quantize_into for runs of columns side by side in x [..., sum(cols)],
     run k at bits[k] into dests[k] = (codes, scale, zero), in one call
-    (kqsvd_codes_quantize_runs); the caller has checked available(x)."""
+    (kqsvd_codes_quantize_runs); the caller has checked quantizes(x)."""
     lib = _LIB[0]
     x = x.float().contiguous()
     outs = [[d if d.is_contiguous() else torch.empty_like(d) for d in dest] for dest in dests]

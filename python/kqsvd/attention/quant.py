@@ -292,7 +292,7 @@ class RunStore:
         quantized) through the library."""
         return all(s.axis == "token" and not s.residual and s.bits != UNQUANTIZED and
                    (s.rest is None or not s.rest.shape[-2]) for s in self.parts) and \
-            kernel.available(x)
+            kernel.quantizes(x)
 
     def values(self, dtype):
         return torch.cat([s.values(dtype) for s in self.parts], -1)

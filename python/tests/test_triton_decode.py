@@ -1,0 +1,100 @@
+"""The Triton decode kernels (attention/triton_decode.py) on the CPU,
+under Triton's interpreter: the steps, stores and tiers that
+test_decode_codes and test_tiers read through libkqsvd, read through
+Triton instead (KQSVD_DECODE=triton) and held to the same tolerances
+against the dequantized path; the two kernels against libkqsvd's on the
+same stores; and the switch's refusals.  On a GPU the same kernels serve
+CUDA tensors (bench/gpu_decode.sh runs this module there)."""
+import os
+
+# Before Triton makes its kernels: the interpreter is chosen then.
+if not os.environ.get("KQSVD_TRITON_DEVICE"):
+    os.environ["TRITON_INTERPRET"] = "1"
+os.environ["KQSVD_DECODE"] = "triton"
+
+import unittest  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import torch  # noqa: E402
+
+import test_decode_codes  # noqa: E402
+import test_tiers  # noqa: E402
+from kqsvd.attention import kernel  # noqa: E402
+from kqsvd.attention.quant import RunStore, Store  # noqa: E402
+from kqsvd.errors import KqsvdError  # noqa: E402
+
+
+class Steps(test_decode_codes.Steps):
+    pass
+
+
+class Plain(test_decode_codes.Plain):
+    pass
+
+
+class Products(test_decode_codes.Products):
+    pass
+
+
+class Tiers(test_tiers.Cache):
+    CODES = "triton"
+
+
+class AgainstTheLibrary(unittest.TestCase):
+    """Both kernels on the same stores: Triton's and libkqsvd's products
+    to float32 round-off, odd token counts, one column, every width, groups
+    that do not divide the tokens, runs of their own bits."""
+
+    def both(self, st, q, p, N):
+        got = []
+        for mode in ("triton", ""):
+            with mock.patch.dict(os.environ, {"KQSVD_DECODE": mode}):
+                self.assertEqual(kernel.backend(q), mode or "native")
+                got.append((st.scores(q, torch.zeros(*q.shape[:3], N)), st.weigh(p)))
+        return got
+
+    def test_the_same_products(self):
+        self.assertIsNotNone(kernel.library(), "libkqsvd with the decode kernels is not built")
+        g = torch.Generator().manual_seed(3)
+        stores = [(Store(b, group, axis, residual), n)
+                  for b in (2, 3, 4, 8) for axis in ("token", "channel")
+                  for n, group, residual in ((1, 32, 0), (37, 5, 3), (70, 32, 0))]
+        stores.append((RunStore([(5, 8), (20, 3), (1, 2), (6, 4)], 7, "token", 2), 32))
+        stores.append((RunStore([(3, 4), (9, 2)], 4, "channel"), 12))
+        for st, n in stores:
+            for T in (1, 67, 129):
+                st.append(torch.randn(2, 3, T, n, generator=g) * 2 - 1, read=False)
+                N = len(st) + 2
+                q = torch.randn(2, 3, 5, n, generator=g)
+                p = torch.softmax(torch.randn(2, 3, 5, N, generator=g), -1)
+                (s1, w1), (s2, w2) = self.both(st, q, p, N)
+                what = f"{type(st).__name__} {n} columns, {len(st)} tokens"
+                torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-5 * float(s2.abs().max()),
+                                           msg=what)
+                torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-5 * float(w2.abs().max()),
+                                           msg=what)
+
+    def test_the_switch(self):
+        x = torch.zeros(1, 1, 1, 4)
+        self.assertEqual(kernel.backend(x), "triton")
+        self.assertIsNone(kernel.backend(x.double()), "float64 keeps the dequantized path")
+        for env, msg in (({"KQSVD_DECODE": "cuda"}, "KQSVD_DECODE=cuda: expected one of"),
+                         ({"TRITON_INTERPRET": "0"}, "needs TRITON_INTERPRET=1")):
+            with mock.patch.dict(os.environ, env), self.assertRaises(KqsvdError) as e:
+                kernel.backend(x)
+            self.assertIn(msg, str(e.exception))
+        with mock.patch.dict(os.environ, {"KQSVD_DECODE": "torch"}):
+            self.assertIsNone(kernel.backend(x))
+
+
+def load_tests(loader, tests, pattern):
+    suite = unittest.TestSuite()
+    for cls in (Steps, Plain, AgainstTheLibrary):
+        suite.addTests(loader.loadTestsFromTestCase(cls))
+    suite.addTests([Products("test_scores_and_sums"), Products("test_the_codes_are_the_stores"),
+                    Tiers("test_codes_read_as_the_floats")])
+    return suite
+
+
+if __name__ == "__main__":
+    unittest.main()
