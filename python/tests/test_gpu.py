@@ -96,5 +96,68 @@ class OnTheGPU(unittest.TestCase):
             self.assertLess(abs(x["perplexity"] / y["perplexity"] - 1), 1e-7)
 
 
+
+@unittest.skipUnless(cuda(), "PyTorch sees no CUDA device")
+class TritonOnTheGPU(unittest.TestCase):
+    """The Triton decode kernels (attention/triton_decode.py) on CUDA
+    tensors, as kqsvd.compressed() reads them there: the stores' products
+    against their dequantized values in float64, every width, both axes,
+    runs of their own bits; and decode steps of a compressed model read as
+    codes against the same steps dequantized (KQSVD_DECODE=torch)."""
+
+    def test_products(self):
+        import torch
+        from kqsvd.attention import kernel
+        from kqsvd.attention.quant import RunStore, Store
+        dev = torch.device("cuda")
+        self.assertEqual(kernel.backend(torch.zeros(1, device=dev)), "triton")
+        g = torch.Generator(device=dev).manual_seed(0)
+        stores = [(Store(b, group, axis, 2), n) for b in (2, 3, 4, 8)
+                  for axis in ("channel", "token") for n, group in ((1, 32), (37, 8), (190, 32))]
+        stores.append((RunStore([(5, 8), (20, 3), (7, 2)], 4, "token"), 32))
+        for st, n in stores:
+            for T in (1, 77, 1100):  # 1100: the value sum split over programs
+                st.append(torch.randn(2, 3, T, n, generator=g, device=dev) * 3 + 1, read=False)
+                N = len(st)
+                x = st.values(torch.float64).double()
+                q = torch.randn(2, 3, 5, n, generator=g, device=dev)
+                s = st.scores(q, torch.zeros(2, 3, 5, N + 4, device=dev))[..., :N]
+                want = q.double() @ x.transpose(-1, -2)
+                self.assertLess(float((s - want).abs().max()), 1e-5 * float(want.abs().max()))
+                p = torch.softmax(torch.randn(2, 3, 5, N, generator=g, device=dev), -1)
+                want = p.double() @ x
+                self.assertLess(float((st.weigh(p) - want).abs().max()),
+                                1e-5 * float(want.abs().max()))
+
+    def test_decode_steps(self):
+        import torch
+        from unittest import mock
+        from common import orthonormal_projections, tiny_lm
+        from kqsvd.attention import compressed, latent_cache, triton_decode
+        from kqsvd.formats.quant import QuantScheme, with_bits
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64).cuda()
+        proj = with_bits(orthonormal_projections(model, 12, seed=1), (4, 3),
+                         QuantScheme(group=8, residual=3))
+        ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(5)).cuda()
+        got, calls = [], []
+        real = triton_decode.scores
+
+        def counted(*a, **k):
+            calls.append(1)
+            return real(*a, **k)
+        for env in ("", "torch"):
+            with mock.patch.dict(os.environ, {"KQSVD_DECODE": env}), \
+                    mock.patch.object(triton_decode, "scores", counted), torch.no_grad(), \
+                    compressed(model, proj):
+                cache = latent_cache(model)
+                model(input_ids=ids[:, :45], past_key_values=cache, use_cache=True)
+                for t in range(45, 60):
+                    out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                got.append(out.logits.float())
+            if not env:
+                self.assertGreater(len(calls), 0, "the steps read codes through Triton")
+        torch.testing.assert_close(got[0], got[1], rtol=0, atol=1e-4)
+
+
 if __name__ == "__main__":
     unittest.main()
