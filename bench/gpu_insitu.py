@@ -16,8 +16,12 @@ timed with the device synchronised; the figures are medians over the
 windows after --warmup windows.  The fold's rate counts 2 w^2 flops per
 row of width w, as calibrate's --timings does.
 
+--profile then runs one more window with the fold under torch.profiler
+and lists the kernels that take the most device time, the forward
+pass's and the fold's apart: where the overhead goes.
+
     bench/gpu_insitu.py [--models smollm2,llama7b] [--seq-len 2048] [--windows 8]
-                        [--warmup 2] [--methods gram,qr] [--peak 67]
+                        [--warmup 2] [--methods gram,qr] [--peak 67] [--profile]
 """
 import argparse
 import os
@@ -47,6 +51,26 @@ def model_of(key):
     return name, model, cfg
 
 
+def profile(model, cfg, fold, sink, T, gen, top=12):
+    """One window with the capture and the fold under torch.profiler: the
+    kernels with the most device time."""
+    import torch
+    from kqsvd.calibration.capture import Capture
+    ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda", generator=gen)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof, torch.no_grad():
+        with torch.profiler.record_function("forward+capture"):
+            with Capture(model, "llama", cfg, sink, "post", compute="sdpa"):
+                model(input_ids=ids, use_cache=False)
+        with torch.profiler.record_function("flush"):
+            fold.flush()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+    print(f"\nkernels of one window (device time, ms; {top} largest):")
+    for e in rows[:top]:
+        print(f"  {getattr(e, 'device_time_total', 0) / 1e3:9.2f}  x{e.count:<5d} {e.key[:90]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="smollm2,llama7b")
@@ -55,6 +79,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--methods", default="gram,qr")
     ap.add_argument("--peak", type=float, default=67.0, help="FP64 peak, TFLOP/s [67]")
+    ap.add_argument("--profile", action="store_true", help="the kernels of one window")
     args = ap.parse_args()
     import torch
     from kqsvd.calibration.capture import Capture
@@ -106,6 +131,8 @@ def main():
             print(f"| {name} | {method} | {1e3 * f:.1f} ms | {1e3 * i:.1f} ms | "
                   f"{100 * (ratio - 1):+.1f}% | {flops / extra / 1e12:.1f} TFLOP/s "
                   f"({100 * flops / extra / 1e12 / args.peak:.0f}%) |", flush=True)
+            if args.profile:
+                profile(model, cfg, fold, sink, T, gen)
             del fold
         del model
         torch.cuda.empty_cache()

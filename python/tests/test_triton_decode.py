@@ -12,6 +12,9 @@ if not os.environ.get("KQSVD_TRITON_DEVICE"):
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ["KQSVD_DECODE"] = "triton"
 
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import unittest  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -87,9 +90,37 @@ class AgainstTheLibrary(unittest.TestCase):
             self.assertIsNone(kernel.backend(x))
 
 
+class Bench(unittest.TestCase):
+    """bench/gpu_decode.py, the device run's decode figures, on a tiny
+    random model on the CPU: every point and configuration measured, the
+    quarter's bytes below the full cache's, the refusal of bad points."""
+
+    def test_tiny(self):
+        from common import workdir
+        bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_decode.py")
+        out = os.path.join(workdir("gpu-decode"), "rows.json")
+        r = subprocess.run([sys.executable, bench, "--shape", "tiny", "--device", "cpu",
+                            "--points", "90x2,40x1", "--configs", "full,kqsvd", "--steps", "2",
+                            "--chunk", "32", "--rank", "12", "--json", out],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+        self.assertEqual([(x["context"], x["batch"], x["config"]) for x in rows],
+                         [(90, 2, "full"), (90, 2, "kqsvd"), (40, 1, "full"), (40, 1, "kqsvd")])
+        for x in rows:
+            self.assertGreater(x["tokens_per_s"], 0)
+            if x["config"] == "kqsvd":  # rank 12 of 16 at 4 bits, scales of 4 bytes per 32
+                self.assertLess(x["bytes_over_full"], 0.4)
+        r = subprocess.run([sys.executable, bench, "--points", "16k"], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--points '16k': expected CONTEXTxBATCH", r.stderr.splitlines()[-1])
+
+
 def load_tests(loader, tests, pattern):
     suite = unittest.TestSuite()
-    for cls in (Steps, Plain, AgainstTheLibrary):
+    for cls in (Steps, Plain, AgainstTheLibrary, Bench):
         suite.addTests(loader.loadTestsFromTestCase(cls))
     suite.addTests([Products("test_scores_and_sums"), Products("test_the_codes_are_the_stores"),
                     Tiers("test_codes_read_as_the_floats")])

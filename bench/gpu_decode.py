@@ -1,0 +1,225 @@
+#!/bin/sh
+"true" '''\'
+# Runs with the repository's .venv (scripts/hf-env.sh), else python3.
+me=$(readlink -f "$0"); v="$(dirname "$me")/../.venv/bin/python3"
+[ -x "$v" ] || v=python3; exec "$v" "$me" "$@"
+'''
+HELP = """Decode throughput on a GPU: a model of Llama's 7-8B shape (32 layers,
+32 query and 8 KV heads, d = 128, hidden 4096, MLP 14336) with random
+weights in bf16 (the speed depends on the shapes, not on the weights),
+SDPA attention, batch B, a prompt of N random tokens prefilled in chunks,
+then --steps greedy steps timed with the device synchronised:
+
+  full     the full bf16 cache, transformers' DynamicCache (generate()'s)
+  kqsvd    kqsvd.compressed() with random orthonormal projections of rank
+           --rank per KV head, keys and values quantized to --bits (keys per
+           channel, values per token, groups of 32): read as codes by the
+           Triton kernels (attention/triton_decode.py)
+  quanto:B transformers' QuantizedCache (optimum-quanto), its defaults
+           (groups of 64, the newest 128 tokens in bf16)
+
+Each row: tokens/s (batch x steps over the steps' time), the cache's bytes
+over the full cache's, and the device's peak memory.  Points run in the
+order given (the (16384, 8) point first by default) until --budget-s is
+spent; the rest are listed as not run.  --shape tiny --device cpu runs the
+same code on a small random model (Triton's interpreter: set
+TRITON_INTERPRET=1 and KQSVD_DECODE=triton), which is how it is tested.
+
+    bench/gpu_decode.py [--points 16384x8,8192x1,...] [--configs full,kqsvd,quanto:4]
+                        [--steps 16] [--rank 96] [--bits 4] [--budget-s 300] [--json F]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.realpath(__file__)), ".."))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+SHAPES = {  # layers, query heads, KV heads, head_dim, hidden, MLP, vocab
+    "llama7b": (32, 32, 8, 128, 4096, 14336, 32000),
+    "tiny": (2, 4, 2, 16, 64, 128, 97),
+}
+POINTS = ("16384x8,8192x1,8192x8,8192x16,16384x1,16384x16,32768x1,32768x8,32768x16")
+
+
+def model_of(shape, device, max_len):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    L, hq, hkv, d, hidden, mlp, vocab = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=L, num_attention_heads=hq, num_key_value_heads=hkv,
+                      head_dim=d, max_position_embeddings=max_len, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in bf16: no float32 copy of 8 B weights
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(before)
+    return model
+
+
+def projections(model, rank, bits):
+    """Random orthonormal projections of rank `rank` per (layer, KV head),
+    keys and values quantized to `bits`."""
+    import numpy as np
+    from kqsvd.formats.projections import Projections
+    from kqsvd.formats.quant import QuantScheme, with_bits
+    cfg = model.config
+    L, hq, hkv, d = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                     cfg.head_dim)
+    rng = np.random.default_rng(0)
+
+    def orth():
+        return np.stack([np.linalg.qr(rng.standard_normal((d, d)))[0][:, :rank]
+                         for _ in range(hkv)])
+    a, av = [orth() for _ in range(L)], [orth() for _ in range(L)]
+    ranks = np.full(L, rank, dtype=np.int64)
+    p = Projections(path="random", method="kqsvd", policy=f"fixed:{rank}", model="random",
+                    num_layers=L, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                    hidden_size=cfg.hidden_size, rank_k=ranks, rank_v=ranks.copy(),
+                    key_down=a, query_down=a, value_down=av, value_up=av,
+                    rank_k_heads=np.repeat(ranks[:, None], hkv, 1),
+                    rank_v_heads=np.repeat(ranks[:, None], hkv, 1), rope="post")
+    return with_bits(p, (bits, bits), QuantScheme(group=32))
+
+
+def cache_of(config, model):
+    if config == "full":
+        from transformers import DynamicCache
+        return DynamicCache()
+    if config == "kqsvd":
+        from kqsvd.attention import latent_cache
+        return latent_cache(model)
+    from transformers import QuantizedCache
+    backend, bits = config.split(":")
+    return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
+
+
+def one(model, config, N, B, steps, chunk, sync):
+    """(tokens/s, prefill seconds, cache bytes) of one point."""
+    import torch
+    from kqsvd.attention import cache_bytes
+    g = torch.Generator(device=model.device).manual_seed(N + B)
+    ids = torch.randint(0, model.config.vocab_size, (B, N), generator=g, device=model.device)
+    cache = cache_of(config, model)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for at in range(0, N, chunk):
+            out = model(input_ids=ids[:, at:at + chunk], past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+        nxt = out.logits[:, -1:].argmax(-1)
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)  # warm-up step
+        nxt = out.logits[:, -1:].argmax(-1)
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        sync()
+        t2 = time.perf_counter()
+    held = cache_bytes(cache, 2) if config == "kqsvd" else _plain_bytes(cache, config)
+    return B * steps / (t2 - t1), t1 - t0, held
+
+
+def _plain_bytes(cache, config):
+    """Bytes of a transformers cache as a bf16 model holds it: 2 per value;
+    QuantizedCache's as the frontier counts them (quality/peers.py)."""
+    if config == "full":
+        return sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))
+    from kqsvd.quality.peers import QuantizedCachePeer
+    backend, bits = config.split(":")
+    return QuantizedCachePeer(backend, int(bits), 64).nbytes(cache)  # its default groups
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--points", default=POINTS, help="CONTEXTxBATCH,... in the order run")
+    ap.add_argument("--configs", default="full,kqsvd,quanto:4")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward")
+    ap.add_argument("--rank", type=int, default=96)
+    ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    try:
+        a.points = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",")]
+        assert all(len(p) == 2 and min(p) > 0 for p in a.points)
+    except (ValueError, AssertionError):
+        ap.error(f"--points {a.points!r}: expected CONTEXTxBATCH,... (16384x8)")
+    a.configs = a.configs.split(",")
+    bad = [c for c in a.configs if c not in ("full", "kqsvd") and not c.startswith("quanto:")]
+    if bad:
+        ap.error(f"--configs: unknown configuration {bad[0]!r} (full, kqsvd, quanto:B)")
+    if min(a.steps, a.chunk, a.rank) < 1 or a.rank > SHAPES[a.shape][3]:
+        ap.error("--steps and --chunk at least 1, --rank in 1..head_dim")
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    import torch
+    from kqsvd.attention import compressed
+    from kqsvd.errors import KqsvdError
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_decode: PyTorch sees no CUDA device")
+        return 77
+    cuda = a.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = model_of(a.shape, a.device, max(n for n, _ in a.points) + a.steps + 8)
+    proj = projections(model, a.rank, a.bits)
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    print(f"{name}; torch {torch.__version__}; {a.shape}, {a.steps} steps; kqsvd rank "
+          f"{a.rank} at {a.bits} bits\n\n| context | batch | configuration | tokens/s | x full "
+          "| bytes | peak memory | prefill |\n| ---: | ---: | --- | ---: | ---: | ---: | ---: "
+          "| ---: |", flush=True)
+    rows, t0, skipped = [], time.time(), []
+    for N, B in a.points:
+        full = None
+        for config in a.configs:
+            if time.time() - t0 > a.budget_s:
+                skipped.append(f"{N}x{B} {config}")
+                continue
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                if config == "kqsvd":
+                    with compressed(model, proj):
+                        rate, pre, held = one(model, config, N, B, a.steps, a.chunk, sync)
+                else:
+                    rate, pre, held = one(model, config, N, B, a.steps, a.chunk, sync)
+            except (KqsvdError, RuntimeError, ImportError) as e:  # out of memory, no quanto
+                print(f"| {N} | {B} | {config} | failed: {str(e).splitlines()[0][:120]} |||||",
+                      flush=True)
+                rows.append(dict(context=N, batch=B, config=config, error=str(e)[:300]))
+                continue
+            peak = torch.cuda.max_memory_allocated() if cuda else 0
+            if config == "full":
+                full = (rate, held)
+            ratio = rate / full[0] if full else float("nan")
+            frac = held / full[1] if full else float("nan")
+            print(f"| {N} | {B} | {config} | {rate:.1f} | {ratio:.2f}x | {frac:.3f} | "
+                  f"{peak / 2**30:.1f} GiB | {pre:.1f} s |", flush=True)
+            rows.append(dict(context=N, batch=B, config=config, tokens_per_s=rate,
+                             ratio_to_full=ratio, bytes=held, bytes_over_full=frac,
+                             peak_bytes=peak, prefill_s=pre))
+    if skipped:
+        print(f"\nnot run (--budget-s {a.budget_s:g} spent): {', '.join(skipped)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
+                           rank=a.rank, bits=a.bits, rows=rows, not_run=skipped), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 50's device run, prepared so that one call gives every figure in
+# under 8 minutes of device time (run it from the repository's root):
+#   1. the Triton decode kernels' tests on CUDA tensors (test_gpu.TritonOnTheGPU);
+#   2. decode throughput, Llama's 7-8B shape in bf16 at 8k, 16k, 32k tokens
+#      and batch 1, 8, 16: the full cache (SDPA, DynamicCache), kqsvd's
+#      quarter read by the kernels, transformers' QuantizedCache int4
+#      (bench/gpu_decode.py; the (16k, 8) point first, the rest while its
+#      budget lasts);
+#   3. in-situ calibration's cost over the forward pass, 7B shape, Gram fold,
+#      and where its time goes (bench/gpu_insitu.py --profile).
+# optimum-quanto is not on the device's image: its wheel travels in .whl
+# (pip download --no-deps optimum-quanto==0.2.7 -d .whl), installed here
+# into /tmp/site.  Outputs: $OUT (the device tool's folder) or bench-out/.
+#
+#   bench/gpu_decode.sh
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/bench-out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+t0=$SECONDS
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+timeout 150 $py python/tests/run.py test_gpu.TritonOnTheGPU 2>&1 | tee "$out/tests.txt" | tail -n 4
+echo "gpu_decode.sh: tests done at $((SECONDS - t0)) s"
+timeout 330 $py bench/gpu_decode.py --budget-s 280 --json "$out/gpu_decode.json" 2>&1 |
+  grep -v Warning | tee "$out/gpu_decode.txt"
+echo "gpu_decode.sh: decode done at $((SECONDS - t0)) s"
+timeout 90 $py bench/gpu_insitu.py --models llama7b --methods gram --windows 6 --profile 2>&1 |
+  tee "$out/gpu_insitu.txt"
+echo "gpu_decode.sh: done in $((SECONDS - t0)) s"
