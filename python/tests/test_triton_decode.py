@@ -3,13 +3,16 @@ under Triton's interpreter: the steps, stores and tiers that
 test_decode_codes and test_tiers read through libkqsvd, read through
 Triton instead (KQSVD_DECODE=triton) and held to the same tolerances
 against the dequantized path; the two kernels against libkqsvd's on the
-same stores; and the switch's refusals.  On a GPU the same kernels serve
-CUDA tensors (bench/gpu_decode.sh runs this module there)."""
+same stores; bench/gpu_decode.py on a tiny model; and the switch's
+refusals.  On a GPU the same kernels serve CUDA tensors: test_gpu's
+TritonOnTheGPU checks them there (bench/gpu_decode.sh runs it).
+
+The switches are set for the whole process (run.py runs one module per
+process), before Triton makes its kernels: the interpreter is chosen
+then."""
 import os
 
-# Before Triton makes its kernels: the interpreter is chosen then.
-if not os.environ.get("KQSVD_TRITON_DEVICE"):
-    os.environ["TRITON_INTERPRET"] = "1"
+os.environ["TRITON_INTERPRET"] = "1"
 os.environ["KQSVD_DECODE"] = "triton"
 
 import json  # noqa: E402

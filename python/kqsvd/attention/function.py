@@ -113,9 +113,16 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             q, k = (F.pad(x, (0, wv - wk)) for x in (q, k))
         elif wv < wk:
             v = F.pad(v, (0, wk - wv))
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and mask is not None and q.is_cuda:
+            # CUDA's fused kernels take no mask with enable_gqa: the math
+            # kernel would hold every score of a prefill chunk in float32
+            # (34 GB at 2,048 x 16,384 tokens, batch 8, 32 heads); the
+            # r-wide latents repeated per query head cost far less.
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))
+            gqa = False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop,
-                                             is_causal=causal, scale=scaling,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+                                             is_causal=causal, scale=scaling, enable_gqa=gqa)
         return out[..., :wv] if wv < wk else out, None
 
     heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, cos, sin))

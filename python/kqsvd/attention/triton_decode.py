@@ -17,20 +17,27 @@ scores: out[s, i, t] += sum_c q[s, i, c] * x[s, t, c]; one program per
 weigh: out[s, i, c] = sum_t p[s, i, t] * x[s, t, c]; the tokens split
 among programs (flash-decoding's split-K: a long cache and a batch of one
 still fill the device), each split's partial sum reduced after."""
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-# 16: tl.dot's smallest side; larger tiles cost registers for no gain at
-# the few query rows (a group's heads times the step's tokens) of a step
-BQ, BT, BC = 16, 64, 32
+# Query rows per program: all of a step's (a group's heads times the
+# step's tokens) up to BQ_MAX, at least tl.dot's smallest side, 16; the
+# value sum decodes each tile once for all of them.
+BQ_MIN, BQ_MAX, BT, BC = 16, 64, 64, 32
 SPLIT_TOKENS = 1024  # tokens per program of weigh, a multiple of BT
+# Sizes that change from step to step or from slice to slice are not
+# specialised on (Triton would compile again each time one turns a
+# multiple of 16, inside a decode loop); only bits, the group and the
+# axis make a kernel of their own.
+_RUNTIME = ["nq", "ncols", "ntok", "cap", "pw", "ng"]
 
 
 @triton.jit
-def _decoded(codes, scale, zero, s, t, c, valid, cap, ncols,
-             BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr,
-             PW: tl.constexpr, NG: tl.constexpr):
+def _decoded(codes, scale, zero, s, t, c, valid, cap, ncols, pw, ng,
+             BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr):
     """The values of tokens t and columns c (broadcast against each other)
     of slice s, 0 where not valid, float32 (code * scale + zero)."""
     s = s.to(tl.int64)
@@ -41,9 +48,9 @@ def _decoded(codes, scale, zero, s, t, c, valid, cap, ncols,
     else:        # row: one token's columns
         row = s * cap + t
         idx = c
-        at = row * NG + c // GROUP
+        at = row * ng + c // GROUP
     bit = idx * BITS
-    byte = row * PW + bit // 8
+    byte = row * pw + bit // 8
     word = tl.load(codes + byte, mask=valid, other=0).to(tl.int32)
     if BITS == 3:  # a 3-bit code may run into the next byte, which the row holds
         word = word | (tl.load(codes + byte + 1, mask=valid & (bit % 8 > 5),
@@ -54,10 +61,9 @@ def _decoded(codes, scale, zero, s, t, c, valid, cap, ncols,
     return tl.where(valid, code * sc + ze, 0.0)
 
 
-@triton.jit
-def _scores(q, out, codes, scale, zero, nq, ncols, ntok, cap, ld_out,
+@triton.jit(do_not_specialize=_RUNTIME + ["ld_out"])
+def _scores(q, out, codes, scale, zero, nq, ncols, ntok, cap, pw, ng, ld_out,
             BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr,
-            PW: tl.constexpr, NG: tl.constexpr,
             BQ: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     s = tl.program_id(0)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -68,18 +74,17 @@ def _scores(q, out, codes, scale, zero, nq, ncols, ntok, cap, ld_out,
         qv = tl.load(q + (s.to(tl.int64) * nq + i[:, None]) * ncols + c[None, :],
                      mask=(i[:, None] < nq) & (c[None, :] < ncols), other=0.0)
         kv = _decoded(codes, scale, zero, s, t[None, :], c[:, None],
-                      (c[:, None] < ncols) & (t[None, :] < ntok), cap, ncols,
-                      BITS, GROUP, CHANNEL, PW, NG)
+                      (c[:, None] < ncols) & (t[None, :] < ntok), cap, ncols, pw, ng,
+                      BITS, GROUP, CHANNEL)
         acc += tl.dot(qv, kv, input_precision="ieee")
     at = out + (s.to(tl.int64) * nq + i[:, None]) * ld_out + t[None, :]
     m = (i[:, None] < nq) & (t[None, :] < ntok)
     tl.store(at, tl.load(at, mask=m, other=0.0) + acc, mask=m)
 
 
-@triton.jit
-def _weigh(p, part, codes, scale, zero, nq, ncols, ntok, cap, ld_p, nslices, per_split,
+@triton.jit(do_not_specialize=_RUNTIME + ["ld_p", "nslices"])
+def _weigh(p, part, codes, scale, zero, nq, ncols, ntok, cap, pw, ng, ld_p, nslices, per_split,
            BITS: tl.constexpr, GROUP: tl.constexpr, CHANNEL: tl.constexpr,
-           PW: tl.constexpr, NG: tl.constexpr,
            BQ: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     s = tl.program_id(0)
     split = tl.program_id(1)
@@ -94,21 +99,26 @@ def _weigh(p, part, codes, scale, zero, nq, ncols, ntok, cap, ld_p, nslices, per
             pv = tl.load(p + (s.to(tl.int64) * nq + i[:, None]) * ld_p + t[None, :],
                          mask=(i[:, None] < nq) & (t[None, :] < end), other=0.0)
             vv = _decoded(codes, scale, zero, s, t[:, None], c[None, :],
-                          (t[:, None] < end) & (c[None, :] < ncols), cap, ncols,
-                          BITS, GROUP, CHANNEL, PW, NG)
+                          (t[:, None] < end) & (c[None, :] < ncols), cap, ncols, pw, ng,
+                          BITS, GROUP, CHANNEL)
             acc += tl.dot(pv, vv, input_precision="ieee")
         at = part + ((split.to(tl.int64) * nslices + s) * nq + i[:, None]) * ncols + c[None, :]
         tl.store(at, acc, mask=(i[:, None] < nq) & (c[None, :] < ncols))
 
 
 def _layout(st):
-    """The constants of one quant.Store's buffers: (bits, group, channel,
-    packed bytes per row, groups per token row)."""
+    """(packed bytes per row, groups per token row) of a quant.Store's
+    buffers, and its constants: bits, group, axis."""
     n = st.rest.shape[-1]
     channel = st.axis == "channel"
     width = st.group if channel else n
-    return dict(BITS=st.bits, GROUP=st.group, CHANNEL=channel,
-                PW=(width + 7) // 8 * st.bits, NG=-(-n // st.group))
+    return ((width + 7) // 8 * st.bits, -(-n // st.group)), \
+        dict(BITS=st.bits, GROUP=st.group, CHANNEL=channel)
+
+
+def _rows(nq):
+    """Query rows per program (BQ)."""
+    return min(max(triton.next_power_of_2(nq), BQ_MIN), BQ_MAX)
 
 
 def scores(st, q, out):
@@ -116,9 +126,12 @@ def scores(st, q, out):
     first st.done tokens of quant.Store st, read as codes."""
     codes, scale, zero = st.buffers
     b, H, nq, n = q.shape
+    sizes, const = _layout(st)
+    BQ = _rows(nq)
     grid = (b * H, triton.cdiv(st.done, BT), triton.cdiv(nq, BQ))
-    _scores[grid](q, out, codes, scale, zero, nq, n, st.done, st.capacity(), out.shape[-1],
-                  **_layout(st), BQ=BQ, BT=BT, BC=BC)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # Triton: current device
+        _scores[grid](q, out, codes, scale, zero, nq, n, st.done, st.capacity(), *sizes,
+                      out.shape[-1], **const, BQ=BQ, BT=BT, BC=BC)
 
 
 def weigh(st, p):
@@ -127,9 +140,12 @@ def weigh(st, p):
     codes, scale, zero = st.buffers
     b, H, nq, N = p.shape
     n = st.rest.shape[-1]
+    sizes, const = _layout(st)
     splits = triton.cdiv(st.done, SPLIT_TOKENS)
     part = torch.empty(splits, b * H, nq, n, dtype=torch.float32, device=p.device)
-    _weigh[(b * H, splits, triton.cdiv(n, BC))](
-        p, part, codes, scale, zero, nq, n, st.done, st.capacity(), N, b * H, SPLIT_TOKENS,
-        **_layout(st), BQ=BQ, BT=BT, BC=BC)
-    return part.sum(0).view(b, H, nq, n)
+    with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
+        _weigh[(b * H, splits, triton.cdiv(n, BC))](
+            p, part, codes, scale, zero, nq, n, st.done, st.capacity(), *sizes, N, b * H,
+            SPLIT_TOKENS, **const, BQ=_rows(nq), BT=BT, BC=BC)
+    return (part[0] if splits == 1 else part.sum(0)).view(b, H, nq, n)
+
