@@ -15,18 +15,25 @@ then --steps greedy steps timed with the device synchronised:
            --rank per KV head, keys and values quantized to --bits (keys per
            channel, values per token, groups of 32): read as codes by the
            Triton kernels (attention/triton_decode.py)
-  quanto:B transformers' QuantizedCache (optimum-quanto), its defaults
-           (groups of 64, the newest 128 tokens in bf16)
+  hqq:B    transformers' QuantizedCache over HQQ (pure PyTorch), and
+  quanto:B over optimum-quanto, both with its defaults (groups of 64, the
+           newest 128 tokens in bf16).  quanto's unpacking on CUDA is a
+           C++/CUDA extension it compiles on first use (minutes): its rows
+           run last, and with --quanto-ready F only once F exists (the
+           device script builds the extension beside the other rows)
 
-Each row: tokens/s (batch x steps over the steps' time), the cache's bytes
-over the full cache's, and the device's peak memory.  Points run in the
-order given (the (16384, 8) point first by default) until --budget-s is
-spent; the rest are listed as not run.  --shape tiny --device cpu runs the
-same code on a small random model (Triton's interpreter: set
-TRITON_INTERPRET=1 and KQSVD_DECODE=triton), which is how it is tested.
+Each row: tokens/s (batch x steps over the steps' time, after --warmup
+untimed steps), the cache's bytes over the full cache's, the device's
+peak memory (the prefill's included), and the prefill's time.  Points run
+in the order given (the (16384, 8) point first by default) until
+--budget-s is spent; the rest are listed as not run; --json is rewritten
+after every row.  --shape tiny --device cpu runs the same code on a small
+random model (Triton's interpreter: set TRITON_INTERPRET=1 and
+KQSVD_DECODE=triton), which is how it is tested.
 
-    bench/gpu_decode.py [--points 16384x8,8192x1,...] [--configs full,kqsvd,quanto:4]
-                        [--steps 16] [--rank 96] [--bits 4] [--budget-s 300] [--json F]
+    bench/gpu_decode.py [--points 16384x8,8192x1,...] [--configs full,kqsvd,hqq:4,quanto:4]
+                        [--steps 16] [--warmup 4] [--rank 96] [--bits 4] [--budget-s 300]
+                        [--json F] [--quanto-ready F]
 """
 import argparse
 import json
@@ -100,8 +107,9 @@ def cache_of(config, model):
     return QuantizedCache(backend=backend, config=model.config, nbits=int(bits))
 
 
-def one(model, config, N, B, steps, chunk, sync):
-    """(tokens/s, prefill seconds, cache bytes) of one point."""
+def one(model, config, N, B, a, sync):
+    """(tokens/s, prefill seconds, cache bytes) of one point: a prefill in
+    chunks, a.warmup steps, a.steps timed."""
     import torch
     from kqsvd.attention import cache_bytes
     g = torch.Generator(device=model.device).manual_seed(N + B)
@@ -109,21 +117,22 @@ def one(model, config, N, B, steps, chunk, sync):
     cache = cache_of(config, model)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for at in range(0, N, chunk):
-            out = model(input_ids=ids[:, at:at + chunk], past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+        for at in range(0, N, a.chunk):
+            out = model(input_ids=ids[:, at:at + a.chunk], past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)  # warm-up step
-        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(a.warmup):  # the kernels compiled, the buffers grown
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t1 = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(a.steps):
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t2 = time.perf_counter()
     held = cache_bytes(cache, 2) if config == "kqsvd" else _plain_bytes(cache, config)
-    return B * steps / (t2 - t1), t1 - t0, held
+    return B * a.steps / (t2 - t1), t1 - t0, held
 
 
 def _plain_bytes(cache, config):
@@ -142,13 +151,16 @@ def parse(argv):
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama7b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--points", default=POINTS, help="CONTEXTxBATCH,... in the order run")
-    ap.add_argument("--configs", default="full,kqsvd,quanto:4")
+    ap.add_argument("--configs", default="full,kqsvd,hqq:4,quanto:4")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps first [4]")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward")
     ap.add_argument("--rank", type=int, default=96)
     ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     ap.add_argument("--budget-s", type=float, default=300.0)
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="the rows, rewritten after each")
+    ap.add_argument("--quanto-ready", help="a file that exists once optimum-quanto's CUDA "
+                    "extension is built: quanto rows run only then")
     a = ap.parse_args(argv)
     try:
         a.points = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",")]
@@ -156,68 +168,83 @@ def parse(argv):
     except (ValueError, AssertionError):
         ap.error(f"--points {a.points!r}: expected CONTEXTxBATCH,... (16384x8)")
     a.configs = a.configs.split(",")
-    bad = [c for c in a.configs if c not in ("full", "kqsvd") and not c.startswith("quanto:")]
+    bad = [c for c in a.configs if c not in ("full", "kqsvd") and
+           not (c.split(":")[0] in ("quanto", "hqq") and c.split(":")[-1] in ("2", "4"))]
     if bad:
-        ap.error(f"--configs: unknown configuration {bad[0]!r} (full, kqsvd, quanto:B)")
-    if min(a.steps, a.chunk, a.rank) < 1 or a.rank > SHAPES[a.shape][3]:
-        ap.error("--steps and --chunk at least 1, --rank in 1..head_dim")
+        ap.error(f"--configs: unknown configuration {bad[0]!r} (full, kqsvd, quanto:B, hqq:B; "
+                 "B 2 or 4)")
+    if min(a.steps, a.chunk, a.rank) < 1 or a.warmup < 0 or a.rank > SHAPES[a.shape][3]:
+        ap.error("--steps and --chunk at least 1, --warmup at least 0, --rank in 1..head_dim")
     return a
+
+
+def measure(model, proj, config, N, B, a, sync):
+    """One row: the point's figures, or why it has none."""
+    import torch
+    from kqsvd.attention import compressed
+    if config.startswith("quanto:") and a.quanto_ready and not os.path.exists(a.quanto_ready):
+        return dict(error="not run: optimum-quanto's CUDA extension was still compiling")
+    if torch.cuda.is_available() and a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        if config == "kqsvd":
+            with compressed(model, proj):
+                rate, pre, held = one(model, config, N, B, a, sync)
+        else:
+            rate, pre, held = one(model, config, N, B, a, sync)
+    except Exception as e:  # out of memory, a missing backend, a kernel that fails
+        return dict(error=(str(e) or type(e).__name__).splitlines()[0][:300])
+    peak = torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else 0
+    return dict(tokens_per_s=rate, bytes=held, peak_bytes=peak, prefill_s=pre)
 
 
 def main(argv=None):
     a = parse(argv)
     import torch
-    from kqsvd.attention import compressed
-    from kqsvd.errors import KqsvdError
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_decode: PyTorch sees no CUDA device")
         return 77
     cuda = a.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = model_of(a.shape, a.device, max(n for n, _ in a.points) + a.steps + 8)
+    model = model_of(a.shape, a.device, max(n for n, _ in a.points) + a.steps + a.warmup + 8)
     proj = projections(model, a.rank, a.bits)
     name = torch.cuda.get_device_name(0) if cuda else "CPU"
-    print(f"{name}; torch {torch.__version__}; {a.shape}, {a.steps} steps; kqsvd rank "
-          f"{a.rank} at {a.bits} bits\n\n| context | batch | configuration | tokens/s | x full "
-          "| bytes | peak memory | prefill |\n| ---: | ---: | --- | ---: | ---: | ---: | ---: "
-          "| ---: |", flush=True)
-    rows, t0, skipped = [], time.time(), []
-    for N, B in a.points:
-        full = None
-        for config in a.configs:
-            if time.time() - t0 > a.budget_s:
-                skipped.append(f"{N}x{B} {config}")
-                continue
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                if config == "kqsvd":
-                    with compressed(model, proj):
-                        rate, pre, held = one(model, config, N, B, a.steps, a.chunk, sync)
-                else:
-                    rate, pre, held = one(model, config, N, B, a.steps, a.chunk, sync)
-            except (KqsvdError, RuntimeError, ImportError) as e:  # out of memory, no quanto
-                print(f"| {N} | {B} | {config} | failed: {str(e).splitlines()[0][:120]} |||||",
-                      flush=True)
-                rows.append(dict(context=N, batch=B, config=config, error=str(e)[:300]))
-                continue
-            peak = torch.cuda.max_memory_allocated() if cuda else 0
+    print(f"{name}; torch {torch.__version__}; {a.shape}, {a.warmup} + {a.steps} steps; kqsvd "
+          f"rank {a.rank} at {a.bits} bits\n\n| context | batch | configuration | tokens/s | "
+          "x full | bytes | peak memory | prefill |\n| ---: | ---: | --- | ---: | ---: | ---: "
+          "| ---: | ---: |", flush=True)
+    rows, t0, full = [], time.time(), {}
+    # quanto last: its CUDA extension compiles (once) while the others run
+    late = [c for c in a.configs if c.startswith("quanto:")]
+    order = [(p, c) for p in a.points for c in a.configs if c not in late]
+    order += [(p, c) for c in late for p in a.points]
+    for (N, B), config in order:
+        row = dict(context=N, batch=B, config=config)
+        if time.time() - t0 > a.budget_s:
+            row["error"] = f"not run: --budget-s {a.budget_s:g} spent"
+        else:
+            row.update(measure(model, proj, config, N, B, a, sync))
+        if "error" in row:
+            print(f"| {N} | {B} | {config} | {row['error'][:120]} | | | | |", flush=True)
+        else:
             if config == "full":
-                full = (rate, held)
-            ratio = rate / full[0] if full else float("nan")
-            frac = held / full[1] if full else float("nan")
-            print(f"| {N} | {B} | {config} | {rate:.1f} | {ratio:.2f}x | {frac:.3f} | "
-                  f"{peak / 2**30:.1f} GiB | {pre:.1f} s |", flush=True)
-            rows.append(dict(context=N, batch=B, config=config, tokens_per_s=rate,
-                             ratio_to_full=ratio, bytes=held, bytes_over_full=frac,
-                             peak_bytes=peak, prefill_s=pre))
-    if skipped:
-        print(f"\nnot run (--budget-s {a.budget_s:g} spent): {', '.join(skipped)}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
-                           rank=a.rank, bits=a.bits, rows=rows, not_run=skipped), f, indent=1)
+                full[N, B] = row
+            f = full.get((N, B))
+            row["ratio_to_full"] = row["tokens_per_s"] / f["tokens_per_s"] if f else None
+            row["bytes_over_full"] = row["bytes"] / f["bytes"] if f else None
+            print(f"| {N} | {B} | {config} | {row['tokens_per_s']:.1f} | "
+                  f"{row['ratio_to_full'] or float('nan'):.2f}x | "
+                  f"{row['bytes_over_full'] or float('nan'):.3f} | "
+                  f"{row['peak_bytes'] / 2**30:.1f} GiB | {row['prefill_s']:.1f} s |", flush=True)
+        rows.append(row)
+        if a.json:  # after every row: a run cut short keeps what it measured
+            tmp = f"{a.json}.{os.getpid()}.tmp"
+            with open(tmp, "w") as fh:
+                json.dump(dict(device=name, torch=torch.__version__, shape=a.shape,
+                               steps=a.steps, warmup=a.warmup, rank=a.rank, bits=a.bits,
+                               rows=rows), fh, indent=1)
+            os.replace(tmp, a.json)
     return 0
 
 
