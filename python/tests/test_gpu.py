@@ -129,6 +129,22 @@ class TritonOnTheGPU(unittest.TestCase):
                 self.assertLess(float((st.weigh(p) - want).abs().max()),
                                 1e-5 * float(want.abs().max()))
 
+    def test_quantizes_to_the_bit(self):
+        import torch
+        from kqsvd.attention import kernel
+        from kqsvd.attention.quant import quantize
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for x in (torch.randn(3, 5, 37, generator=g, device="cuda") * 4,
+                  torch.randint(-8, 9, (1, 4, 64), generator=g, device="cuda").float() / 2,
+                  torch.randn(2, 8, 1, 96, generator=g, device="cuda").to(torch.bfloat16)):
+            for bits in (2, 3, 4, 8):
+                for group in (3, 32):
+                    want = quantize(x, bits, group)
+                    got = [torch.zeros_like(w) for w in want]
+                    self.assertTrue(kernel.quantize_into(x, bits, group, got))
+                    for a, b, name in zip(got, want, ("codes", "scale", "zero")):
+                        self.assertTrue(torch.equal(a, b), f"{name}: {bits} bits, group {group}")
+
     def test_decode_steps(self):
         import torch
         from unittest import mock

@@ -80,6 +80,44 @@ class AgainstTheLibrary(unittest.TestCase):
                 torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-5 * float(w2.abs().max()),
                                            msg=what)
 
+    def test_quantizes_to_the_bit(self):
+        """triton_decode.quantize_into against quant.quantize, the
+        documented scheme: random rows, exact halves (ties to even),
+        constant groups (scale 0), short last groups, bf16 input, and a
+        store's own strided view as the destination."""
+        from kqsvd.attention import triton_decode
+        from kqsvd.attention.quant import quantize
+        g = torch.Generator().manual_seed(1)
+        cases = [torch.randn(3, 5, 37, generator=g) * 4,
+                 torch.randint(-8, 9, (1, 4, 64), generator=g).float() / 2,
+                 torch.full((1, 2, 16), 0.3), torch.randn(1, 7, 3, generator=g) * 1e3,
+                 torch.randn(2, 2, 9, 33, generator=g).to(torch.bfloat16)]
+        for x in cases:
+            for bits in (2, 3, 4, 8):
+                for group in (1, 3, 8, 32):
+                    want = quantize(x, bits, group)
+                    got = [torch.zeros_like(w) for w in want]
+                    self.assertTrue(triton_decode.quantize_into(x, bits, group, got))
+                    for a, b, name in zip(got, want, ("codes", "scale", "zero")):
+                        self.assertTrue(torch.equal(a, b), f"{name}: {bits} bits, group {group}")
+        st = Store(3, 8, "token")
+        st.append(torch.randn(2, 3, 5, 20, generator=g), read=False)
+        y = torch.randn(2, 3, 1, 20, generator=g)
+        dest, _ = st.reserve(y, -2)
+        self.assertFalse(dest[0].is_contiguous())
+        self.assertTrue(triton_decode.quantize_into(y, 3, 8, dest))
+        for a, b in zip(dest, quantize(y, 3, 8)):
+            self.assertTrue(torch.equal(a, b))
+        # per channel: blocks of 4 tokens, each channel's 4 values a row,
+        # written into the store's view of its next blocks
+        st = Store(2, 4, "channel")
+        st.append(torch.randn(2, 3, 8, 6, generator=g), read=False)
+        y = torch.randn(2, 3, 8, 6, generator=g).view(2, 3, 2, 4, 6).transpose(-1, -2)
+        dest, _ = st.reserve(y, -3)
+        self.assertTrue(triton_decode.quantize_into(y, 2, 4, dest))
+        for a, b in zip(dest, quantize(y, 2, 4)):
+            self.assertTrue(torch.equal(a, b))
+
     def test_the_switch(self):
         x = torch.zeros(1, 1, 1, 4)
         self.assertEqual(kernel.backend(x), "triton")

@@ -166,11 +166,16 @@ def quantize_into(x, bits, group, dest):
     """quant.quantize(x, bits, group) written into dest = (codes, scale,
     zero) by libkqsvd (the same codes, scales and zeros to the bit),
     straight into them when they are contiguous; False (nothing written)
-    where the library does not serve x (quantizes())."""
-    if not quantizes(x):
-        return False
-    quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
-    return True
+    where neither Triton (triton_decode.quantize_into, for CUDA tensors:
+    one launch where quant.quantize takes some twenty, at every layer of
+    every step) nor the library (quantizes()) serves x."""
+    if x.is_cuda and backend(x) == "triton" and \
+            _triton_decode().quantize_into(x, bits, group, dest):
+        return True
+    if quantizes(x):
+        quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
+        return True
+    return False
 
 
 _RUNS = {}  # (cols, bits) -> their ctypes arrays

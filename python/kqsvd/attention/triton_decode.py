@@ -149,3 +149,93 @@ def weigh(st, p):
             SPLIT_TOKENS, **const, BQ=_rows(nq), BT=BT, BC=BC)
     return (part[0] if splits == 1 else part.sum(0)).view(b, H, nq, n)
 
+
+
+@triton.jit
+def _round_even(v):
+    """Round half to even, as torch.round (libdevice's rint has no
+    interpreter counterpart)."""
+    f = tl.floor(v)
+    d = v - f
+    return tl.where(d > 0.5, f + 1.0,
+                    tl.where(d < 0.5, f, f + (f.to(tl.int32) & 1).to(tl.float32)))
+
+
+@triton.jit(do_not_specialize=["n", "nq_rows", "sp_c", "sq_c", "sp_s", "sq_s"])
+def _quantize(x, codes, scale, zero, n, nq_rows, sp_c, sq_c, sp_s, sq_s,
+              BITS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr,
+              N8: tl.constexpr):
+    """One row of n values: its groups' float16 zero and scale, then its
+    codes packed eight at a time into BITS bytes (quant.quantize)."""
+    r = tl.program_id(0).to(tl.int64)
+    p, q = r // nq_rows, r % nq_rows
+    top = (1 << BITS) - 1
+    g = tl.arange(0, NGP)[:, None]
+    j = tl.arange(0, GP)[None, :]
+    c = g * GROUP + j
+    valid = (j < GROUP) & (c < n)
+    v = tl.load(x + r * n + c, mask=valid, other=0.0)
+    lo = tl.min(tl.where(valid, v, float("inf")), axis=1)
+    hi = tl.max(tl.where(valid, v, float("-inf")), axis=1)
+    z16 = lo.to(tl.float16)
+    s16 = tl.math.div_rn(hi - lo, top * 1.0).to(tl.float16)
+    gs = tl.arange(0, NGP)
+    at = p * sp_s + q * sq_s + gs
+    ng = (n + GROUP - 1) // GROUP
+    tl.store(zero + at, z16, mask=gs < ng)
+    tl.store(scale + at, s16, mask=gs < ng)
+    tl.debug_barrier()  # read back below by other threads, column by column
+    # the codes in packing order: chunk k of 8 columns, column 8k + i
+    k = tl.arange(0, N8)[:, None]
+    i = tl.arange(0, 8)[None, :]
+    col = k * 8 + i
+    inside = col < n
+    xv = tl.load(x + r * n + col, mask=inside, other=0.0)
+    sg = tl.load(scale + p * sp_s + q * sq_s + col // GROUP, mask=inside, other=0.0)
+    zg = tl.load(zero + p * sp_s + q * sq_s + col // GROUP, mask=inside, other=0.0)
+    s = sg.to(tl.float32)
+    z = zg.to(tl.float32)
+    qv = tl.where(s > 0, _round_even(tl.math.div_rn(xv - z, tl.where(s > 0, s, 1.0))), 0.0)
+    code = tl.where(inside, tl.minimum(tl.maximum(qv, 0.0), top * 1.0), 0.0).to(tl.int64)
+    word = tl.sum(code << (i * BITS).to(tl.int64), axis=1)  # [N8], 8 codes
+    b = tl.arange(0, 8)[None, :]
+    byte = ((word[:, None] >> (8 * b).to(tl.int64)) & 255).to(tl.uint8)
+    npk = (n + 7) // 8
+    tl.store(codes + p * sp_c + q * sq_c + k * BITS + b, byte, mask=(b < BITS) & (k < npk))
+
+
+def _as_rows(t):
+    """t [*lead, width] as (P, Q) rows with a stride each, P the first two
+    leading dimensions together (sequences and heads), Q the rest: the
+    views Store.reserve hands out are such; None where t is not."""
+    lead = t.shape[:-1]
+    P = lead[0] * lead[1] if len(lead) >= 2 else 1
+    Q = t[..., 0].numel() // max(P, 1)
+    try:
+        v = t.view(P, Q, t.shape[-1])
+    except RuntimeError:
+        return None
+    return v, v.stride(0), v.stride(1)
+
+
+def quantize_into(x, bits, group, dest):
+    """quant.quantize(x, bits, group) written into dest = (codes, scale,
+    zero), the same codes, scales and zeros to the bit; x on the kernels'
+    device.  False (nothing written) where dest's layout is not rows
+    (_as_rows) or a row is wider than one program takes."""
+    n = x.shape[-1]
+    if n > 4096 or group > 4096:
+        return False
+    rows = [_as_rows(d) for d in dest]
+    if any(r is None for r in rows) or rows[1][1:] != rows[2][1:]:
+        return False
+    (_, sp_c, sq_c), (_, sp_s, sq_s) = rows[0], rows[1]
+    xs = x.float().contiguous()
+    R = xs.numel() // max(n, 1)
+    Q = rows[0][0].shape[1]
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _quantize[(R,)](xs, dest[0], dest[1], dest[2], n, Q, sp_c, sq_c, sp_s, sq_s,
+                        BITS=bits, GROUP=group, GP=triton.next_power_of_2(group),
+                        NGP=triton.next_power_of_2(-(-n // group)),
+                        N8=triton.next_power_of_2(-(-n // 8)))
+    return True
