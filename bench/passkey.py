@@ -306,6 +306,7 @@ def write(path, report, folders):
 
 def run(a):
     filler, projs, folders = check(a)
+    import numpy as np
     import torch
     from kqsvd import models
     from kqsvd.formats.quant import QuantScheme
@@ -316,10 +317,8 @@ def run(a):
     configs = [PlainQuant(b, QuantScheme()) for b in a.plain]
     configs += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
     configs += a.composites
-    kept = {}
     for stem, pol, p in projs:
         configs.append(Latent(pol, "kqsvd", p, f" [{stem}]"))
-        kept[configs[-1].label] = p.cache_kept()
     model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
     total = len(a.lengths) * len(a.depths) * (1 + len(configs))
     done = [0]
@@ -329,14 +328,19 @@ def run(a):
         print(f"passkey: {done[0]}/{total} answers, {time.time() - t0:.0f} s", file=sys.stderr,
               flush=True)
     rows = passkey(model, tok, filler, a.lengths, a.depths, configs, a.seed, progress, a.task)
+    # the bytes each cache held after the prompt's context, over the full
+    # model's, as measured (a tiered layout's depend on the length)
+    kept = {label: {str(n): float(np.mean([r["kept"] for r in got if r["length"] == n]))
+                    for n in a.lengths} for label, got in rows.items()}
     report = dict(model=a.model, task=a.task, text=os.path.basename(a.text), lengths=a.lengths,
                   depths=a.depths, dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
     write(a.json, report, folders)
     w = max(len(k) for k in rows) + 2
-    print(f"{'configuration':<{w}}" + "".join(f"{n:>8}" for n in a.lengths))
+    print(f"{'configuration':<{w}}" + "".join(f"{n:>8} {'kept':>6}" for n in a.lengths))
     for label, got in rows.items():
-        print(f"{label:<{w}}" + "".join(f"{100 * accuracy(got, n):>7.0f}%" for n in a.lengths))
+        print(f"{label:<{w}}" + "".join(f"{100 * accuracy(got, n):>7.0f}% "
+                                        f"{100 * kept[label][str(n)]:>5.1f}%" for n in a.lengths))
     print(f"passkey ({a.task}): {len(a.depths)} depths per length, wrote {a.json} in "
           f"{time.time() - t0:.0f} s")
 

@@ -149,7 +149,9 @@ class HostilePasskey(HostileCase):
         self.assertEqual(report["depths"], [0.5])
         stored = "kqsvd stored [proj]"
         self.assertEqual(list(report["results"]), ["full", "int4", stored])
-        self.assertEqual(list(report["kept"]), [stored])
+        self.assertEqual(list(report["kept"]), ["full", "int4", stored])  # measured, each
+        self.assertEqual(report["kept"]["full"], {"120": 1.0})
+        self.assertTrue(0.25 < report["kept"]["int4"]["120"] < 1)  # 4 bits, scales, a short block
         self.assertEqual(len(report["results"]["full"]), 1)
         self.assertIn("wrote data/passkey/passkey.json", out)
         # the folder exists now: the report is an output like any other

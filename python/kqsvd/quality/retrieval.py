@@ -104,10 +104,12 @@ def _prompt(tok, filler, length, depth, intro, needle, question):
     return head + filler[:at] + needle + filler[at:body], question
 
 
-def answer(model, context, question, config, new=DIGITS + 1):
+def answer(model, context, question, config, new=DIGITS + 1, held=None):
     """The greedy continuation (new token ids) of context + question through
     `config`: the context prefilled into its cache, the question as one
-    chunk, then one token at a time.  Not collective."""
+    chunk, then one token at a time; the bytes its cache holds after the
+    prefill appended to the list `held` when one is given.  Not
+    collective."""
     import torch
     dev = next(model.parameters()).device
     key = cache_kwarg(model)
@@ -119,6 +121,8 @@ def answer(model, context, question, config, new=DIGITS + 1):
         with config.prefill(model):
             out = model(input_ids=ids[:, :n], use_cache=True, **{key: cache})
         cache = output_cache(out)
+        if held is not None:
+            held.append(config.nbytes(cache))
         step, at = ids[:, n:], n
         while True:
             pos = torch.arange(at, at + step.shape[1], device=dev)[None]
@@ -146,8 +150,9 @@ def passkey(model, tok, filler, lengths, depths, configs, seed=0, progress=None,
             task="passkey"):
     """Every (length, depth) trial of `task` (TASKS), a key (or code)
     drawn for each, answered by the full model and by each configuration.
-    Returns {label: [dict(length, depth, key, answer, correct)]}, "full"
-    first.  Not collective."""
+    Returns {label: [dict(length, depth, key, answer, correct, kept)]},
+    "full" first, kept the bytes the cache held after the context over
+    the full model's.  Not collective."""
     if task not in TASKS:
         raise UsageError(f"retrieval: unknown task '{task}' (expected {', '.join(TASKS)})")
     rng = np.random.default_rng(seed)
@@ -157,10 +162,11 @@ def passkey(model, tok, filler, lengths, depths, configs, seed=0, progress=None,
     for n, d, key in trials:
         context, question = task_prompt(task, tok, filler, n, d, key)
         grade = is_span if task == "span" else is_key
+        held = []
         for c in everyone:
-            text = tok.decode(answer(model, context, question, c, ANSWER_TOKENS[task]))
+            text = tok.decode(answer(model, context, question, c, ANSWER_TOKENS[task], held))
             out[c.label].append(dict(length=n, depth=d, key=key, answer=text,
-                                     correct=grade(text, key)))
+                                     correct=grade(text, key), kept=held[-1] / held[0]))
             if progress:
                 progress()
     return out
