@@ -159,6 +159,7 @@ def parse(argv):
     ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--json", help="the rows, rewritten after each")
+    ap.add_argument("--force", action="store_true", help="replace --json if it exists")
     ap.add_argument("--quanto-ready", help="a file that exists once optimum-quanto's CUDA "
                     "extension is built: quanto rows run only then")
     a = ap.parse_args(argv)
@@ -175,6 +176,12 @@ def parse(argv):
                  "B 2 or 4)")
     if min(a.steps, a.chunk, a.rank) < 1 or a.warmup < 0 or a.rank > SHAPES[a.shape][3]:
         ap.error("--steps and --chunk at least 1, --warmup at least 0, --rank in 1..head_dim")
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.files import check_outputs
+    try:  # before the model is made: not a folder, device or FIFO, not replaced unasked
+        check_outputs([("--json", a.json)], (), a.force)
+    except KqsvdError as e:
+        ap.error(str(e))
     return a
 
 
@@ -202,6 +209,7 @@ def measure(model, proj, config, N, B, a, sync):
 def main(argv=None):
     a = parse(argv)
     import torch
+    from kqsvd.formats.files import write_atomic
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_decode: PyTorch sees no CUDA device")
         return 77
@@ -239,12 +247,13 @@ def main(argv=None):
                   f"{row['peak_bytes'] / 2**30:.1f} GiB | {row['prefill_s']:.1f} s |", flush=True)
         rows.append(row)
         if a.json:  # after every row: a run cut short keeps what it measured
-            tmp = f"{a.json}.{os.getpid()}.tmp"
-            with open(tmp, "w") as fh:
-                json.dump(dict(device=name, torch=torch.__version__, shape=a.shape,
-                               steps=a.steps, warmup=a.warmup, rank=a.rank, bits=a.bits,
-                               rows=rows), fh, indent=1)
-            os.replace(tmp, a.json)
+            report = dict(device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
+                          warmup=a.warmup, rank=a.rank, bits=a.bits, rows=rows)
+
+            def dump(tmp, report=report):
+                with open(tmp, "w") as fh:
+                    json.dump(report, fh, indent=1)
+            write_atomic(a.json, dump)
     return 0
 
 

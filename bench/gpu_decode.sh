@@ -37,7 +37,7 @@ rm -f "$ready"
 get_extension('quanto_cuda').lib" >"$out/quanto-build.txt" 2>&1 && touch "$ready") &
 timeout 150 $py python/tests/run.py test_gpu.TritonOnTheGPU 2>&1 | tee "$out/tests.txt" | tail -n 4
 echo "gpu_decode.sh: tests done at $((SECONDS - t0)) s"
-timeout 300 $py bench/gpu_decode.py --budget-s 240 --json "$out/gpu_decode.json" \
+timeout 300 $py bench/gpu_decode.py --budget-s 240 --json "$out/gpu_decode.json" --force \
   --quanto-ready "$ready" 2>&1 | grep -v Warning | tee "$out/gpu_decode.txt"
 echo "gpu_decode.sh: decode done at $((SECONDS - t0)) s"
 timeout 90 $py bench/gpu_insitu.py --models llama7b --methods gram --windows 6 --profile 2>&1 |

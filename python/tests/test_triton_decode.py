@@ -153,6 +153,10 @@ class Bench(unittest.TestCase):
             self.assertGreater(x["tokens_per_s"], 0)
             if x["config"] == "kqsvd":  # rank 12 of 16 at 4 bits, scales of 4 bytes per 32
                 self.assertLess(x["bytes_over_full"], 0.4)
+        r = subprocess.run([sys.executable, bench, "--shape", "tiny", "--rank", "12", "--json", out],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("already exists", r.stderr.splitlines()[-1])
         r = subprocess.run([sys.executable, bench, "--points", "16k"], capture_output=True,
                            text=True, timeout=60)
         self.assertEqual(r.returncode, 2)
