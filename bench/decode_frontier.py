@@ -7,6 +7,7 @@ import math
 import os
 
 from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.quality.peers import QuantizedCachePeer
 
 
 def read_report(path):
@@ -71,6 +72,8 @@ def frontier_specs(report, front_only, path="the report"):
         elif family.startswith("QuantizedCache"):
             backend, _, bits = label.partition("-int")
             spec = f"{backend}:{bits}"
+        elif family.startswith("kvpress over"):
+            spec = _composite_spec(label, report["scheme"]["group"], path)
         elif family.startswith("kvpress"):
             spec = f"press:{label}"
         else:  # a latent: "METHOD POLICY [STEM]", the stem when the report has several files
@@ -83,6 +86,21 @@ def frontier_specs(report, front_only, path="the report"):
             spec = f"kqsvd:{os.path.abspath(got)}={method}/{policy}"
         out.append((label, spec, i))
     return out
+
+
+def _composite_spec(label, group, path):
+    """composite:NAME:BACKEND:BITS:BYTES of a press over QuantizedCache
+    the report labels NAME:KEPT over BACKEND-intBITS: its bytes are the
+    kept share of the cache's, as the frontier chose the share from them."""
+    press, _, cache = label.partition(" over ")
+    name, _, kept = press.partition(":")
+    backend, _, bits = cache.partition("-int")
+    try:
+        budget = float(kept) * QuantizedCachePeer(backend, int(bits), group).fraction
+    except ValueError:
+        raise KqsvdError(f"--frontier {path}: '{label}' is no press over a QuantizedCache") \
+            from None
+    return f"composite:{name}:{backend}:{bits}:{budget:.6g}"
 
 
 def annotate(report, rows, specs, setup):

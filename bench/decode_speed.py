@@ -36,7 +36,11 @@ read as codes inside kqsvd.attention.reading_codes); quanto:B
 (transformers' QuantizedCache, optimum-quanto, in .venv-peers; hqq:B
 likewise);
 press:NAME:KEPT (a kvpress press keeping the fraction KEPT of the prompt's
-tokens at prefill, in .venv-peers); and kqsvd:PATH[=POLICY] (a projections
+tokens at prefill, in .venv-peers); composite:NAME:BACKEND:BITS:BYTES (the
+press over QuantizedCache BACKEND:BITS, keeping the share of the prompt
+that holds the fraction BYTES of the bf16 cache's bytes, as the frontier's
+--press-quantized and bench/passkey.py's --composites run it); and
+kqsvd:PATH[=POLICY] (a projections
 file, relative to the current folder, POLICY its ranks, `stored` by
 default, METHOD/POLICY for another method, with @B for B-bit codes, e.g.
 kqsvd:proj.h5=fixed:32@4).
@@ -124,7 +128,8 @@ def check(spec, info, contexts, scheme, what=None):
     of one configuration."""
     what = what or f"--config {spec}"
     from kqsvd.formats.quant import BITS
-    from kqsvd.quality.peers import BACKENDS, PressPeer, QuantizedCachePeer, press_of
+    from kqsvd.quality.peers import (BACKENDS, PressPeer, QuantizedCachePeer, composite_of,
+                                     press_of, press_over_quantized)
     kind, _, rest = spec.partition(":")
     if spec in ("full", "sdpa-off"):
         return spec, None
@@ -152,10 +157,18 @@ def check(spec, info, contexts, scheme, what=None):
                 raise UsageError(f"{what}: {e}".replace("--context ", "--contexts ")) \
                     from None
         return ("press", name, k), None
+    if kind == "composite":
+        try:
+            fields = composite_of(rest)
+            for n in contexts:  # its packages, the cache's share, the press's window
+                press_over_quantized(*fields, n, scheme.group).check()
+        except UsageError as e:
+            raise UsageError(f"{what}: {e}".replace("--context ", "--contexts ")) from None
+        return ("composite",) + fields, None
     if kind == "kqsvd":
         return _check_latent(spec, info, scheme, what)
-    raise UsageError(f"{what}: not full, sdpa-off, intB, quanto:B, hqq:B, "
-                     "press:NAME:KEPT or kqsvd:PATH[=POLICY] (see --help)")
+    raise UsageError(f"{what}: not full, sdpa-off, intB, quanto:B, hqq:B, press:NAME:KEPT, "
+                     "composite:NAME:BACKEND:BITS:BYTES or kqsvd:PATH[=POLICY] (see --help)")
 
 
 def _check_latent(spec, info, scheme, what):
@@ -191,37 +204,42 @@ def _resolved(path, method, pol, layers, scheme, what):
 
 def install(model, info, spec, scheme, context):
     """Sets the model up for `spec`; returns generate()'s extra keyword
-    arguments (a fresh cache per call, or none for generate()'s own) and
-    the context each generate() runs in; `spec` has passed check()."""
-    none = contextlib.nullcontext
+    arguments (a fresh cache per call, or none for generate()'s own), the
+    context each generate() runs in, and the bytes a cache it leaves holds
+    (values unquantized as bf16; QuantizedCache's codes as its peer counts
+    them, which cache_bytes cannot see); `spec` has passed check()."""
+    from kqsvd.attention import cache_bytes
+    none, held = contextlib.nullcontext, (lambda cache: cache_bytes(cache, 2))
     if spec == "full":
         model.set_attn_implementation("sdpa")
-        return (lambda: {}), none
+        return (lambda: {}), none, held
     if spec == "sdpa-off":
-        return (lambda: {}), none
+        return (lambda: {}), none, held
     model.set_attn_implementation("sdpa")
     if spec.startswith("int") and spec[3:].isdigit():
         from kqsvd.attention import reading_codes
         from kqsvd.attention.cache import QuantCache
         b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
         return ((lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}),
-                lambda: reading_codes(model))
-    if spec.split(":")[0] in ("quanto", "hqq"):
-        from kqsvd.quality.peers import QuantizedCachePeer
-        backend, _, bits = spec.partition(":")
-        peer = QuantizedCachePeer(backend, int(bits), scheme.group)
-        peer.check()
-        return (lambda: {"past_key_values": peer.cache(model)}), none
+                lambda: reading_codes(model), held)
     if spec.startswith("press:"):
         from kqsvd.quality.peers import PressPeer
         name, _, kept = spec[6:].partition(":")
         peer = PressPeer(name, float(kept), context)
         peer.check()
-        return (lambda: {}), (lambda: peer.prefill(model))
+        return (lambda: {}), (lambda: peer.prefill(model)), held
+    if spec.split(":")[0] in ("quanto", "hqq", "composite"):
+        from kqsvd.quality.peers import QuantizedCachePeer, composite_of, press_over_quantized
+        kind, _, rest = spec.partition(":")
+        peer = press_over_quantized(*composite_of(rest), context, scheme.group) \
+            if kind == "composite" else QuantizedCachePeer(kind, int(rest), scheme.group)
+        peer.check()
+        return ((lambda: {"past_key_values": peer.cache(model)}),
+                (lambda: peer.prefill(model)), peer.nbytes)
     from kqsvd.attention import compress, latent_cache
     path, method, pol = latent_spec(spec)
     compress(model, _resolved(path, method, pol, info.num_layers, scheme, spec)[1])
-    return (lambda: {"past_key_values": latent_cache(model)}), none
+    return (lambda: {"past_key_values": latent_cache(model)}), none, held
 
 
 def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
@@ -231,10 +249,9 @@ def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
     torch.set_num_threads(threads)
     from transformers import LogitsProcessor, LogitsProcessorList
     from kqsvd import models
-    from kqsvd.attention import cache_bytes
     from kqsvd.formats.quant import QuantScheme
     model, tok, info = models.load(MODEL, dtype=torch.float32)
-    extra, around = install(model, info, spec, QuantScheme(**scheme), context)
+    extra, around, held = install(model, info, spec, QuantScheme(**scheme), context)
 
     class Clock(LogitsProcessor):
         def __init__(self):
@@ -272,7 +289,7 @@ def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
                 prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
                 decode_tok_s=statistics.median(decode) * batch,
                 decode_range=[min(decode) * batch, max(decode) * batch],
-                cache_bytes=cache_bytes(cache, 2), peak_above_model_mb=peak.stop())
+                cache_bytes=held(cache), peak_above_model_mb=peak.stop())
 
 
 def _rss():

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.quant import BITS
-from kqsvd.quality.peers import BACKENDS, PRESSES, press_of
+from kqsvd.quality.peers import PRESSES, composite_of, press_of, press_over_quantized
 from kqsvd.quality.retrieval import TASKS
 
 PROG = "passkey.py"
@@ -77,18 +77,10 @@ def _press(text):
 
 def _composite(text):
     """(press, backend, bits, bytes) of PRESS:BACKEND:BITS:BYTES."""
-    press, _, rest = text.partition(":")
-    backend, _, rest = rest.partition(":")
-    bits, _, budget = rest.partition(":")
     try:
-        name, f = press_of(f"{press}:{budget}")
-    except UsageError:
-        name = None
-    if name is None or backend not in BACKENDS or bits not in ("2", "4"):
-        raise argparse.ArgumentTypeError(
-            f"'{text}' is not PRESS:BACKEND:BITS:BYTES, PRESS among {', '.join(PRESSES)}, "
-            f"BACKEND among {', '.join(BACKENDS)}, BITS 2 or 4 and BYTES a fraction in (0, 1)")
-    return name, backend, int(bits), f
+        return composite_of(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _or_none(read):
@@ -146,15 +138,10 @@ def parse(argv):
 def _composite_config(spec):
     """The PressOverQuantized of a --composites item, checked: its backend
     and kvpress importable, and a budget below the cache's own."""
-    from kqsvd.quality.peers import PressOverQuantized, QuantizedCachePeer
     name, backend, bits, budget = spec
     item = f"{name}:{backend}:{bits}:{budget:g}"
-    q = QuantizedCachePeer(backend, bits, 32)  # the frontier's default --group
-    if budget >= q.fraction:
-        raise UsageError(f"--composites {item}: {q.label} holds {q.fraction:.4g} of the bytes "
-                         "with every token; give a smaller fraction")
-    c = PressOverQuantized(name, q, budget, 1 << 20)
-    try:
+    try:  # the frontier's default --group
+        c = press_over_quantized(name, backend, bits, budget, 1 << 20, 32)
         c.check()
     except UsageError as e:
         raise UsageError(f"--composites {item}: {e} (or give --composites none)") from None

@@ -14,7 +14,7 @@ import unittest
 import numpy as np
 import torch
 
-from common import TEXT, Calibrated, workdir
+from common import ROOT, TEXT, Calibrated, workdir
 
 from kqsvd import models
 from kqsvd.formats.saving import save_ranks
@@ -230,6 +230,25 @@ class Frontier(unittest.TestCase):
         png = os.path.join(self.wd, "decode.png")
         plot(rep)(png)
         self.assertGreater(os.path.getsize(png), 1000)
+
+    def test_decode_speed_counts_a_quantized_caches_codes(self):
+        """bench/decode_speed.py runs QuantizedCache and a press over it as
+        the frontier does, and its cache column holds their codes (int4 in
+        groups of 32: 0.3125 of bf16; the composite at an eighth keeps 40%
+        of the prompt at that), not the nothing cache_bytes sees of them."""
+        rows = {}
+        for spec in ("full", "quanto:4", "composite:snapkv:quanto:4:0.125"):
+            p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "decode_speed.py"),
+                                "--one", spec, "128", "1", "--steps", "2", "--repeats", "1",
+                                "--threads", "1"], capture_output=True, text=True, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            rows[spec] = json.loads(p.stdout.strip().splitlines()[-1])
+            self.assertGreater(rows[spec]["decode_tok_s"], 0)
+        full = rows["full"]["cache_bytes"]
+        self.assertEqual(full, 30 * 2 * 3 * 64 * (128 + 1) * 2)  # SmolLM2, bf16
+        self.assertAlmostEqual(rows["quanto:4"]["cache_bytes"] / full, 0.3125, delta=0.01)
+        self.assertAlmostEqual(rows["composite:snapkv:quanto:4:0.125"]["cache_bytes"] / full,
+                               0.125, delta=0.01)
 
     def test_bad_options(self):
         base = ["--model", self.cal.model, "--text", TEXT, "--json",

@@ -309,6 +309,31 @@ class HostileDecodeSpeed(unittest.TestCase):
         if importlib.util.find_spec("kvpress") is not None:  # .venv-peers: the press's window
             self.refused(["--contexts", "32", "--config", "press:snapkv:0.5"], 2, "--contexts 32")
 
+    def test_presses_over_a_quantized_cache(self):
+        for spec in ("composite:expected:quanto:3:0.125", "composite:bogus:quanto:4:0.1",
+                     "composite:expected:quanto:4", "composite:expected:nope:4:0.1",
+                     "composite:expected:quanto:4:1.5", "composite:"):
+            self.refused(["--contexts", "256", "--config", spec], 2, f"--config {spec}",
+                         "PRESS:BACKEND:BITS:BYTES")
+        # a budget the quantized cache holds with every token is no composite
+        self.refused(["--contexts", "256", "--config", "composite:expected:quanto:2:0.25"], 2,
+                     "--config composite:expected:quanto:2:0.25", "every token")
+        if importlib.util.find_spec("optimum") is None:  # .venv
+            self.refused(["--contexts", "256", "--config", "composite:snapkv:quanto:4:0.125"],
+                         2, "optimum", ".venv-peers/bin/python")
+        # a frontier report's press over QuantizedCache runs as one, at its bytes
+        row = dict(label="expected:0.4 over quanto-int4", family="kvpress over QuantizedCache",
+                   front=True, front_kl=False, kept=0.125, perplexity=8.0, kl=0.05, top1=0.7)
+        path = self.report("composite.json", change=lambda r: r["results"].append(row))
+        with mock.patch("kqsvd.quality.peers.PressOverQuantized.check"):  # no peers in .venv
+            got = self.measured(["--frontier", path, "--annotate",
+                                 os.path.join(self.wd, "composite-annotated.json"), "--force"])
+        self.assertIn("composite:expected:quanto:4:0.125", got[0][0])
+        path = self.report("not-composite.json", change=lambda r: r["results"].append(
+            dict(row, label="expected:0.4 over quanto")))
+        self.refused(["--frontier", path, "--annotate", os.path.join(self.out, "a.json")], 1,
+                     "'expected:0.4 over quanto'", "no press over a QuantizedCache")
+
     def test_frontier_reports(self):
         out = ["--annotate", os.path.join(self.out, "a.json")]
         bad = os.path.join(self.wd, "bad.json")

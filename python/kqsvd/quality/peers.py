@@ -176,6 +176,36 @@ class PressPeer(Config):
                     delattr(a, "rotary_emb")
 
 
+def composite_of(text):
+    """(press, backend, bits, bytes) of PRESS:BACKEND:BITS:BYTES, as the
+    benches name a press over QuantizedCache: PRESS among PRESSES, BACKEND
+    among BACKENDS, BITS 2 or 4, BYTES the fraction of the bf16 cache's
+    bytes it holds, in (0, 1).  UsageError naming `text` otherwise."""
+    press, _, rest = text.partition(":")
+    backend, _, rest = rest.partition(":")
+    bits, _, budget = rest.partition(":")
+    try:
+        name, f = press_of(f"{press}:{budget}")
+    except UsageError:
+        name = None
+    if name is None or backend not in BACKENDS or bits not in ("2", "4"):
+        raise UsageError(
+            f"'{text}' is not PRESS:BACKEND:BITS:BYTES, PRESS among {', '.join(PRESSES)}, "
+            f"BACKEND among {', '.join(BACKENDS)}, BITS 2 or 4 and BYTES a fraction in (0, 1)")
+    return name, backend, int(bits), f
+
+
+def press_over_quantized(name, backend, bits, budget, context, group):
+    """The PressOverQuantized of composite_of's fields, not yet checked;
+    UsageError when the cache holds `budget` with every token (a press
+    keeping more than all of them)."""
+    q = QuantizedCachePeer(backend, bits, group)
+    if budget >= q.fraction:
+        raise UsageError(f"{q.label} holds {q.fraction:.4g} of the bytes with every token; "
+                         "give a smaller fraction")
+    return PressOverQuantized(name, q, budget, context)
+
+
 class PressOverQuantized(Config):
     """A kvpress press over transformers' QuantizedCache, as kvpress ships
     it: at prefill the press dequantizes each layer's context, keeps the
