@@ -7,7 +7,7 @@ import math
 import os
 
 from kqsvd.errors import KqsvdError, UsageError
-from kqsvd.quality.peers import QuantizedCachePeer
+from kqsvd.quality.peers import BACKENDS, QuantizedCachePeer
 
 
 def read_report(path):
@@ -90,17 +90,26 @@ def frontier_specs(report, front_only, path="the report"):
 
 def _composite_spec(label, group, path):
     """composite:NAME:BACKEND:BITS:BYTES of a press over QuantizedCache
-    the report labels NAME:KEPT over BACKEND-intBITS: its bytes are the
-    kept share of the cache's, as the frontier chose the share from them."""
+    the report labels NAME:KEPT over BACKEND-intBITS.  The label's KEPT
+    has 6 digits, so its product with the cache's share is not the
+    frontier's budget (0.333333 x 0.1875 = 0.0624999): BYTES is the
+    shortest decimal whose share prints as KEPT again, which is the
+    budget the frontier chose (kvpress keeps int(n x share) tokens, and
+    a share 1e-6 off keeps one more at some n)."""
     press, _, cache = label.partition(" over ")
     name, _, kept = press.partition(":")
     backend, _, bits = cache.partition("-int")
     try:
-        budget = float(kept) * QuantizedCachePeer(backend, int(bits), group).fraction
+        if backend not in BACKENDS or bits not in ("2", "4"):
+            raise ValueError
+        share = QuantizedCachePeer(backend, int(bits), group).fraction
+        raw = float(kept) * share
     except ValueError:
         raise KqsvdError(f"--frontier {path}: '{label}' is no press over a QuantizedCache") \
             from None
-    return f"composite:{name}:{backend}:{bits}:{budget:.6g}"
+    budget = next((b for b in (float(f"{raw:.{d}g}") for d in range(1, 18))
+                   if f"{b / share:g}" == kept), raw)
+    return f"composite:{name}:{backend}:{bits}:{budget!r}"
 
 
 def annotate(report, rows, specs, setup):

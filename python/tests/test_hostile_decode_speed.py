@@ -324,15 +324,22 @@ class HostileDecodeSpeed(unittest.TestCase):
         # a frontier report's press over QuantizedCache runs as one, at its bytes
         row = dict(label="expected:0.4 over quanto-int4", family="kvpress over QuantizedCache",
                    front=True, front_kl=False, kept=0.125, perplexity=8.0, kl=0.05, top1=0.7)
-        path = self.report("composite.json", change=lambda r: r["results"].append(row))
+        # the label's 6 digits of the share (1/3 of int2's 0.1875 is 0.0625,
+        # 0.333333 of it 0.0624999): the frontier's budget, not the product
+        third = dict(row, label="snapkv:0.333333 over quanto-int2")
+        path = self.report("composite.json", change=lambda r: r["results"].extend([row, third]))
         with mock.patch("kqsvd.quality.peers.PressOverQuantized.check"):  # no peers in .venv
             got = self.measured(["--frontier", path, "--annotate",
                                  os.path.join(self.wd, "composite-annotated.json"), "--force"])
         self.assertIn("composite:expected:quanto:4:0.125", got[0][0])
-        path = self.report("not-composite.json", change=lambda r: r["results"].append(
-            dict(row, label="expected:0.4 over quanto")))
-        self.refused(["--frontier", path, "--annotate", os.path.join(self.out, "a.json")], 1,
-                     "'expected:0.4 over quanto'", "no press over a QuantizedCache")
+        self.assertIn("composite:snapkv:quanto:2:0.0625", got[0][0])
+        for label in ("expected:0.4 over quanto", "expected:0.4 over quanto-int3",
+                      "expected:0.4 over nope-int4", "expected:x over quanto-int4",
+                      "expected:0.4 over quanto-int" + "9" * 400):
+            path = self.report("not-composite.json", change=lambda r: r["results"].append(
+                dict(row, label=label)))
+            self.refused(["--frontier", path, "--annotate", os.path.join(self.out, "a.json")], 1,
+                         f"'{label}'", "no press over a QuantizedCache")
 
     def test_frontier_reports(self):
         out = ["--annotate", os.path.join(self.out, "a.json")]
