@@ -525,11 +525,8 @@ def run(a):
                       f"{r['against_full']:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     from kqsvd.commands.cli import write_report
-    from kqsvd.formats.files import write_all
-
-    def write_rows(tmp):
-        with open(tmp, "w") as f:
-            json.dump(rows, f, indent=1)
+    from kqsvd.formats.files import json_writer, write_all
+    write_rows = json_writer(rows)
     if a.annotate:
         from kqsvd.commands.frontier import plot, table
         setup = dict(steps=a.steps, repeats=a.repeats, threads=a.threads, dtype="float32",

@@ -36,7 +36,6 @@ KQSVD_DECODE=triton), which is how it is tested.
                         [--json F] [--quanto-ready F]
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -209,7 +208,7 @@ def measure(model, proj, config, N, B, a, sync):
 def main(argv=None):
     a = parse(argv)
     import torch
-    from kqsvd.formats.files import write_atomic
+    from kqsvd.formats.files import json_writer, write_atomic
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_decode: PyTorch sees no CUDA device")
         return 77
@@ -247,13 +246,9 @@ def main(argv=None):
                   f"{row['peak_bytes'] / 2**30:.1f} GiB | {row['prefill_s']:.1f} s |", flush=True)
         rows.append(row)
         if a.json:  # after every row: a run cut short keeps what it measured
-            report = dict(device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
-                          warmup=a.warmup, rank=a.rank, bits=a.bits, rows=rows)
-
-            def dump(tmp, report=report):
-                with open(tmp, "w") as fh:
-                    json.dump(report, fh, indent=1)
-            write_atomic(a.json, dump)
+            write_atomic(a.json, json_writer(dict(
+                device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
+                warmup=a.warmup, rank=a.rank, bits=a.bits, rows=rows)))
     return 0
 
 

@@ -28,7 +28,6 @@ one line: exit 2 for the command line and the output, 1 for an input file,
 130 for Ctrl-C or SIGTERM; the report is written only when every trial has
 run, under a temporary name renamed at the end."""
 import argparse
-import json
 import os
 import sys
 import time
@@ -270,18 +269,14 @@ def write(path, report, folders):
     """The report, under a temporary name renamed when complete, in
     `folders` made first (outermost first) and removed again should the
     write fail or be interrupted."""
-    from kqsvd.formats.files import write_atomic
-
-    def dump(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
+    from kqsvd.formats.files import json_writer, write_atomic
     made = []
     try:
         for d in folders:
             if not os.path.isdir(d):  # made meanwhile by another run: not ours to remove
                 os.mkdir(d)
                 made.append(d)
-        write_atomic(path, dump)
+        write_atomic(path, json_writer(report))
     except BaseException:
         for d in reversed(made):
             try:

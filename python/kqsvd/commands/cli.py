@@ -183,14 +183,9 @@ def write_report(report, json_path, plot_path, plot, table, staged=None):
     (plot(report) gives the figure's writer) written together with the
     files `staged` holds (files.Staged: fitted files the run measured), so
     that a failure leaves none, then the table printed and where they went."""
-    import json
-    from ..formats.files import write_all
-
-    def write_json(tmp):
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
+    from ..formats.files import json_writer, write_all
     staged_paths = list(staged.tmps) if staged is not None else []
-    write_all([(json_path, write_json)] + ([(plot_path, plot(report))] if plot_path else []),
+    write_all([(json_path, json_writer(report))] + ([(plot_path, plot(report))] if plot_path else []),
               staged)
     table(report)
     wrote = [json_path] + ([plot_path] if plot_path else []) + staged_paths

@@ -211,6 +211,17 @@ def publish(tmp, path):
         raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
 
 
+def json_writer(obj):
+    """The write(tmp) of write_atomic and write_all for `obj` as JSON,
+    indented by one space as every report of the project is."""
+    import json
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+    return write
+
+
 def write_atomic(path, write):
     """Calls write(tmp) for a new temporary file in path's folder, gives it
     the mode a newly created file gets (0666 less the umask), then renames
