@@ -131,6 +131,136 @@ class AgainstTheLibrary(unittest.TestCase):
             self.assertIsNone(kernel.backend(x))
 
 
+class Arguments(unittest.TestCase):
+    """The kernels' arguments checked before each launch: a size, dtype,
+    layout or scheme the kernel would index past (on a GPU, memory
+    corruption) is a KqsvdError of one line naming the argument, and
+    nothing is written; a non-contiguous q is read right; empty operands
+    give empty results."""
+
+    def setUp(self):
+        from kqsvd.attention import triton_decode
+        self.td = triton_decode
+        g = torch.Generator().manual_seed(5)
+        self.st = Store(4, 8, "token")
+        self.st.append(torch.randn(1, 2, 40, 20, generator=g), read=False)
+        self.q = torch.randn(1, 2, 3, 20, generator=g)
+        self.x = torch.randn(2, 3, 37, generator=g)
+
+    def refused(self, call, *args, says):
+        with self.assertRaises(KqsvdError) as e:
+            call(*args)
+        msg = str(e.exception)
+        self.assertEqual(len(msg.splitlines()), 1, msg)
+        self.assertIn(says, msg)
+
+    @staticmethod
+    def inside(shape, room, dtype=torch.float32):
+        """A contiguous tensor of `shape` at the start of a zeroed buffer
+        `room` elements longer: what a kernel writes past it lands in the
+        rest, which the test reads."""
+        n = torch.Size(shape).numel()
+        buf = torch.zeros(n + room, dtype=dtype)
+        return buf[:n].view(shape), buf[n:]
+
+    def test_scores(self):
+        st, q, td = self.st, self.q, self.td
+        out, past = self.inside((1, 2, 3, 10), 200)
+        self.refused(td.scores, st, q, out, says="scores: out torch.float32 [1, 2, 3, 10]")
+        self.assertEqual(int(past.count_nonzero()), 0, "written past out")
+        for bad, says in ((q[..., :10].contiguous(), "q torch.float32 [1, 2, 3, 10]"),
+                          (q.double(), "q torch.float64"), (q.half(), "q torch.float16"),
+                          (q[:, :1].contiguous(), "q torch.float32 [1, 1, 3, 20]"),
+                          ("q", "q str")):
+            self.refused(td.scores, st, bad, torch.zeros(1, 2, 3, 40), says=says)
+        for bad, says in ((torch.zeros(1, 2, 3, 40, dtype=torch.float64), "out torch.float64"),
+                          (torch.zeros(1, 2, 2, 40), "q's query rows"),
+                          (torch.zeros(1, 2, 40, 3).transpose(-1, -2), "contiguous")):
+            self.refused(td.scores, st, q, bad, says=says)
+        # a q whose rows are not adjacent: read through its strides
+        qn = torch.randn(1, 2, 20, 3).transpose(-1, -2)
+        out = torch.zeros(1, 2, 3, 41)
+        td.scores(st, qn, out)
+        want = qn @ st.values(torch.float32).transpose(-1, -2)
+        torch.testing.assert_close(out[..., :40], want, rtol=1e-5, atol=1e-4)
+        self.assertEqual(int(out[..., 40:].count_nonzero()), 0)
+
+    def test_weigh(self):
+        st, td = self.st, self.td
+        p, _ = self.inside((1, 2, 3, 10), 200)
+        p.fill_(1.0)
+        self.refused(td.weigh, st, p, says="weigh: p torch.float32 [1, 2, 3, 10]")
+        for bad, says in ((torch.zeros(1, 2, 3, 40, dtype=torch.float16), "p torch.float16"),
+                          (torch.zeros(1, 2, 3, 40, dtype=torch.float64), "p torch.float64"),
+                          (torch.zeros(2, 2, 3, 40), "p torch.float32 [2, 2, 3, 40]")):
+            self.refused(td.weigh, st, bad, says=says)
+        pn = torch.softmax(torch.randn(1, 2, 40, 3), -2).transpose(-1, -2)
+        torch.testing.assert_close(td.weigh(st, pn), pn @ st.values(torch.float32),
+                                   rtol=1e-5, atol=1e-5)
+
+    def test_stores(self):
+        td, q = self.td, self.q
+        for call, arg in ((td.scores, (q, torch.zeros(1, 2, 3, 40))),
+                          (td.weigh, (torch.zeros(1, 2, 3, 40),))):
+            empty = Store(4, 8, "token", residual=4)
+            self.refused(call, empty, *arg, says="holding quantized tokens")
+            empty.append(torch.randn(1, 2, 3, 20), read=False)  # held as they came
+            self.refused(call, empty, *arg, says="holding quantized tokens")
+            self.refused(call, None, *arg, says="store NoneType")
+            self.st.bits = 5
+            self.refused(call, self.st, *arg, says="bits 5: expected one of 2, 3, 4, 8")
+            self.st.bits = 4
+            self.st.done = 10 ** 6
+            self.refused(call, self.st, *arg, says="in room for")
+            self.st.done = 40
+            self.st.group = 4  # its scales laid out for groups of 8
+            self.refused(call, self.st, *arg, says="store scale torch.float16 [1, 2,")
+            self.st.group = 8
+
+    def test_empty_operands(self):
+        st, td = self.st, self.td
+        out = torch.zeros(1, 2, 0, 40)
+        td.scores(st, self.q[:, :, :0], out)
+        got = td.weigh(st, torch.zeros(1, 2, 0, 40))
+        self.assertEqual(got.shape, (1, 2, 0, 20))
+        st0 = Store(4, 8, "token")  # a batch of no sequences
+        st0.append(torch.randn(0, 2, 9, 20), read=False)
+        td.scores(st0, torch.zeros(0, 2, 3, 20), torch.zeros(0, 2, 3, 9))
+        self.assertEqual(td.weigh(st0, torch.zeros(0, 2, 3, 9)).shape, (0, 2, 3, 20))
+        for x in (torch.randn(2, 3, 0), torch.randn(0, 3, 37)):
+            dest = [torch.zeros(*x.shape[:-1], w, dtype=dt) for w, dt in (
+                ((x.shape[-1] + 7) // 8 * 4, torch.uint8), (-(-x.shape[-1] // 8), torch.half),
+                (-(-x.shape[-1] // 8), torch.half))]
+            self.assertTrue(td.quantize_into(x, 4, 8, dest))
+
+    def test_quantize_into(self):
+        td, x = self.td, self.x
+        codes, past = self.inside((2, 3, 19), 64, torch.uint8)  # 20 bytes a row at 4 bits
+        scale, zero = (torch.zeros(2, 3, 5, dtype=torch.half) for _ in range(2))
+        self.refused(td.quantize_into, x, 4, 8, (codes, scale, zero),
+                     says="quantize_into: dest codes torch.uint8 [2, 3, 19] on cpu: expected "
+                          "torch.uint8 [2, 3, 20]")
+        self.assertEqual(int(past.count_nonzero()), 0, "written past codes")
+        self.assertEqual(int(codes.count_nonzero()), 0, "written before refusing")
+        good = (torch.zeros(2, 3, 25, dtype=torch.uint8), scale, zero)
+        self.refused(td.quantize_into, x, 5, 8, good, says="bits 5: expected one of 2, 3, 4, 8")
+        for group in (0, -3, 2.5, None):
+            self.refused(td.quantize_into, x, 4, group, good, says=f"group {group!r}")
+        self.refused(td.quantize_into, x, 4, 8, good[:2], says="dest tuple")
+        self.refused(td.quantize_into, x, 4, 8, (good[0][..., :20], scale.float(), zero),
+                     says="dest scale torch.float32")
+        self.refused(td.quantize_into, x.int(), 4, 8, good, says="x torch.int32")
+        # float64 rows quantize as quant.quantize takes them: through float32
+        from kqsvd.attention.quant import quantize
+        got = [torch.zeros_like(w) for w in quantize(x, 4, 8)]
+        self.assertTrue(td.quantize_into(x.double(), 4, 8, got))
+        for a, b in zip(got, quantize(x.double(), 4, 8)):
+            self.assertTrue(torch.equal(a, b))
+        # rows whose bytes are not adjacent: not rows the kernel writes
+        wide = torch.zeros(2, 3, 20, 2, dtype=torch.uint8)[..., 0]
+        self.assertFalse(td.quantize_into(x, 4, 8, (wide, scale, zero)))
+
+
 class Bench(unittest.TestCase):
     """bench/gpu_decode.py, the device run's decode figures, on a tiny
     random model on the CPU: every point and configuration measured, the
@@ -165,7 +295,7 @@ class Bench(unittest.TestCase):
 
 def load_tests(loader, tests, pattern):
     suite = unittest.TestSuite()
-    for cls in (Steps, Plain, AgainstTheLibrary, Bench):
+    for cls in (Steps, Plain, AgainstTheLibrary, Arguments, Bench):
         suite.addTests(loader.loadTestsFromTestCase(cls))
     suite.addTests([Products("test_scores_and_sums"), Products("test_the_codes_are_the_stores"),
                     Tiers("test_codes_read_as_the_floats")])

@@ -16,12 +16,22 @@ scores: out[s, i, t] += sum_c q[s, i, c] * x[s, t, c]; one program per
 (slice, tile of tokens, block of query rows), the columns looped over.
 weigh: out[s, i, c] = sum_t p[s, i, t] * x[s, t, c]; the tokens split
 among programs (flash-decoding's split-K: a long cache and a batch of one
-still fill the device), each split's partial sum reduced after."""
+still fill the device), each split's partial sum reduced after.
+
+Every launch is preceded by checks of its arguments' shapes, strides,
+dtypes and the store's scheme (one function per kind of argument, each a
+KqsvdError of one line naming the argument): a kernel trusts the sizes it
+is given, and on a GPU a wrong one reads or writes past a buffer.  They
+look at metadata only, never at values, so they never wait for the
+device."""
 import contextlib
 
 import torch
 import triton
 import triton.language as tl
+
+from ..errors import KqsvdError
+from ..formats.quant import AXES, BITS
 
 # Query rows per program: all of a step's (a group's heads times the
 # step's tokens) up to BQ_MAX, at least tl.dot's smallest side, 16; the
@@ -106,6 +116,70 @@ def _weigh(p, part, codes, scale, zero, nq, ncols, ntok, cap, pw, ng, ld_p, nsli
         tl.store(at, acc, mask=(i[:, None] < nq) & (c[None, :] < ncols))
 
 
+def _fail(call, what, expected):
+    raise KqsvdError(f"triton_decode.{call}: {what}: expected {expected}")
+
+
+def _shape(t):
+    return f"[{', '.join(map(str, t.shape))}]"
+
+
+def _check_bits(call, bits):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+        _fail(call, f"bits {bits!r}", f"one of {', '.join(map(str, BITS))}")
+
+
+def _check_group(call, group):
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        _fail(call, f"group {group!r}", "a positive integer")
+
+
+def _check_store(call, st):
+    """The buffers (codes, scale, zero) of a quant.Store holding quantized
+    tokens, their layout what the kernels index (module docstring): the
+    scheme's, contiguous, for capacity() tokens of which `done` are
+    quantized, and n columns (st.rest's)."""
+    bufs = getattr(st, "buffers", None)
+    if bufs is None or not getattr(st, "done", 0) or bufs[0].dim() < 2:
+        _fail(call, f"store {type(st).__name__}", "a quant.Store holding quantized tokens")
+    _check_bits(call, st.bits)
+    _check_group(call, st.group)
+    if st.axis not in AXES:
+        _fail(call, f"store axis {st.axis!r}", f"one of {', '.join(AXES)}")
+    codes = bufs[0]
+    b, H = codes.shape[:2]
+    n, cap = st.rest.shape[-1], st.capacity()
+    if st.axis == "channel":
+        lead, width, groups = (b, H, cap // st.group, n), st.group, 1
+    else:
+        lead, width, groups = (b, H, cap), n, -(-n // st.group)
+    for name, t, dt, last in (("codes", codes, torch.uint8, (width + 7) // 8 * st.bits),
+                              ("scale", bufs[1], torch.float16, groups),
+                              ("zero", bufs[2], torch.float16, groups)):
+        if t.dtype != dt or tuple(t.shape) != (*lead, last) or not t.is_contiguous() or \
+                t.device != codes.device:
+            _fail(call, f"store {name} {t.dtype} {_shape(t)}",
+                  f"{dt} [{', '.join(map(str, (*lead, last)))}], contiguous, on {codes.device}")
+    if st.done > cap or tuple(st.rest.shape[:2]) != (b, H):
+        _fail(call, f"store of {st.done} tokens in room for {cap}, rest {_shape(st.rest)}",
+              f"at most {cap} tokens, rest [{b}, {H}, ., {n}]")
+    return b, H, n
+
+
+def _check_operand(call, name, t, lead, last, device, at_least=False):
+    """t a float32 tensor [*lead, nq, last] on device (any nq; its last
+    size at least `last` when at_least)."""
+    ok = isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 4 and \
+        tuple(t.shape[:2]) == lead and t.device == device and \
+        (t.shape[3] >= last if at_least else t.shape[3] == last)
+    if not ok:
+        got = f"{t.dtype} {_shape(t)} on {t.device}" if isinstance(t, torch.Tensor) else \
+            type(t).__name__
+        size = f"N >= {last}" if at_least else str(last)
+        _fail(call, f"{name} {got}",
+              f"torch.float32 [{lead[0]}, {lead[1]}, nq, {size}] on {device}")
+
+
 def _layout(st):
     """(packed bytes per row, groups per token row) of a quant.Store's
     buffers, and its constants: bits, group, axis."""
@@ -122,10 +196,21 @@ def _rows(nq):
 
 
 def scores(st, q, out):
-    """out [b, H, nq, N] += q [b, H, nq, n] (float32, contiguous) times the
-    first st.done tokens of quant.Store st, read as codes."""
+    """out [b, H, nq, N] += q [b, H, nq, n] (float32) times the first
+    st.done tokens of quant.Store st, read as codes; out float32,
+    contiguous, N >= st.done.  A non-contiguous q is copied (a step's
+    queries, small beside the cache)."""
+    b, H, n = _check_store("scores", st)
     codes, scale, zero = st.buffers
-    b, H, nq, n = q.shape
+    _check_operand("scores", "q", q, (b, H), n, codes.device)
+    _check_operand("scores", "out", out, (b, H), st.done, codes.device, at_least=True)
+    nq = q.shape[2]
+    if out.shape[2] != nq or not out.is_contiguous():
+        _fail("scores", f"out {_shape(out)}",
+              f"[{b}, {H}, {nq}, N >= {st.done}] (q's query rows), contiguous")
+    if not b * H * nq * n:  # no slices, query rows or columns: nothing to add
+        return
+    q = q.contiguous()
     sizes, const = _layout(st)
     BQ = _rows(nq)
     grid = (b * H, triton.cdiv(st.done, BT), triton.cdiv(nq, BQ))
@@ -135,11 +220,15 @@ def scores(st, q, out):
 
 
 def weigh(st, p):
-    """p [b, H, nq, N] (float32, contiguous) times the first st.done tokens
-    of quant.Store st, read as codes: [b, H, nq, n] float32."""
+    """p [b, H, nq, N] (float32, N >= st.done) times the first st.done
+    tokens of quant.Store st, read as codes: [b, H, nq, n] float32."""
+    b, H, n = _check_store("weigh", st)
     codes, scale, zero = st.buffers
-    b, H, nq, N = p.shape
-    n = st.rest.shape[-1]
+    _check_operand("weigh", "p", p, (b, H), st.done, codes.device, at_least=True)
+    nq, N = p.shape[2:]
+    if not b * H * nq * n:
+        return torch.zeros(b, H, nq, n, dtype=torch.float32, device=p.device)
+    p = p.contiguous()
     sizes, const = _layout(st)
     splits = triton.cdiv(st.done, SPLIT_TOKENS)
     part = torch.empty(splits, b * H, nq, n, dtype=torch.float32, device=p.device)
@@ -148,7 +237,6 @@ def weigh(st, p):
             p, part, codes, scale, zero, nq, n, st.done, st.capacity(), *sizes, N, b * H,
             SPLIT_TOKENS, **const, BQ=_rows(nq), BT=BT, BC=BC)
     return (part[0] if splits == 1 else part.sum(0)).view(b, H, nq, n)
-
 
 
 @triton.jit
@@ -206,11 +294,14 @@ def _quantize(x, codes, scale, zero, n, nq_rows, sp_c, sq_c, sp_s, sq_s,
 
 def _as_rows(t):
     """t [*lead, width] as (P, Q) rows with a stride each, P the first two
-    leading dimensions together (sequences and heads), Q the rest: the
-    views Store.reserve hands out are such; None where t is not."""
+    leading dimensions together (sequences and heads), Q the rest, each
+    row's bytes adjacent: the views Store.reserve hands out are such; None
+    where t is not."""
     lead = t.shape[:-1]
     P = lead[0] * lead[1] if len(lead) >= 2 else 1
-    Q = t[..., 0].numel() // max(P, 1)
+    Q = t.numel() // max(P * t.shape[-1], 1)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return None
     try:
         v = t.view(P, Q, t.shape[-1])
     except RuntimeError:
@@ -218,20 +309,46 @@ def _as_rows(t):
     return v, v.stride(0), v.stride(1)
 
 
+def _check_dest(x, bits, group, dest):
+    """dest (codes, scale, zero) shaped for quant.quantize(x, bits, group):
+    uint8 [*lead, packed bytes] and float16 [*lead, groups], x [*lead, n],
+    on x's device."""
+    lead, n = tuple(x.shape[:-1]), x.shape[-1]
+    if not isinstance(dest, (tuple, list)) or len(dest) != 3:
+        _fail("quantize_into", f"dest {type(dest).__name__}", "(codes, scale, zero)")
+    for name, t, dt, last in (("codes", dest[0], torch.uint8, (n + 7) // 8 * bits),
+                              ("scale", dest[1], torch.float16, -(-n // group)),
+                              ("zero", dest[2], torch.float16, -(-n // group))):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or \
+                tuple(t.shape) != (*lead, last) or t.device != x.device:
+            got = f"{t.dtype} {_shape(t)} on {t.device}" if isinstance(t, torch.Tensor) else \
+                type(t).__name__
+            _fail("quantize_into", f"dest {name} {got}",
+                  f"{dt} [{', '.join(map(str, (*lead, last)))}] on {x.device}")
+
+
 def quantize_into(x, bits, group, dest):
     """quant.quantize(x, bits, group) written into dest = (codes, scale,
-    zero), the same codes, scales and zeros to the bit; x on the kernels'
-    device.  False (nothing written) where dest's layout is not rows
-    (_as_rows) or a row is wider than one program takes."""
+    zero), the same codes, scales and zeros to the bit; x (floating point)
+    on the kernels' device.  False (nothing written) where dest's layout is
+    not rows (_as_rows) or a row is wider than one program takes."""
+    _check_bits("quantize_into", bits)
+    _check_group("quantize_into", group)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.dim():
+        _fail("quantize_into", f"x {getattr(x, 'dtype', type(x).__name__)}",
+              "a floating-point tensor [..., n]")
+    _check_dest(x, bits, group, dest)
     n = x.shape[-1]
     if n > 4096 or group > 4096:
         return False
+    if not x.numel():  # no rows, or rows of no values: nothing to write
+        return True
     rows = [_as_rows(d) for d in dest]
     if any(r is None for r in rows) or rows[1][1:] != rows[2][1:]:
         return False
     (_, sp_c, sq_c), (_, sp_s, sq_s) = rows[0], rows[1]
     xs = x.float().contiguous()
-    R = xs.numel() // max(n, 1)
+    R = xs.numel() // n
     Q = rows[0][0].shape[1]
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quantize[(R,)](xs, dest[0], dest[1], dest[2], n, Q, sp_c, sq_c, sp_s, sq_s,
