@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
 from kqsvd.errors import KqsvdError, UsageError
+from kqsvd.formats.numbers import number
 from kqsvd.formats.quant import BITS
 from kqsvd.quality.peers import PRESSES, composite_of, press_of, press_over_quantized
 from kqsvd.quality.retrieval import TASKS
@@ -49,10 +50,9 @@ DEFAULT_JSON = os.path.join("data", "passkey", "passkey.json")
 
 
 def _depth(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    v = number(text)
+    if v is None:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number")
     if not 0 <= v <= 1:  # NaN and the infinities fail this too
         raise argparse.ArgumentTypeError(f"{text} is not a depth in [0, 1] (the share of the "
                                          "filler before the key)")

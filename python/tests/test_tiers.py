@@ -60,7 +60,11 @@ class Layout(unittest.TestCase):
                           ("tiers:w8+0.5xstored", "sum to 0.5"), ("tiers:w8+1x48@5", "48@5"),
                           ("tiers:w8+1xfoo", "'foo'"), ("tiers:w8+w9+1xdrop", "twice"),
                           ("tiers:w8+0x16+1xdrop", "(0, 1]"), ("tiers:w8+1xdrop+q", "'q'"),
-                          ("tiers:w8+nanx16", "(0, 1]"), ("tiers:w-1+1xdrop", "'w-1'")):
+                          ("tiers:w8+nanx16", "(0, 1]"), ("tiers:w-1+1xdrop", "'w-1'"),
+                          # ASCII digits alone: int() refuses '²' after isdigit() took it
+                          ("tiers:w²+1xdrop", "'w²'"), ("tiers:w8+1x³@4", "'³@4'"),
+                          ("tiers:w8+1x٣", "'٣'"), ("tiers:w8+٠.٥x16+0.5xdrop", "(0, 1]"),
+                          ("tiers:w8+1xdrop+snap+expected", "scorer given twice")):
             with self.assertRaises(UsageError) as e:
                 parse(bad)
             self.assertIn(says, str(e.exception), bad)

@@ -22,6 +22,7 @@ import numpy as np
 from .capture import Capture, attention_out_proj
 from ..errors import KqsvdError
 from ..formats.files import publish
+from ..formats.numbers import whole
 
 # The request's fields in the order they are compared, with the option that
 # sets each (named when a folder holds another request's export).
@@ -120,10 +121,10 @@ def survey(out, req, nshards):
             if name == "model.h5":
                 complete = True
                 continue
-            stem = name[len("shard-"):-len(".h5")]
-            if not stem.isdigit() or int(stem) >= nshards:
+            index = whole(name[len("shard-"):-len(".h5")])  # ASCII digits alone: shard-²
+            if index is None or index >= nshards:
                 raise KqsvdError(f"{path}: not a shard of this export ({nshards} shards)")
-            done.add(int(stem))
+            done.add(index)
     if complete and len(done) != nshards:
         raise KqsvdError(f"{out}: model.h5 is there but {nshards - len(done)} of {nshards} shards "
                          "are missing; remove the folder and export again")

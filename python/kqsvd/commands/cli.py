@@ -15,6 +15,7 @@ import sys
 import threading
 
 from ..errors import KqsvdError, UsageError
+from ..formats.numbers import integer, number, whole
 
 # What pyproject.toml's [torch] extra brings: the model commands need them.
 TORCH_EXTRA = ("torch", "transformers", "safetensors")
@@ -40,11 +41,10 @@ def _script():
 
 
 def _number(kind, text, ok, what):
-    try:
-        v = kind(text)
-    except ValueError:
+    v = (integer if kind is int else number)(text)  # ASCII digits alone (formats.numbers)
+    if v is None:
         raise argparse.ArgumentTypeError(
-            f"'{text}' is not a {'whole number' if kind is int else 'number'}") from None
+            f"'{text}' is not a {'whole number' if kind is int else 'number'}")
     if kind is float and not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
     if not ok(v):
@@ -122,8 +122,8 @@ def launched_rank():
     initialised (or without mpi4py) are printed by one rank only."""
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
         v = os.environ.get(var)
-        if v and v.isdigit():
-            return int(v)
+        if whole(v) is not None:
+            return whole(v)
     return 0
 
 

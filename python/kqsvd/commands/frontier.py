@@ -37,6 +37,7 @@ import time
 
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
+from ..formats.numbers import number, whole
 from ..formats.projections import METHODS
 from ..formats.policy import parse as parse_policy
 from ..formats.quant import AXES, BITS, QuantScheme
@@ -217,23 +218,23 @@ def _check_tiers(opt, path, layout):
     """Refuses a tier's columns beyond the file's units (UsageError naming
     opt and the policy)."""
     from ..formats.projections import file_sizes
+    from ..formats.tiers import check_width
     sizes = file_sizes(path, ())
-    width = sizes["head_dim"] * sizes["head_groups"]
-    for t in layout.tiers:
-        if t.ranks is not None and t.ranks > width:
-            raise UsageError(f"{opt} {layout.text()}: the tier {t.code} takes {t.ranks} columns "
-                             f"of units {width} wide")
+    try:
+        check_width(layout, sizes["head_dim"] * sizes["head_groups"])
+    except UsageError as e:
+        raise UsageError(f"{opt}: {e}") from None
 
 
 def _peer_configs(a, backends, presses):
     from ..quality.configs import PlainQuant
     from ..quality.peers import PressPeer
     configs = []
-    for b in _once("--plain", _list(a.plain), lambda b: int(b) if b.isdigit() else b):
-        if not b.isdigit() or int(b) not in BITS:
+    for b in _once("--plain", _list(a.plain), lambda b: whole(b) if whole(b) is not None else b):
+        if whole(b) not in BITS:
             raise UsageError(f"--plain {a.plain}: '{b}' is not one of {BITS}")
-        configs.append(PlainQuant(int(b), QuantScheme(a.group, a.key_axis, a.value_axis,
-                                                      a.residual)))
+        configs.append(PlainQuant(whole(b), QuantScheme(a.group, a.key_axis, a.value_axis,
+                                                        a.residual)))
     configs += _quantized_caches("--quantized-cache", a.quantized_cache, backends, a.group)
     kept = _fractions("--press-kept", a.press_kept)
     names = _once("--presses", _list(a.presses))
@@ -263,11 +264,8 @@ def _fractions(opt, text):
     """The fractions in (0, 1) a list option gives, each once."""
     got = []
     for k in _list(text):
-        try:
-            f = float(k)
-        except ValueError:
-            f = -1.0
-        if not 0 < f < 1:  # NaN fails too
+        f = number(k)
+        if f is None or not 0 < f < 1:  # NaN fails too
             raise UsageError(f"{opt} {text}: '{k}' is not a fraction in (0, 1)")
         if f in got:
             raise _twice(opt, k, _list(text)[got.index(f)])

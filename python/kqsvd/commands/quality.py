@@ -100,7 +100,10 @@ def parse(argv):
     check_plot(a.plot)
     a.fitted = {}
     for pol in a.policies:
-        got = parse_policy(pol)
+        try:
+            got = parse_policy(pol)
+        except UsageError as e:
+            raise UsageError(f"--ranks: {e}") from None
         if got.fitted and got.bits:  # its ranks (or bits) are fitted for its own cache
             raise UsageError(f"--ranks {pol}: no '@bits' after a policy fitted to the model; "
                              f"give its file's ranks new bits with --proj FITTED --ranks stored@B")

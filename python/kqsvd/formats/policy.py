@@ -22,6 +22,7 @@ import dataclasses
 
 from ..errors import UsageError
 from . import tiers
+from .numbers import number
 from .quant import split_bits
 
 QUALITY_BUDGET = "quality-budget:"
@@ -55,11 +56,8 @@ def fitted_fraction(text):
     prefix = next((p for p in FITTED if text.startswith(p)), None)
     if prefix is None:
         return None
-    try:
-        f = float(text[len(prefix):])
-    except ValueError:
-        f = float("nan")
-    if not 0.0 < f <= 1.0:  # NaN fails too
+    f = number(text[len(prefix):])
+    if f is None or not 0.0 < f <= 1.0:  # NaN fails too
         raise UsageError(f"rank policy {text}: the fraction must be in (0, 1]")
     return f
 

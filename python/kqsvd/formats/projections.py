@@ -262,6 +262,12 @@ def _rank_array(value, name, L, H, d, path):
     if isinstance(value, (bool, np.bool_)):
         raise UsageError(f"ranks for {path}: {name} = {value!r} is not a rank")
     r = np.asarray(value)
+    if r.dtype == object and r.size and all(isinstance(x, (int, np.integer)) and not
+                                            isinstance(x, (bool, np.bool_)) for x in r.ravel()):
+        # whole numbers, some beyond int64 (a rank of 10^20): out of range, not of a bad type
+        bad = next((int(x) for x in r.ravel() if not 1 <= x <= d), None)
+        if bad is not None:
+            raise UsageError(f"ranks for {path}: {name} = {bad} is outside 1..head_dim = {d}")
     if r.shape == () and np.issubdtype(r.dtype, np.integer):
         r = np.full(L, int(r))  # one rank for every layer
     if r.dtype == object or not (np.issubdtype(r.dtype, np.integer) and r.dtype != np.bool_):
@@ -312,7 +318,7 @@ def rank_lists(ranks, L, H, d, path):
         raise UsageError(f"ranks for {path}: {ranks!r} is not a rank (expected a whole number "
                          f"in 1..{d}, a policy string, per-layer ranks or a (keys, values) pair)")
     if isinstance(ranks, (int, np.integer)):
-        rk = rv = np.full(L, int(ranks))
+        rk = rv = [int(ranks)] * L  # a list: a rank beyond int64 is refused as out of range
     elif isinstance(ranks, dict):
         keys = [("rank_k_heads", "rank_v_heads"), ("rank_k", "rank_v")]
         pair = next((k for k in keys if k[0] in ranks and k[1] in ranks), None)

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import UsageError
+from .numbers import whole
 
 BITS = (2, 3, 4, 8)
 # One encoding of what a unit or a latent column is held at, in memory and
@@ -109,10 +110,7 @@ def split_bits(text):
     base, at, bits = text.rpartition("@")
     if not at:
         return text, None
-    try:
-        b = tuple(int(x) for x in bits.split("/"))
-    except ValueError:
-        b = ()
+    b = tuple(whole(x) for x in bits.split("/"))  # ASCII digits alone (formats.numbers)
     if len(b) not in (1, 2) or any(x not in BITS for x in b) or not base:
         raise UsageError(f"rank policy {text}: bits after '@' must be one of "
                          f"{', '.join(map(str, BITS))}, or keys/values such as 4/8")

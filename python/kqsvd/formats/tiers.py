@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 from ..errors import UsageError
+from .numbers import number, whole
 
 PREFIX = "tiers:"
 DROP, STORED = "drop", "stored"
@@ -79,7 +80,7 @@ class TierLayout:
         return out
 
 
-def _code(text, whole):
+def _code(text, policy):
     """The Tier fields (code, ranks, bits) of one CODE."""
     from .quant import split_bits
     if text in (DROP, STORED):
@@ -88,10 +89,11 @@ def _code(text, whole):
         base, bits = split_bits(text)
     except UsageError:
         base, bits = "", None
-    if not base.isdigit() or int(base) < 1:
-        raise UsageError(f"rank policy {whole}: a tier's code '{text}' is not stored, drop, R, "
+    r = whole(base)
+    if r is None or r < 1:
+        raise UsageError(f"rank policy {policy}: a tier's code '{text}' is not stored, drop, R, "
                          "R@B or R@BK/BV (R columns, B bits)")
-    return text, int(base), bits
+    return text, r, bits
 
 
 def parse(text: str) -> TierLayout:
@@ -99,25 +101,25 @@ def parse(text: str) -> TierLayout:
     the policy and the part that is wrong."""
     if not text.startswith(PREFIX):
         raise UsageError(f"rank policy {text}: a tiered cache's layout starts with {PREFIX}")
-    window = sinks = None
-    scorer, tiers = "snap", []
+    window = sinks = scorer = None
+    tiers = []
     for part in text[len(PREFIX):].split("+"):
         head, x, code = part.partition("x")
         if part in SCORERS:
+            if scorer is not None:
+                raise UsageError(f"rank policy {text}: the scorer given twice ('{scorer}' and "
+                                 f"'{part}')")
             scorer = part
-        elif part[:1] in "ws" and part[1:].isdigit():
+        elif part[:1] in ("w", "s") and whole(part[1:]) is not None:
             if (window if part[0] == "w" else sinks) is not None:
                 raise UsageError(f"rank policy {text}: '{part[0]}' given twice")
             if part[0] == "w":
-                window = int(part[1:])
+                window = whole(part[1:])
             else:
-                sinks = int(part[1:])
+                sinks = whole(part[1:])
         elif x:
-            try:
-                f = float(head)
-            except ValueError:
-                f = float("nan")
-            if not 0 < f <= 1:  # NaN fails too
+            f = number(head)
+            if f is None or not 0 < f <= 1:  # NaN fails too
                 raise UsageError(f"rank policy {text}: '{part}': the fraction must be in (0, 1]")
             tiers.append(Tier(f, *_code(code, text)))
         else:
@@ -129,15 +131,25 @@ def parse(text: str) -> TierLayout:
     if abs(sum(t.fraction for t in tiers) - 1) > 1e-9:
         raise UsageError(f"rank policy {text}: the tiers' fractions sum to "
                          f"{sum(t.fraction for t in tiers):g}, not 1")
-    return TierLayout(window, sinks or 0, tuple(tiers), scorer)
+    return TierLayout(window, sinks or 0, tuple(tiers), scorer or "snap")
+
+
+def check_width(layout, width):
+    """Refuses (UsageError naming the policy) a tier taking more columns
+    than the units hold (`width`: a file's head_dim, G d for head groups)."""
+    for t in layout.tiers:
+        if t.ranks is not None and not 1 <= t.ranks <= width:
+            raise UsageError(f"rank policy {layout.text()}: the tier {t.code} takes {t.ranks} "
+                             f"columns, outside 1..{width} (the width of the file's units)")
 
 
 def attach(base, layout, scheme, load):
     """base (a file's stored Projections) carrying `layout`'s tiers (see
     Projections.tiers): R@B cut at R columns (load(R) reads the file so)
     and quantized under scheme (a QuantScheme), R cut and unquantized,
-    stored as base is."""
+    stored as base is.  UsageError for a tier wider than base's units."""
     from .quant import with_bits
+    check_width(layout, base.head_dim)
     base = dataclasses.replace(base, tiers=None)
     per = [None if t.dropped else base if t.code == STORED else
            with_bits(load(t.ranks), t.bits, scheme) for t in layout.tiers]

@@ -14,6 +14,7 @@ import importlib
 import logging
 
 from ..errors import UsageError
+from ..formats.numbers import number
 from .configs import Config
 
 # kvpress's presses by the names the command takes
@@ -131,11 +132,8 @@ def press_of(text):
     among PRESSES, KEPT the fraction of the context it keeps, in (0, 1).
     UsageError naming `text` otherwise."""
     name, colon, kept = text.partition(":")
-    try:
-        f = float(kept)
-    except ValueError:
-        f = float("nan")
-    if name not in PRESSES or not colon or not 0 < f < 1:  # NaN fails too
+    f = number(kept)
+    if name not in PRESSES or not colon or f is None or not 0 < f < 1:  # NaN fails too
         raise UsageError(f"'{text}' is not NAME:KEPT, NAME among {', '.join(PRESSES)} and KEPT "
                          "the fraction of the context kept, in (0, 1)")
     return name, f

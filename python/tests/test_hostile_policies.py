@@ -1,0 +1,130 @@
+"""Rank policies, tiered layouts and budgets as users write them, read
+alike by every surface that takes one (issue 61): the quality command,
+the frontier, bench/passkey.py, bench/decode_speed.py's latent specs, a
+file's stored `tiers` attribute and the library.  Each refusal is one
+line naming the option or file, before the model loads where the file
+and the model's header suffice (NO_LOAD), nothing left behind and every
+input unchanged (test_hostile.HostileCase)."""
+import contextlib
+import io
+import os
+import shutil
+import sys
+import unittest
+from unittest import mock
+
+import h5py
+from test_hostile import HostileCase, listing
+from test_hostile_decode_speed import load_script as decode_speed
+from test_hostile_passkey import _script
+
+import kqsvd
+from kqsvd.commands import frontier, quality
+from kqsvd.errors import KqsvdError, UsageError
+
+NO_LOAD = mock.patch("kqsvd.models.load", side_effect=AssertionError("the model was loaded"))
+
+
+class HostilePolicies(HostileCase):
+    WORK = "hostile-policies"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.passkey = _script()
+
+    # -- helpers --------------------------------------------------------------
+    def refused(self, main, argv, code, *words, loads=False):
+        """main(argv) in this process exits `code` with one line holding
+        every word, self.out as it was; unless `loads`, before the load."""
+        before = set(listing(self.out))
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                (contextlib.nullcontext() if loads else NO_LOAD):
+            try:
+                got = main(argv)
+            except SystemExit as e:
+                got = e.code
+        return self.one_error(code, got, err.getvalue(), words, before)
+
+    def quality(self, ranks, *extra):
+        return ["--model", self.model, "--text", self.text, "--proj", self.proj, "--ranks", ranks,
+                "--methods", "kqsvd", "--seq-len", "16", "--num-seqs", "1", "--calib-seqs", "1",
+                "--json", os.path.join(self.out, "q.json"), *extra]
+
+    def frontier(self, *extra):
+        return ["--model", self.model, "--text", self.text, "--plain", "none",
+                "--quantized-cache", "none", "--presses", "none", "--context", "16",
+                "--continuation", "4", "--num-seqs", "1", "--json",
+                os.path.join(self.out, "f.json"), *extra]
+
+    def passkey_main(self, argv):
+        with mock.patch.object(sys, "argv", ["passkey.py"] + argv):
+            return self.passkey.main()
+
+    def passkey_args(self, *extra):
+        return ["--model", self.model, "--text", self.text, "--lengths", "120", "--depths", "0.5",
+                "--plain", "none", "--presses", "none", "--json",
+                os.path.join(self.out, "p.json"), *extra]
+
+    def with_tiers_attribute(self, text):
+        """A copy of the projections file whose kqsvd group stores `text`
+        as its tiered layout (with the scheme a layout needs)."""
+        path = os.path.join(self.wd, "tiers-attr.h5")
+        shutil.copyfile(self.proj, path)
+        with h5py.File(path, "r+") as f:
+            f["kqsvd"].attrs["tiers"] = text
+            for k, v in (("quant_group", 32), ("quant_key_axis", "channel"),
+                         ("quant_value_axis", "token"), ("quant_residual", 0),
+                         ("quant_rotate", 0)):
+                f.attrs[k] = v
+        return path
+
+    # -- item 13: numbers in ASCII digits, everywhere --------------------------
+    def test_digits_of_other_scripts_in_every_command(self):
+        """Superscripts pass str.isdigit() and then fail int(): each
+        surface refuses them in one line, as any other bad layout."""
+        for bad in ("tiers:w²+1xdrop", "tiers:w8+1x³@4", "tiers:w8+s٣+1xdrop",
+                    "tiers:w8+1x16@٤"):
+            self.refused(quality.main, self.quality(bad), 2, "--ranks", bad.split("+")[0])
+            self.refused(frontier.main, self.frontier("--proj", f"{self.proj}={bad}"), 2,
+                         f"--proj {self.proj}", bad.split("+")[0])
+            self.refused(self.passkey_main, self.passkey_args("--proj", f"{self.proj}={bad}"), 2,
+                         "--proj", bad.split("+")[0])
+            with self.assertRaises(UsageError):  # a --config, or a frontier report's label
+                decode_speed().latent_spec(f"kqsvd:{self.proj}={bad}")
+            with self.assertRaisesRegex(KqsvdError, "attribute 'kqsvd/tiers'"):
+                kqsvd.load_projections(self.with_tiers_attribute(bad), "kqsvd")
+
+    def test_digits_of_other_scripts_in_bits_and_numbers(self):
+        """'@٤' is not 4 bits, nor '٦٤' 64 tokens: int() reads both."""
+        self.refused(frontier.main, self.frontier("--proj", self.proj, "--ranks", "fixed:8@٤"), 2,
+                     "fixed:8@٤")
+        self.refused(frontier.main, self.frontier("--plain", "٤"), 2, "--plain", "'٤'")
+        self.refused(quality.main, self.quality("fixed:4", "--num-seqs", "١"), 2, "--num-seqs",
+                     "'١'")
+        self.refused(frontier.main, self.frontier("--presses", "knorm", "--press-kept", "٠.٥"),
+                     2, "--press-kept", "٠.٥")
+
+    def test_a_scorer_given_twice(self):
+        self.refused(quality.main, self.quality("tiers:w8+1xdrop+snap+expected"), 2,
+                     "scorer given twice", "'snap'", "'expected'")
+
+    def test_a_tier_wider_than_the_units(self):
+        """10^20 columns are a tier's columns out of range, not a numpy
+        object array."""
+        wide = "tiers:w4+1x" + "1" + "0" * 20 + "@4"
+        self.refused(frontier.main, self.frontier("--proj", f"{self.proj}={wide}"), 2,
+                     f"--proj {self.proj}", "outside 1..16")
+        self.refused(self.passkey_main, self.passkey_args("--proj", f"{self.proj}={wide}"), 2,
+                     "--proj", "outside 1..16")
+        self.refused(quality.main, self.quality(wide), 2, wide[:11],
+                     "outside 1..16", loads=True)
+        with self.assertRaisesRegex(UsageError, "outside 1..head_dim = 16"):
+            kqsvd.load_projections(self.proj, "kqsvd", 10 ** 20)
+        with self.assertRaisesRegex(UsageError, "outside 1..head_dim = 16"):
+            kqsvd.load_projections(self.proj, "kqsvd", [3, 10 ** 20])
+
+
+if __name__ == "__main__":
+    unittest.main()
