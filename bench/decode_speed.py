@@ -186,9 +186,9 @@ def _check_latent(spec, info, scheme, what):
     check_sizes(file_sizes(path, [method]), path, info.sizes(), MODEL)
     # read whole as the run reads it: a bad dataset is found here, not after the full cache's run
     from kqsvd.formats.policy import parse
-    proj = _resolved(path, method, pol, info.num_layers, scheme, what)[1]
+    _resolved(path, method, pol, info.num_layers, scheme, what)
     st = os.stat(path)  # a link to a file is that file; fixed:08 is fixed:8
-    return ("kqsvd", st.st_dev, st.st_ino, method, proj.policy, parse(pol).bits), path
+    return ("kqsvd", st.st_dev, st.st_ino, method, parse(pol).key), path
 
 
 def _resolved(path, method, pol, layers, scheme, what):

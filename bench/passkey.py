@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 from kqsvd.commands.cli import ArgumentParser, count, listed, run_command
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.numbers import number
+from kqsvd.formats.policy import parse as parse_policy
 from kqsvd.formats.quant import BITS
 from kqsvd.quality.peers import PRESSES, composite_of, press_of, press_over_quantized
 from kqsvd.quality.retrieval import TASKS
@@ -194,15 +195,19 @@ def check(a):
     for item in a.proj:
         path, pol = _proj_item(item)
         check_input_file("--proj", path)
+        try:  # policies compared as parsed: fixed:32 and fixed:032 are one
+            key = parse_policy(pol).key
+        except UsageError as e:
+            raise UsageError(f"--proj {item}: {e}") from None
         st = os.stat(path)  # a link to a file given already is that file
-        if (st.st_dev, st.st_ino, pol) in seen:
-            raise UsageError(f"--proj {item}: the same file as --proj "
-                             f"{seen[st.st_dev, st.st_ino, pol]}")
-        seen[st.st_dev, st.st_ino, pol] = item
-        if (_stem(path), pol) in stems:  # the report has one row per name
+        if (st.st_dev, st.st_ino, key) in seen:
+            raise UsageError(f"--proj {item}: the same file and policy as --proj "
+                             f"{seen[st.st_dev, st.st_ino, key]}")
+        seen[st.st_dev, st.st_ino, key] = item
+        if (_stem(path), key) in stems:  # the report has one row per name
             raise UsageError(f"--proj {item}: named [{_stem(path)}] in the report, as --proj "
-                             f"{stems[_stem(path), pol]} is; give the files names of their own")
-        stems[_stem(path), pol] = item
+                             f"{stems[_stem(path), key]} is; give the files names of their own")
+        stems[_stem(path), key] = item
     for name, kept in a.presses:
         try:  # kvpress importable, and with this transformers
             PressPeer(name, kept, 1 << 20).check()

@@ -125,6 +125,38 @@ class HostilePolicies(HostileCase):
         with self.assertRaisesRegex(UsageError, "outside 1..head_dim = 16"):
             kqsvd.load_projections(self.proj, "kqsvd", [3, 10 ** 20])
 
+    # -- item 14: one configuration, however it is spelled ---------------------
+    SPELLINGS = (("tiers:w8+1x16@4", "tiers:w8+1x16@4/4"), ("tiers:w8+1x16+snap", "tiers:1x016+w8"),
+                 ("fixed:4@4", "fixed:4@4/4"), ("fixed:4", "fixed:04"),
+                 ("budget:0.25", "budget:.25"))
+
+    def test_configurations_given_twice(self):
+        """Two spellings of one configuration are refused by every command
+        and bench that takes a list of them, compared after parsing."""
+        for one, again in self.SPELLINGS:
+            self.refused(quality.main, self.quality(f"{one},{again}"), 2, "--ranks",
+                         f"'{again}' is given twice", f"(as '{one}')")
+            self.refused(frontier.main, self.frontier("--proj", f"{self.proj}={one},{again}"), 2,
+                         f"--proj {self.proj}", again, "twice")
+            self.refused(self.passkey_main,
+                         self.passkey_args("--proj", f"{self.proj}={one}",
+                                           "--proj", f"{self.proj}={again}"),
+                         2, f"--proj {self.proj}={again}", "same file and policy")
+
+    def test_decode_speed_keys_one_configuration_alike(self):
+        from kqsvd import models
+        from kqsvd.formats.quant import QuantScheme
+        bench = decode_speed()
+        info = models.describe(self.model)[0]
+
+        def key(pol):
+            return bench.check(f"kqsvd:{self.proj}={pol}", info, [64], QuantScheme())[0]
+        for one, again in self.SPELLINGS:
+            self.assertEqual(key(one), key(again), (one, again))
+        # ranks that differ are configurations that differ, whatever their labels
+        self.assertNotEqual(key("budget:0.25"), key("budget:0.5"))
+        self.assertNotEqual(key("fixed:4@4"), key("fixed:4@4/8"))
+
 
 if __name__ == "__main__":
     unittest.main()

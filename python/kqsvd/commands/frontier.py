@@ -195,20 +195,18 @@ def _check_policies(opt, path, policies, methods):
             got = parse_policy(pol, methods=True)
         except UsageError as e:
             raise UsageError(f"{opt}: {e}") from None
-        base, bits = got.base, got.bits
         if got.tiers is not None:
             _check_tiers(opt, path, got.tiers)
-            base = got.tiers.text()
-        elif base.startswith("quality-"):
+        elif got.base.startswith("quality-"):
             raise UsageError(f"{opt} {pol}: fit it with python -m kqsvd.quality, then give its "
                              "file as --proj FILE=stored")
-        try:
-            name = base if got.tiers is not None else policy_ranks(
-                path, None if base == "stored" else base)["policy"]
-        except UsageError as e:
-            raise UsageError(f"{opt}: {e}") from None
+        else:  # as `kqsvd ranks` reads it
+            try:
+                policy_ranks(path, None if got.base == "stored" else got.base)
+            except UsageError as e:
+                raise UsageError(f"{opt}: {e}") from None
         for m in [got.method] if got.method else methods:
-            key = (m, "stored" if base == "stored" else name, bits)
+            key = (m,) + got.key[1:]  # compared as parsed (formats.policy)
             if key in seen:
                 raise _twice(opt, pol, seen[key])
             seen[key] = pol

@@ -89,21 +89,25 @@ def parse(argv):
     a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     if not a.policies:
         raise UsageError("--ranks: give at least one policy")
-    for name, items in (("--ranks", a.policies), ("--methods", a.methods)):
-        twice = sorted({x for x in items if items.count(x) > 1})
-        if twice:
-            raise UsageError(f"{name} {','.join(items)}: '{twice[0]}' is given twice")
+    twice = sorted({x for x in a.methods if a.methods.count(x) > 1})
+    if twice:
+        raise UsageError(f"--methods {','.join(a.methods)}: '{twice[0]}' is given twice")
     bad = [m for m in a.methods if m not in METHODS]
     if bad or not a.methods:
         raise UsageError(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
                          f"{', '.join(METHODS)})")
     check_plot(a.plot)
-    a.fitted = {}
+    a.fitted, seen = {}, {}
     for pol in a.policies:
         try:
             got = parse_policy(pol)
         except UsageError as e:
             raise UsageError(f"--ranks: {e}") from None
+        if got.key in seen:  # compared as parsed: fixed:4@4 and fixed:04@4/4 are one
+            first = seen[got.key]
+            raise UsageError(f"--ranks {','.join(a.policies)}: '{pol}' is given twice" +
+                             ("" if first == pol else f" (as '{first}')"))
+        seen[got.key] = pol
         if got.fitted and got.bits:  # its ranks (or bits) are fitted for its own cache
             raise UsageError(f"--ranks {pol}: no '@bits' after a policy fitted to the model; "
                              f"give its file's ranks new bits with --proj FITTED --ranks stored@B")

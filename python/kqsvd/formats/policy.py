@@ -22,7 +22,7 @@ import dataclasses
 
 from ..errors import UsageError
 from . import tiers
-from .numbers import number
+from .numbers import number, whole
 from .quant import split_bits
 
 QUALITY_BUDGET = "quality-budget:"
@@ -47,6 +47,23 @@ class Policy:
     fraction: float = None
     method: str = None
     tiers: object = None
+
+    @property
+    def key(self):
+        """What makes two policies one configuration, compared after
+        parsing: (method, what the base says, bits), equal for fixed:32 and
+        fixed:032, for @4 and @4/4, for budget:.25 and budget:0.25, and for
+        two spellings of a tiered layout.  Every command and bench that
+        refuses a configuration given twice compares these."""
+        if self.tiers is not None:
+            base = self.tiers  # its codes and parts in one form (formats.tiers)
+        elif self.fitted:
+            base = (self.fitted, self.fraction)
+        else:
+            kind, colon, value = self.base.partition(":")
+            read = whole(value) if kind == "fixed" else number(value)
+            base = (kind, read) if colon and read is not None else self.base
+        return self.method, base, self.bits
 
 
 def fitted_fraction(text):

@@ -81,7 +81,9 @@ class TierLayout:
 
 
 def _code(text, policy):
-    """The Tier fields (code, ranks, bits) of one CODE."""
+    """The Tier fields (code, ranks, bits) of one CODE, the code written
+    in one form (32@4/4 is 32@4, 032 is 32), so that two spellings of a
+    tier are one tier, its label and its key alike."""
     from .quant import split_bits
     if text in (DROP, STORED):
         return text, None, None
@@ -93,7 +95,8 @@ def _code(text, policy):
     if r is None or r < 1:
         raise UsageError(f"rank policy {policy}: a tier's code '{text}' is not stored, drop, R, "
                          "R@B or R@BK/BV (R columns, B bits)")
-    return text, r, bits
+    at = "" if bits is None else f"@{bits[0]}" if bits[0] == bits[1] else f"@{bits[0]}/{bits[1]}"
+    return f"{r}{at}", r, bits
 
 
 def parse(text: str) -> TierLayout:
