@@ -157,6 +157,16 @@ class HostilePolicies(HostileCase):
         self.assertNotEqual(key("budget:0.25"), key("budget:0.5"))
         self.assertNotEqual(key("fixed:4@4"), key("fixed:4@4/8"))
 
+    # -- item 15: a budget no tiered layout meets ------------------------------
+    def test_quality_tiers_that_no_layout_fits(self):
+        """At 32 tokens (the file's windows) the sinks and the smallest
+        window hold 20 of the 28 prefilled: a quarter of the bytes (or
+        1e-6) fits no layout."""
+        for frac in ("0.25", "1e-6"):
+            argv = self.quality(f"quality-tiers:{frac}")
+            argv[argv.index("--seq-len") + 1] = "32"
+            self.refused(quality.main, argv, 2, f"quality-tiers:{float(frac):g}",
+                         "no layout fits", "--seq-len 32", loads=True)
 
 if __name__ == "__main__":
     unittest.main()

@@ -146,9 +146,6 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
     kvh, d = info.num_kv_heads, info.head_dim
     full_token = kvh * d * 2 * 2
     pre = base.rope == "pre"
-    with torch.no_grad():
-        windows = [torch.from_numpy(r[None]).to(dev) for r in cal]
-        refs = [continue_window(model, w, N, Config(), CHUNK)[0] for w in windows]
 
     def layout_for(window, code):
         r, bits = _code_fields(code)
@@ -178,13 +175,20 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
                 tried[lay.text()] = kl(lay)
                 log(f"{PREFIX}{frac:g}: {lay.text()}  KL {tried[lay.text()]:.4f}")
         return min(tried.items(), key=lambda kv: kv[1])
-    got = best(layout_for(w, f"{width}@4") for w in WINDOWS)
+    # The window comes first, and every later candidate keeps the one it
+    # chose: with none, the search stops here, before the full model's pass.
+    firsts = [layout_for(w, f"{width}@4") for w in WINDOWS]
+    if all(lay is None for lay in firsts):
+        raise UsageError(f"quality-{PREFIX}{frac:g}: no layout fits at --seq-len {T}: the "
+                         f"{SINKS} sinks and the smallest window ({WINDOWS[0]} tokens) alone hold "
+                         f"more than {frac:g} of the bytes after a prefill of {N} tokens, or "
+                         "leave no token to code")
+    with torch.no_grad():
+        windows = [torch.from_numpy(r[None]).to(dev) for r in cal]
+        refs = [continue_window(model, w, N, Config(), CHUNK)[0] for w in windows]
+    got = best(firsts)
     W = parse(got[0]).window
     got = best(layout_for(W, c) for c in (f"{width}@4/3", f"{width}@3", f"{width * 3 // 4}@4",
                                           f"{width}@4/2"))
     lay = parse(got[0])
-    got = best(TierLayout(lay.window, lay.sinks, lay.tiers, s) for s in SCORERS[1:])
-    if not tried:
-        raise UsageError(f"quality-{PREFIX}{frac:g}: no layout fits: the sinks and the "
-                         "smallest window alone hold more")
-    return got
+    return best(TierLayout(lay.window, lay.sinks, lay.tiers, s) for s in SCORERS[1:])
