@@ -167,6 +167,24 @@ class HostilePolicies(HostileCase):
             argv[argv.index("--seq-len") + 1] = "32"
             self.refused(quality.main, argv, 2, f"quality-tiers:{float(frac):g}",
                          "no layout fits", "--seq-len 32", loads=True)
+    # -- item 16: save_ranks writes what its readers read ----------------------
+    def test_save_ranks_writes_tiered_files_its_readers_read(self):
+        from kqsvd.formats.policy import parse
+        from kqsvd.formats.quant import QuantScheme
+        ranks = {"kqsvd": ([8, 8], [8, 8])}
+        out = os.path.join(self.out, "t.h5")
+        # thirds: 6 digits would write 0.333333 three times, which sum to 0.999999
+        third = "tiers:w8+0.3333333333333333x8@4+0.3333333333333333x4@2+0.3333333333333334xdrop"
+        kqsvd.save_ranks(self.proj, out, ranks, "test", scheme=QuantScheme(), tiers={"kqsvd": third})
+        self.assertEqual(kqsvd.load_projections(out, "kqsvd").tiers[0], parse(third).tiers)
+        os.remove(out)
+        for bad, says in (("tiers:w8+0.5xstored+0.5xdrop", "not 'stored'"),
+                          ("tiers:w8+1x99@4", "outside 1..16")):
+            with self.assertRaisesRegex(UsageError, f"tiers for {out}: method 'kqsvd': .*{says}"):
+                kqsvd.save_ranks(self.proj, out, ranks, "test", scheme=QuantScheme(),
+                                 tiers={"kqsvd": bad})
+            self.assertEqual(listing(self.out), [])
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -433,7 +433,7 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
         bk, bv, scheme = (read_bits(f, path, method, L, H, d, (rk, rv)) if ranks is None
                           else (None,) * 3)
         # A stored tiered layout (quality-tiers:F) is the stored policy's cache.
-        stored = tiers.read_stored(f, path, method) if ranks is None else None
+        stored = tiers.read_stored(f, path, method, d) if ranks is None else None
         proj = Projections(path=path, method=method, policy=policy,
                            model=str(h5io.attr(f, "model", "")), rank_k=rk.max(1),
                            rank_v=rv.max(1), rank_k_heads=rk, rank_v_heads=rv, rope=rope,

@@ -14,6 +14,7 @@ from ..errors import UsageError
 from . import h5io
 from .projections import METHODS, TUNED_SUFFIX, Projections, check_path, rank_lists
 from .quant import QuantScheme, drop_bits, write_bits, write_scheme
+from .tiers import check_storable
 from .tiers import parse as parse_tiers
 
 
@@ -57,7 +58,8 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
         {method: a tiered cache's layout, as a tiers: policy writes it}:
         stored as the group's `tiers` attribute (docs/formats.md 5.4.1),
         so that the stored policy is that cache.  A method given new
-        ranks without a layout loses the one src has.
+        ranks without a layout loses the one src has.  Refused as the
+        readers refuse it: a `stored` tier, or one wider than the units.
 
     Returns
     -------
@@ -84,16 +86,21 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
         raise UsageError(f"save_ranks: ranks must be a dict {{method: (rank_k, rank_v)}}, not "
                          f"{type(ranks).__name__}")
     check_outputs([("dst", dst)], [("src", src)], force)
-    checked = _checked_ranks(src, dst, ranks, tuned, bits)
+    checked, width = _checked_ranks(src, dst, ranks, tuned, bits)
+    layouts = {}
     for m, text in (tiers or {}).items():
         if m not in checked or scheme is None:
             raise UsageError(f"tiers for {dst}: method {m!r} needs new ranks and a scheme")
-        parse_tiers(text)
+        try:  # the readers' rules (formats.tiers.read_stored), before anything is written
+            layouts[m] = parse_tiers(text)
+            check_storable(layouts[m], width)
+        except UsageError as e:
+            raise UsageError(f"tiers for {dst}: method {m!r}: {e}") from None
 
     def write(tmp):
         shutil.copyfile(src, tmp)
         with h5py.File(tmp, "r+") as f:
-            _write(f, checked, tuned or {}, bits or {}, scheme, tiers or {})
+            _write(f, checked, tuned or {}, bits or {}, scheme, layouts)
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write)
     return dst
@@ -101,7 +108,7 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
 
 def _write(f, checked, tuned, bits, scheme, tiers):
     """save_ranks' changes to the open copy f of its src: the ranks, tuned
-    up-projections, bits and tiered layouts by method."""
+    up-projections, bits and tiered layouts (TierLayouts) by method."""
     for m, (rk, rv) in checked.items():
         for side, r in (("k", rk), ("v", rv)):
             for name, data in ((f"rank_{side}_heads", r), (f"rank_{side}", r.max(1))):
@@ -114,7 +121,7 @@ def _write(f, checked, tuned, bits, scheme, tiers):
         write_bits(f, m, bk, bv, scheme)
     for m in checked:
         if m in tiers:
-            f[m].attrs["tiers"] = parse_tiers(tiers[m]).text()
+            f[m].attrs["tiers"] = tiers[m].text()  # reads back as the same layout
             write_scheme(f, scheme)
         elif "tiers" in f[m].attrs:
             del f[m].attrs["tiers"]
@@ -123,7 +130,8 @@ def _write(f, checked, tuned, bits, scheme, tiers):
 
 def _checked_ranks(src, dst, ranks, tuned, bits):
     """save_ranks' ranks as [L, Hkv] pairs by method, every method, tuned
-    set and bits checked against the file src (UsageError naming dst)."""
+    set and bits checked against the file src (UsageError naming dst),
+    and the width of its units (head_dim)."""
     with h5io.open_file(src, "projections") as f:
         s = h5io.sizes(f, src)
         L, H, d = s["num_layers"], s["num_kv_heads"], s["head_dim"]
@@ -143,7 +151,7 @@ def _checked_ranks(src, dst, ranks, tuned, bits):
     if done:
         raise UsageError(f"{src}: the '{done[0]}' up-projections were tuned at its stored ranks; "
                          "give new ranks to the calibrated file (kqsvd calibrate --out)")
-    return checked
+    return checked, d
 
 
 def _check_bits(method, pair, ranks, shape, dst):

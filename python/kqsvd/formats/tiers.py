@@ -63,7 +63,7 @@ class TierLayout:
     def text(self) -> str:
         """The layout as parse() reads it, in one canonical form."""
         parts = [f"w{self.window}"] + ([f"s{self.sinks}"] if self.sinks else [])
-        parts += [f"{t.fraction:g}x{t.code}" for t in self.tiers]
+        parts += [f"{fraction_text(t.fraction)}x{t.code}" for t in self.tiers]
         return PREFIX + "+".join(parts + ([self.scorer] if self.scorer != "snap" else []))
 
     def counts(self, n: int) -> list[int]:
@@ -78,6 +78,15 @@ class TierLayout:
             cut = nxt
         out[-1] += n - cut
         return out
+
+
+def fraction_text(f):
+    """A tier's fraction as text() writes it: the shortest decimal that
+    reads back as the same float, so that a layout written and read again
+    is the same layout, its fractions summing to 1 as they did (%g's six
+    digits wrote 1/3 as 0.333333, three of which sum to 0.999999)."""
+    text = repr(float(f))
+    return text[:-2] if text.endswith(".0") else text
 
 
 def _code(text, policy):
@@ -146,6 +155,18 @@ def check_width(layout, width):
                              f"columns, outside 1..{width} (the width of the file's units)")
 
 
+def check_storable(layout, width):
+    """Refuses (UsageError naming the policy) a layout that a file cannot
+    store as its `tiers` attribute: a `stored` tier (the stored ranks are
+    the layout's own cache) or a tier wider than the file's units.  The
+    writer (formats.saving) and the reader (read_stored, attach) both
+    apply it."""
+    if any(t.code == STORED for t in layout.tiers):
+        raise UsageError(f"rank policy {layout.text()}: a stored layout's tiers have codes of "
+                         "their own (R@B), not 'stored'")
+    check_width(layout, width)
+
+
 def attach(base, layout, scheme, load):
     """base (a file's stored Projections) carrying `layout`'s tiers (see
     Projections.tiers): R@B cut at R columns (load(R) reads the file so)
@@ -159,7 +180,7 @@ def attach(base, layout, scheme, load):
     return dataclasses.replace(base, policy=layout.text(), tiers=(layout, tuple(per)))
 
 
-def read_stored(f, path, method):
+def read_stored(f, path, method, width):
     """(layout, scheme) a method group stores (its `tiers` attribute,
     docs/formats.md 5.4.1), or None; KqsvdError naming the attribute for
     one that is not a layout."""
@@ -171,9 +192,7 @@ def read_stored(f, path, method):
     v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
     try:
         layout = parse(str(v))
+        check_storable(layout, width)
     except UsageError as e:
         raise KqsvdError(f"{path}: attribute '{method}/tiers': {e}") from None
-    if any(t.code == STORED for t in layout.tiers):
-        raise KqsvdError(f"{path}: attribute '{method}/tiers': a stored layout's tiers have "
-                         "codes of their own (R@B), not 'stored'")
     return layout, read_scheme(f, path, "the file stores a tiered layout")
