@@ -22,8 +22,9 @@ and 2 minutes at 8,192 on 2 cores in float32 for the full model.
 
 Everything is checked before the model loads, as the package's commands
 check it (docs/guide/commands.md): every option, the text (UTF-8), each
---proj file (readable, of the model's sizes), kvpress for the presses, each
-length against the model's positions, and the report's place.  Errors are
+--proj file (readable, of the model's sizes), kvpress for the presses
+(each keeping a token of every context at least), each length against
+the model's positions, and the report's place.  Errors are
 one line: exit 2 for the command line and the output, 1 for an input file,
 130 for Ctrl-C or SIGTERM; the report is written only when every trial has
 run, under a temporary name renamed at the end."""
@@ -40,7 +41,7 @@ from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.numbers import number
 from kqsvd.formats.policy import parse as parse_policy
 from kqsvd.formats.quant import BITS
-from kqsvd.quality.peers import PRESSES, composite_of, press_of, press_over_quantized
+from kqsvd.quality.peers import PRESSES, PressPeer, composite_of, press_of, press_over_quantized
 from kqsvd.quality.retrieval import TASKS
 
 PROG = "passkey.py"
@@ -135,17 +136,22 @@ def parse(argv):
     return a
 
 
-def _composite_config(spec):
+def _composite_config(spec, length):
     """The PressOverQuantized of a --composites item, checked: its backend
-    and kvpress importable, and a budget below the cache's own."""
-    name, backend, bits, budget = spec
-    item = f"{name}:{backend}:{bits}:{budget:g}"
+    and kvpress importable, a budget below the cache's own, and one that
+    keeps a token of a prompt of `length` (the shortest)."""
+    item = _composite_item(*spec)
     try:  # the frontier's default --group
-        c = press_over_quantized(name, backend, bits, budget, 1 << 20, 32)
+        c = press_over_quantized(*spec, length, 32)
         c.check()
     except UsageError as e:
-        raise UsageError(f"--composites {item}: {e} (or give --composites none)") from None
+        raise UsageError(f"--composites {item}: " + str(e).replace("--context ", "--lengths ") +
+                         " (or give --composites none)") from None
     return c
+
+
+def _composite_item(name, backend, bits, budget):
+    return f"{name}:{backend}:{bits}:{budget:g}"
 
 
 def _proj_item(item):
@@ -175,6 +181,21 @@ def _check_window(name, length, context, window):
                          f"its question) of more than its window of {window} tokens")
 
 
+def _check_kept(a, length, context):
+    """Refuses a press, alone or over a quantized cache, keeping less than
+    one of the context's tokens: kvpress keeps one, and the cache would
+    hold more than its label says."""
+    peers = [(f"--presses {name}:{kept:g}", PressPeer(name, kept, context))
+             for name, kept in a.presses]
+    peers += [("--composites " + _composite_item(c.press.name, c.quant.backend, c.quant.bits,
+                                                  c.budget), c.press) for c in a.composites]
+    for what, peer in peers:
+        if peer.tokens_kept(context) < 1:
+            raise UsageError(f"--lengths {length}: {what} keeps less than one of the context's "
+                             f"{context} tokens (the prompt less its question); give a larger "
+                             "fraction")
+
+
 def check(a):
     """Every check that needs no model weights, in the order a user would
     fix them: the options, the inputs, the model's header, the output.
@@ -183,7 +204,7 @@ def check(a):
     from kqsvd import models
     from kqsvd.formats.files import check_folder_output, check_input_file, check_outputs
     from kqsvd.formats.projections import check_sizes, file_sizes
-    from kqsvd.quality.peers import PressPeer, need
+    from kqsvd.quality.peers import need
     from kqsvd.quality.retrieval import ANSWER_TOKENS
     check_input_file("--text", a.text)
     try:
@@ -213,13 +234,15 @@ def check(a):
             PressPeer(name, kept, 1 << 20).check()
         except UsageError as e:
             raise UsageError(f"--presses {name}:{kept:g}: {e} (or give --presses none)") from None
-    a.composites = [_composite_config(c) for c in a.composites]
+    a.composites = [_composite_config(c, min(a.lengths)) for c in a.composites]
     for name in {n for n, _ in a.presses} | {c.press.name for c in a.composites}:
         # SnapKV scores the context by its last window_size queries, and
         # fails inside kvpress on a shorter one
         a.windows[name] = getattr(getattr(need("kvpress", name), PRESSES[name])(), "window_size", 0)
         for n in a.lengths:
             _check_window(name, n, n, a.windows[name])
+    for n in a.lengths:
+        _check_kept(a, n, n)
     info, cfg = models.describe(a.model)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the passkey needs a causal decoder, not '{info.model_type}'")
@@ -267,6 +290,7 @@ def _filler(a, text):
             raise UsageError(f"--lengths {n}: {str(e).removeprefix('passkey: ')}") from None
         for name, window in a.windows.items():
             _check_window(name, n, len(context), window)
+        _check_kept(a, n, len(context))
     return filler
 
 
@@ -298,7 +322,6 @@ def run(a):
     from kqsvd import models
     from kqsvd.formats.quant import QuantScheme
     from kqsvd.quality.configs import Latent, PlainQuant
-    from kqsvd.quality.peers import PressPeer
     from kqsvd.quality.retrieval import accuracy, passkey
     t0 = time.time()
     configs = [PlainQuant(b, QuantScheme()) for b in a.plain]

@@ -10,6 +10,7 @@ import io
 import os
 import shutil
 import sys
+import types
 import unittest
 from unittest import mock
 
@@ -184,6 +185,28 @@ class HostilePolicies(HostileCase):
                 kqsvd.save_ranks(self.proj, out, ranks, "test", scheme=QuantScheme(),
                                  tiers={"kqsvd": bad})
             self.assertEqual(listing(self.out), [])
+
+    # -- item 17: budgets below one token ---------------------------------------
+    def test_presses_keeping_less_than_one_token(self):
+        """kvpress keeps one token whatever the fraction, so a press (or a
+        press over a quantized cache) keeping less than one of the
+        context's is refused, not labelled with bytes it does not hold."""
+        self.refused(frontier.main, self.frontier("--presses", "knorm", "--press-kept", "none",
+                                                  "--press-quantized", "quanto:4",
+                                                  "--press-bytes", "1e-9"),
+                     2, "--context 16", "knorm", "over quanto-int4", "1e-09",
+                     "less than one of its tokens")
+        self.refused(frontier.main, self.frontier("--presses", "knorm", "--press-kept", "0.01"),
+                     2, "--context 16", "knorm:0.01", "less than one of its tokens")
+        self.refused(self.passkey_main,
+                     self.passkey_args("--composites", "knorm:quanto:4:1e-9"), 2,
+                     "--composites knorm:quanto:4:1e-09", "--lengths 120",
+                     "less than one of its tokens")
+        fake = types.SimpleNamespace(KnormPress=lambda: types.SimpleNamespace())
+        with mock.patch("kqsvd.quality.peers.need", return_value=fake):
+            self.refused(self.passkey_main,
+                         self.passkey_args("--presses", "knorm:0.005", "--lengths", "120,400"),
+                         2, "--lengths 120", "--presses knorm:0.005", "less than one")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ per channel or per token (--key-axis), values likewise (--value-axis), the
 newest --residual tokens unquantized, the latent rotated by a Hadamard
 matrix with --rotate (--group at most 4096, --residual at most a window's
 tokens).  Every option is checked before the model loads: each policy as
-`kqsvd ranks` reads it, and no list naming one configuration twice (files
-compared by device and inode: a link is its file).  Usage errors exit 2,
+`kqsvd ranks` reads it, no list naming one configuration twice (files
+compared by device and inode: a link is its file), and no press keeping
+less than one of the context's tokens (kvpress would keep one: more bytes
+than its label).  Usage errors exit 2,
 bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
 import dataclasses

@@ -149,9 +149,19 @@ class PressPeer(Config):
         super().__init__(f"{name}:{kept:g}", f"kvpress {name}")
         self.name, self.kept, self.context = name, kept, context
 
+    def tokens_kept(self, context=None):
+        """The tokens of a context (self.context by default) that the
+        fraction keeps, as kvpress counts them (compute_n_kept) before it
+        keeps one of them at the least."""
+        n = self.context if context is None else context
+        return int(n * (1 - (1.0 - self.kept)))
+
     def check(self):
         if self.name not in PRESSES:
             raise UsageError(f"press {self.name}: unknown (expected {', '.join(PRESSES)})")
+        if self.tokens_kept() < 1:  # kvpress would keep one: more than the label says
+            raise UsageError(f"--context {self.context}: the press {self.label} keeps less than "
+                             "one of its tokens; give a larger fraction")
         kvpress = need("kvpress", f"the peer {self.label}")
         # SnapKV scores the context by its last window_size queries (64 by default)
         window = getattr(getattr(kvpress, PRESSES[self.name])(), "window_size", 0)
@@ -219,6 +229,9 @@ class PressOverQuantized(Config):
         super().__init__(f"{self.press.label} over {quant.label}")
 
     def check(self):
+        if self.press.tokens_kept() < 1:  # kvpress would keep one: more bytes than the label's
+            raise UsageError(f"--context {self.press.context}: {self.label} holds {self.budget:g} "
+                             "of the bytes, less than one of its tokens; give a larger budget")
         self.quant.check()
         self.press.check()
 
