@@ -208,6 +208,22 @@ class HostilePolicies(HostileCase):
                          self.passkey_args("--presses", "knorm:0.005", "--lengths", "120,400"),
                          2, "--lengths 120", "--presses knorm:0.005", "less than one")
 
+    # -- item 18: what a tiered cache does not do ------------------------------
+    def test_score_errors_and_fold_with_a_tiered_cache(self):
+        """A tiered cache has no probe mode and folds nothing (docs/formats.md
+        5.4.1): refused before the load for a layout or quality-tiers:F,
+        before any fit for a file whose stored policy is a layout (its
+        rows were skipped, or refused after the fits)."""
+        for flag in ("--score-errors", "--fold"):
+            for pol in ("fixed:4,tiers:w8+1xdrop", "quality-tiers:0.5"):
+                self.refused(quality.main, self.quality(pol, flag), 2, flag,
+                             f"--ranks {pol.split(',')[-1]}", "tiered cache")
+            stored = self.with_tiers_attribute("tiers:w8+1x8@4")
+            argv = self.quality("fixed:4,stored", flag)
+            argv[argv.index("--proj") + 1] = stored
+            self.refused(quality.main, argv, 2, flag, "--ranks stored", "tiered cache",
+                         loads=True)
+
 
 if __name__ == "__main__":
     unittest.main()

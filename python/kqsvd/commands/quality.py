@@ -76,10 +76,12 @@ def parse(argv):
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N [cpu]")
     ap.add_argument("--no-bos", action="store_true",
                     help="windows without the BOS token the tokenizer adds in normal use")
-    ap.add_argument("--fold", action="store_true", help="fold B_v into o_proj")
+    ap.add_argument("--fold", action="store_true",
+                    help="fold B_v into o_proj (not with a tiered cache)")
     ap.add_argument("--score-errors", action="store_true",
                     help="also measure err_kq and err_out in the model (kqsvd evaluate's "
-                    "definitions, on the full model's activations): one more pass per pair")
+                    "definitions, on the full model's activations): one more pass per pair "
+                    "(not with a tiered cache)")
     ap.add_argument("--json", required=True, help="the report")
     ap.add_argument("--plot", help="PNG: KL and perplexity against the cache kept")
     ap.add_argument("--force", action="store_true",
@@ -108,6 +110,8 @@ def parse(argv):
             raise UsageError(f"--ranks {','.join(a.policies)}: '{pol}' is given twice" +
                              ("" if first == pol else f" (as '{first}')"))
         seen[got.key] = pol
+        if got.tiers is not None or got.fitted == QUALITY_TIERS:
+            _refuse_tiered(a, pol)
         if got.fitted and got.bits:  # its ranks (or bits) are fitted for its own cache
             raise UsageError(f"--ranks {pol}: no '@bits' after a policy fitted to the model; "
                              f"give its file's ranks new bits with --proj FITTED --ranks stored@B")
@@ -127,6 +131,17 @@ def parse(argv):
                   [(f"the {pol} file", path) for pol, path in a.fitted.items()],
                   [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
     return a
+
+
+def _refuse_tiered(a, pol):
+    """Refuses --score-errors and --fold for pol, a tiered cache's policy:
+    the cache has no probe mode and keeps B_v out of o_proj (docs/formats.md
+    5.4.1), and its pairs would be skipped or refused after the fits."""
+    for flag, given, why in (("--score-errors", a.score_errors, "has no probe mode"),
+                             ("--fold", a.fold, "folds nothing into o_proj")):
+        if given:
+            raise UsageError(f"{flag}: --ranks {pol} is a tiered cache, which {why} "
+                             "(docs/formats.md 5.4.1)")
 
 
 def _stem(json_path):
@@ -204,6 +219,9 @@ def run(a):
     # fitting (and after the file is known to be the model's).
     own = {pol: resolve_policies(a.proj, [pol], a.methods, info.num_layers, scheme)
            for pol in a.policies if pol not in a.fitted}
+    for pol, pairs in own.items():  # a file's stored policy may be a tiered cache
+        if any(p.tiers is not None for _, _, p in pairs):
+            _refuse_tiered(a, pol)
     seqs, ntok, start, bos = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, a.split,
                                                   bos=not a.no_bos, flags=True)
     if a.fitted:
