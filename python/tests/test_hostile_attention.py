@@ -4,6 +4,7 @@ the model's attention implementation exactly as it was before the first
 switch, projections installed inside a reading_codes() block keep working
 after it, a cache of removed projections says so in one KqsvdError, and a
 model that is not one is a UsageError naming the call."""
+import threading
 import unittest
 
 import torch
@@ -15,7 +16,8 @@ from kqsvd.compat import cache_kwarg
 from kqsvd.models import load
 
 
-class AcrossEachOther(HostileCase):
+class ModelCase(HostileCase):
+    """A fresh tiny model and its projections for each test."""
     WORK = "hostile-attention"
 
     @classmethod
@@ -41,6 +43,8 @@ class AcrossEachOther(HostileCase):
                               pad_token_id=0)
         self.assertEqual(out.shape[1], self.ids.shape[1] + 3)
 
+
+class AcrossEachOther(ModelCase):
     def test_compress_inside_a_reading_codes_block(self):
         for start in ("eager", "sdpa"):
             with self.subTest(start=start):
@@ -113,6 +117,125 @@ class AcrossEachOther(HostileCase):
                     msg = str(cm.exception)
                     self.assertIn(name, msg)
                     self.assertIn(type(bad).__name__, msg)
+
+
+def snapshot(m, ids):
+    """Everything of model m a block may change: weights, every module's
+    identity, attributes and hooks, every config's attributes (the
+    attention implementation among them), and its logits on ids."""
+    from kqsvd.compat import _configs
+    with torch.no_grad():
+        logits = m(input_ids=ids, use_cache=False).logits
+    return dict(
+        state={k: v.clone() for k, v in m.state_dict().items()},
+        modules={n: (id(x), sorted(vars(x)), dict(x._forward_pre_hooks), dict(x._forward_hooks))
+                 for n, x in m.named_modules()},
+        configs=[{k: repr(v) for k, v in vars(c).items()} for c in _configs(m.config)],
+        logits=logits)
+
+
+class Threads(ModelCase):
+    """compressed() and reading_codes() are not thread-safe: a second
+    thread's entry while one thread's block is open on a model is refused
+    in one KqsvdError naming both threads, the first block runs on
+    undisturbed, and after every exit (nested, raising) the model is
+    exactly the untouched one."""
+
+    def same(self, before):
+        after = snapshot(self.m, self.ids)
+        for key in ("state", "modules", "configs"):
+            if key == "state":
+                self.assertEqual(before[key].keys(), after[key].keys())
+                for k, v in before[key].items():
+                    self.assertTrue(torch.equal(v, after[key][k]), k)
+            else:
+                self.assertEqual(before[key], after[key], key)
+        self.assertTrue(torch.equal(before["logits"], after["logits"]), "logits changed")
+
+    def test_a_second_thread(self):
+        before = snapshot(self.m, self.ids)
+        with compressed(self.m, self.p):
+            with torch.no_grad():
+                want = self.m(input_ids=self.ids, use_cache=False).logits
+        entered, tried, got = threading.Event(), threading.Event(), {}
+
+        def first():
+            try:
+                with compressed(self.m, self.p):
+                    entered.set()
+                    tried.wait(60)
+                    with torch.no_grad():
+                        got["logits"] = self.m(input_ids=self.ids, use_cache=False).logits
+                    self.generates()
+            except Exception as e:  # noqa: BLE001 - reported below
+                got["first"] = e
+            finally:
+                entered.set()
+
+        def second():
+            entered.wait(60)
+            for name, call in (("compressed", lambda: compressed(self.m, self.p).__enter__()),
+                               ("reading_codes", lambda: reading_codes(self.m).__enter__()),
+                               ("compress", lambda: compress(self.m, self.p)),
+                               ("compress", lambda: compress(self.m, None))):
+                try:
+                    call()
+                    got[name] = None
+                except Exception as e:  # noqa: BLE001 - checked below
+                    got.setdefault(name, e)
+            tried.set()
+
+        threads = [threading.Thread(target=first, name="kqsvd-first"),
+                   threading.Thread(target=second, name="kqsvd-second")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        self.assertNotIn("first", got, f"the first block failed: {got.get('first')!r}")
+        self.assertTrue(torch.equal(got["logits"], want), "the first block was disturbed")
+        for name in ("compressed", "reading_codes", "compress"):
+            e = got[name]
+            self.assertIsInstance(e, kqsvd.KqsvdError, name)
+            msg = str(e)
+            self.assertEqual(len(msg.splitlines()), 1, msg)
+            for word in (name, "kqsvd-first", "kqsvd-second", "not thread-safe"):
+                self.assertIn(word, msg)
+        self.same(before)
+        # released: another thread enters now
+        self.enters_from_another_thread()
+        self.same(before)
+
+    def enters_from_another_thread(self):
+        """Nothing of a block is held: another thread's blocks run."""
+        done = []
+
+        def other():
+            with compressed(self.m, self.p) as m, reading_codes(m):
+                done.append(m)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(60)
+        self.assertEqual(done, [self.m], "a block left held after its exit")
+
+    def test_nested_and_raising(self):
+        before = snapshot(self.m, self.ids)
+        for fold in (False, True):
+            with compressed(self.m, self.p, fold=fold):
+                with compressed(self.m, kqsvd.load_projections(self.proj, "ksvd", 3)):
+                    with torch.no_grad():
+                        self.generates()
+            self.same(before)
+            with self.assertRaises(ZeroDivisionError):
+                with compressed(self.m, self.p, fold=fold), reading_codes(self.m):
+                    with compressed(self.m, self.p):
+                        1 / 0
+            self.same(before)
+        with self.assertRaises(kqsvd.UsageError):  # refused on entry: nothing held after
+            with compressed(self.m, kqsvd.load_projections(self.proj, "kqsvd", 4)):
+                compressed(self.m, "x").__enter__()
+        self.same(before)
+        self.enters_from_another_thread()
+        self.same(before)
 
 
 if __name__ == "__main__":

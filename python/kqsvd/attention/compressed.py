@@ -27,11 +27,18 @@ after the block, and compress(model, None) after it gives back the
 model's own implementation, not the block's.
 
 Every matrix is built and checked before anything changes, so an error
-leaves the model untouched."""
+leaves the model untouched.
+
+None of them is thread-safe: while one thread has a compressed() or
+reading_codes() block open on a model, another thread's compressed(),
+reading_codes() or compress() on that model is refused (a KqsvdError
+naming both threads) rather than let it swap the first block's
+installation out from under its forward passes."""
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from typing import Iterator
 
@@ -158,6 +165,41 @@ def _release(model, holder):
     restore_attention(saved or [])
 
 
+# model -> [the thread whose blocks are open on it, how many]: per model,
+# so that threads working on models of their own never wait for each other.
+_OWNERS = weakref.WeakKeyDictionary()
+_OWNERS_LOCK = threading.Lock()
+
+
+def _refuse_others(model, call, me):
+    """KqsvdError when a thread other than `me` has a block open on model;
+    the caller holds _OWNERS_LOCK."""
+    held = _OWNERS.get(model)
+    if held is not None and held[0] is not me:
+        raise KqsvdError(f"{call}: thread '{me.name}' cannot change a model while thread "
+                         f"'{held[0].name}' has a compressed() or reading_codes() block open on "
+                         "it (they are not thread-safe): give each thread its own model")
+    return held
+
+
+@contextlib.contextmanager
+def _owned(model, call):
+    """The calling thread holds model for one block: entries of other
+    threads are refused until the last of its blocks ends, however it ends."""
+    me = threading.current_thread()
+    with _OWNERS_LOCK:
+        held = _refuse_others(model, call, me)
+        _OWNERS[model] = [me, 1 + (held[1] if held else 0)]
+    try:
+        yield
+    finally:
+        with _OWNERS_LOCK:
+            held = _OWNERS[model]
+            held[1] -= 1
+            if not held[1]:
+                del _OWNERS[model]
+
+
 def _check_model(model, call):
     """UsageError for a `model` that is not a transformers model (the
     attribute errors of a string or None otherwise)."""
@@ -223,7 +265,8 @@ def compress(model: torch.nn.Module, proj: Projections | None, fold: bool = Fals
     cache (K A and V A_v) starts wherever the model would start a cache of
     its own; compress(model, None) undoes all of it.  Every matrix is
     built and checked before anything changes.  Not collective, not
-    thread-safe.
+    thread-safe: refused while another thread has a block open on the
+    model.
 
     Parameters
     ----------
@@ -253,7 +296,9 @@ def compress(model: torch.nn.Module, proj: Projections | None, fold: bool = Fals
     KqsvdError
         For an unsupported model or transformers, projections of other
         sizes, or projections of keys before RoPE for a model without a
-        rotary embedding.  The model is then unchanged.
+        rotary embedding, or while another thread has a compressed() or
+        reading_codes() block open on the model.  The model is then
+        unchanged.
 
     Examples
     --------
@@ -261,7 +306,10 @@ def compress(model: torch.nn.Module, proj: Projections | None, fold: bool = Fals
     """
     check_transformers()
     _check_model(model, "compress")
-    _swap(model, None if proj is None else _build(model, proj, fold, probe))
+    built = None if proj is None else _build(model, proj, fold, probe)
+    with _OWNERS_LOCK:  # held while swapping: no block of another thread starts meanwhile
+        _refuse_others(model, "compress", threading.current_thread())
+        _swap(model, built)
     return model
 
 
@@ -282,7 +330,9 @@ def compressed(model: torch.nn.Module, proj: Projections, fold: bool = False,
     """A block in which the model attends through `proj`, as compress() installs it.
 
     After the block the model is exactly as it was, including projections
-    installed before the block.  Not collective, not thread-safe.
+    installed before the block.  Not collective, not thread-safe: while
+    the block is open, other threads' compressed(), reading_codes() and
+    compress() on the model are refused.
 
     Parameters
     ----------
@@ -306,8 +356,8 @@ def compressed(model: torch.nn.Module, proj: Projections, fold: bool = False,
         For a model that is not a transformers model, or a proj that is
         not a Projections (None included).
     KqsvdError
-        As compress().  Either is raised before the block is entered, the
-        model unchanged.
+        As compress(), another thread's block on the model included.
+        Either is raised before the block is entered, the model unchanged.
 
     Examples
     --------
@@ -316,11 +366,12 @@ def compressed(model: torch.nn.Module, proj: Projections, fold: bool = False,
     """
     check_transformers()
     _check_model(model, "compressed")
-    before = _swap(model, _build(model, proj, fold, probe, "compressed"))
-    try:
-        yield model
-    finally:
-        _swap(model, before)
+    with _owned(model, "compressed"):
+        before = _swap(model, _build(model, proj, fold, probe, "compressed"))
+        try:
+            yield model
+        finally:
+            _swap(model, before)
 
 
 @contextlib.contextmanager
@@ -336,7 +387,8 @@ def reading_codes(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     itself where there are no codes to read) and is exactly as it was
     after it.  Inside the block, the thread's QuantCaches serve this model
     only.  Projections installed inside the block keep the kqsvd function
-    after it (module docstring).  Not collective, not thread-safe.
+    after it (module docstring).  Not collective, not thread-safe: as
+    compressed(), a block of another thread on the model is refused.
 
     Parameters
     ----------
@@ -353,19 +405,21 @@ def reading_codes(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     UsageError
         For a model that is not a transformers model.
     KqsvdError
-        For a model whose family the kqsvd attention does not support, or
-        an unsupported transformers.
+        For a model whose family the kqsvd attention does not support, an
+        unsupported transformers, or while another thread has a block
+        open on the model.
     """
     check_transformers()
     _check_model(model, "reading_codes")
     attention_modules(model)
     block = object()
-    _acquire(model, block)
-    try:
-        with codes_block():
-            yield model
-    finally:
-        _release(model, block)
+    with _owned(model, "reading_codes"):
+        _acquire(model, block)
+        try:
+            with codes_block():
+                yield model
+        finally:
+            _release(model, block)
 
 
 def layer_projections(model):
