@@ -154,6 +154,11 @@ def _composite_item(name, backend, bits, budget):
     return f"{name}:{backend}:{bits}:{budget:g}"
 
 
+def _composite_name(c):
+    """The --composites item of a PressOverQuantized."""
+    return _composite_item(c.press.name, c.quant.backend, c.quant.bits, c.budget)
+
+
 def _proj_item(item):
     """(path, policy) of --proj PATH[=POLICY], the policy 'stored' unless given."""
     path, eq, pol = item.partition("=")
@@ -187,8 +192,7 @@ def _check_kept(a, length, context):
     hold more than its label says."""
     peers = [(f"--presses {name}:{kept:g}", PressPeer(name, kept, context))
              for name, kept in a.presses]
-    peers += [("--composites " + _composite_item(c.press.name, c.quant.backend, c.quant.bits,
-                                                  c.budget), c.press) for c in a.composites]
+    peers += [(f"--composites {_composite_name(c)}", c.press) for c in a.composites]
     for what, peer in peers:
         if peer.tokens_kept(context) < 1:
             raise UsageError(f"--lengths {length}: {what} keeps less than one of the context's "
@@ -246,6 +250,12 @@ def check(a):
     info, cfg = models.describe(a.model)
     if not info.causal:
         raise KqsvdError(f"{a.model}: the passkey needs a causal decoder, not '{info.model_type}'")
+    for c in a.composites:  # QuantizedCache's group (32) against the model's sizes
+        try:
+            c.check_model(info)
+        except UsageError as e:
+            raise UsageError(f"--composites {_composite_name(c)}: "
+                             f"{str(e).removeprefix('--group 32: ')}") from None
     projs = []
     for item in a.proj:
         path, pol = _proj_item(item)

@@ -15,6 +15,7 @@ import unittest
 from unittest import mock
 
 import h5py
+from common import tiny_decoder, workdir
 from test_hostile import HostileCase, listing
 from test_hostile_decode_speed import load_script as decode_speed
 from test_hostile_passkey import _script
@@ -223,6 +224,26 @@ class HostilePolicies(HostileCase):
             argv[argv.index("--proj") + 1] = stored
             self.refused(quality.main, argv, 2, flag, "--ranks stored", "tiered cache",
                          loads=True)
+
+    # -- item 20: QuantizedCache's group against the model, before the load ----
+    def test_quantized_cache_group_checked_before_the_load(self):
+        """quanto raised 'Group size must be a divisor' after the full
+        model's pass; the group must divide a token's values (here 2 KV
+        heads x 16)."""
+        fake = types.SimpleNamespace(KnormPress=lambda: types.SimpleNamespace())
+        with mock.patch("kqsvd.quality.peers.need", return_value=fake):
+            for extra in (["--quantized-cache", "quanto:4"],
+                          ["--presses", "knorm", "--press-kept", "none", "--press-quantized",
+                           "quanto:4", "--press-bytes", "0.125"]):
+                self.refused(frontier.main, self.frontier("--group", "4096", *extra), 2,
+                             "--group 4096", "quanto-int4", "must divide", "2 KV heads x 16 = 32")
+            # passkey's composites quantize in groups of 32: one KV head of 16 is too narrow
+            narrow = tiny_decoder("llama", os.path.join(workdir("hostile-policies-narrow"), "m"),
+                                  kv_heads=1)
+            argv = self.passkey_args("--composites", "knorm:quanto:4:0.1")
+            argv[argv.index("--model") + 1] = narrow
+            self.refused(self.passkey_main, argv, 2, "--composites knorm:quanto:4:0.1",
+                         "groups of 32", "1 KV heads x 16 = 16")
 
 
 if __name__ == "__main__":

@@ -25,11 +25,13 @@ use one scheme (docs/quantized-cache.md): groups of --group values, keys
 per channel or per token (--key-axis), values likewise (--value-axis), the
 newest --residual tokens unquantized, the latent rotated by a Hadamard
 matrix with --rotate (--group at most 4096, --residual at most a window's
-tokens).  Every option is checked before the model loads: each policy as
-`kqsvd ranks` reads it, no list naming one configuration twice (files
-compared by device and inode: a link is its file), and no press keeping
-less than one of the context's tokens (kvpress would keep one: more bytes
-than its label).  Usage errors exit 2,
+tokens; transformers' QuantizedCache, alone or under a press, takes the
+same --group, which must divide the model's KV heads x head_dim).  Every
+option is checked before the model loads: each policy as `kqsvd ranks`
+reads it, no list naming one configuration twice (files compared by
+device and inode: a link is its file), and no press keeping less than one
+of the context's tokens (kvpress would keep one: more bytes than its
+label).  Usage errors exit 2,
 bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
 import dataclasses
@@ -157,6 +159,11 @@ def parse(argv):
                          "--presses")
     for c in a.configs:
         c.check()
+    if a.configs:  # the peers against the model's sizes, from its header
+        from ..models import describe
+        info = describe(a.model)[0]
+        for c in a.configs:
+            c.check_model(info)
     check_plot(a.plot)
     check_input_file("--text", a.text)
     files = _files(a.proj)

@@ -19,6 +19,11 @@ class Config:
         """Raises UsageError, before any model is loaded, when the
         configuration cannot run here."""
 
+    def check_model(self, info):
+        """Raises UsageError, before the weights load, when the
+        configuration cannot run on a model of info's sizes (a ModelInfo,
+        models.describe)."""
+
     @contextlib.contextmanager
     def window(self, model):
         """Around one window's prefill and continuation."""

@@ -97,6 +97,17 @@ class QuantizedCachePeer(Config):
     def check(self):
         need(BACKENDS[self.backend], f"the peer {self.label}")
 
+    def check_model(self, info):
+        # quanto and HQQ group a layer's keys (and values) across its KV
+        # heads, tokens and channels, and need the group to divide them at
+        # every step: with one token a step, to divide a token's values
+        width = info.num_kv_heads * info.head_dim
+        if width % self.group:
+            raise UsageError(f"--group {self.group}: the peer {self.label} (transformers' "
+                             f"QuantizedCache) quantizes in groups of {self.group} values, which "
+                             f"must divide a token's {info.num_kv_heads} KV heads x "
+                             f"{info.head_dim} = {width}")
+
     def cache(self, model):
         from transformers import QuantizedCache
         return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits,
@@ -227,6 +238,9 @@ class PressOverQuantized(Config):
         self.quant, self.budget = quant, budget
         self.press = PressPeer(name, budget / quant.fraction, context)
         super().__init__(f"{self.press.label} over {quant.label}")
+
+    def check_model(self, info):
+        self.quant.check_model(info)
 
     def check(self):
         if self.press.tokens_kept() < 1:  # kvpress would keep one: more bytes than the label's
