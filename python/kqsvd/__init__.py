@@ -18,12 +18,13 @@ from .version import __version__ as __version__
 
 __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projections",
            "policy_ranks", "save_ranks", "compress", "compressed", "fold_o_proj", "cache_bytes",
-           "probe_errors", "latent_cache", "export_safetensors", "read_dataset", "Calibrator"]
+           "probe_errors", "latent_cache", "reading_codes", "export_safetensors", "read_dataset",
+           "Calibrator"]
 
 
 def __getattr__(name):  # torch-dependent parts load on first use
     if name in ("compress", "compressed", "fold_o_proj", "cache_bytes", "probe_errors",
-                "latent_cache"):
+                "latent_cache", "reading_codes"):
         from . import attention
         return getattr(attention, name)
     if name == "export_safetensors":

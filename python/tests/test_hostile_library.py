@@ -240,6 +240,20 @@ class Library(unittest.TestCase):
         self.assertIs(C, Calibrator)
         self.assertIn("Calibrator", kqsvd.__all__)
 
+    def test_every_public_name_resolves(self):
+        """Each name of kqsvd.__all__ is an attribute of the package, and
+        the calls docs/guide/inference.md makes on it are among them."""
+        from kqsvd import attention
+        for name in kqsvd.__all__:
+            self.assertIsNotNone(getattr(kqsvd, name), name)
+        self.assertIs(kqsvd.reading_codes, attention.reading_codes)
+        with open(os.path.join(ROOT, "docs", "guide", "inference.md"), encoding="utf-8") as f:
+            guide = f.read()
+        for name in ("compress", "compressed", "latent_cache", "reading_codes", "cache_bytes",
+                     "fold_o_proj", "export_safetensors", "load_projections"):
+            self.assertIn(f"{name}(", guide)
+            self.assertIn(name, kqsvd.__all__)
+
     def test_calibrator_arguments(self):
         U = kqsvd.UsageError
         self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=2 ** 70),
