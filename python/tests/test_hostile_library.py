@@ -254,6 +254,27 @@ class Library(unittest.TestCase):
             self.assertIn(f"{name}(", guide)
             self.assertIn(name, kqsvd.__all__)
 
+    def test_policies_as_the_commands_write_them(self):
+        """load_projections reads a policy with formats.policy, the commands'
+        one grammar: bits after '@', stored, a tiered layout, as the
+        commands resolve them (quality.measure.resolve_policies)."""
+        from kqsvd.quality.measure import resolve_policies
+        for text in ("fixed:4@4", "fixed:3@4/8", "stored@2", "stored", "tiers:w8+0.5x4@4+0.5xdrop"):
+            p = load_projections(self.proj, "kqsvd", text)
+            [(label, _, want)] = resolve_policies(self.proj, [text], ["kqsvd"], L)
+            for field in ("rank_k_heads", "rank_v_heads", "bits_k", "bits_v"):
+                np.testing.assert_array_equal(getattr(p, field), getattr(want, field), field)
+            self.assertEqual((p.quant, p.policy), (want.quant, label), text)
+            self.assertEqual(p.tiers and p.tiers[0], want.tiers and want.tiers[0], text)
+        p = load_projections(self.proj, "kqsvd", "fixed:3@4/8")
+        self.assertEqual((p.bits_k.max(), p.bits_v.max(), p.quant), (4, 8, QuantScheme()))
+        self.assertEqual(load_projections(self.proj, "kqsvd", "tiers:w8+1x4@4").tiers[0].window, 8)
+        self.refused(kqsvd.UsageError, lambda: load_projections(self.proj, "kqsvd", "fixed:4@5"),
+                     "fixed:4@5", "bits")
+        self.refused(kqsvd.UsageError,
+                     lambda: load_projections(self.proj, "kqsvd", "quality-budget:0.5"),
+                     "quality-budget:0.5", "python -m kqsvd.quality")
+
     def test_calibrator_arguments(self):
         U = kqsvd.UsageError
         self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=2 ** 70),

@@ -10,18 +10,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 import numpy as np
 
 from . import h5io, tiers
+from . import policy as policies
 from .. import native
-from .quant import read_bits
+from .quant import QuantScheme, read_bits, with_bits
 from ..errors import KqsvdError, UsageError
-
-if TYPE_CHECKING:
-    from .quant import QuantScheme
 
 METHODS = ("kqsvd", "ksvd", "eigen")
 MATRICES = ("key_down", "query_down", "value_down", "value_up")
@@ -380,8 +378,12 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
         None for the ranks stored in the file (per head where it has
         them, and with the group's tuned up-projections where it has them
         and `tuned` is true: docs/formats.md section 5.3); an int for that
-        rank everywhere; a policy string ("eps:0.1", "fixed:16",
-        "budget:0.25") resolved by `kqsvd ranks` (policy_ranks); a list
+        rank everywhere; a policy string as the commands take it
+        (formats.policy): "eps:0.1", "fixed:16", "budget:0.25" (resolved
+        by `kqsvd ranks`: policy_ranks) or "stored" (as None), each with
+        optional bits ("fixed:32@4": quantized under the default
+        QuantScheme), or a tiered layout (docs/formats.md 5.4.1), but no
+        policy fitted to the model; a list
         of L ints or an [L, Hkv] array (keys and values alike); a tuple
         (rank_k, rank_v), each an int or [L] or [L, Hkv]; or a dict with
         keys rank_k/rank_v (or rank_k_heads/rank_v_heads).  Every rank is
@@ -412,6 +414,16 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
     check_path("path", path)
     if not isinstance(method, str) or method not in METHODS:
         raise UsageError(f"unknown method {method!r} (expected one of {', '.join(METHODS)})")
+    if isinstance(ranks, str):
+        pol = policies.parse(ranks)
+        if pol.fitted or pol.tiers is not None or pol.bits is not None or \
+                pol.base == policies.STORED:
+            return _load_policy(path, method, pol, tuned)
+    return _read(path, method, ranks, tuned)
+
+
+def _read(path, method, ranks, tuned):
+    """load_projections' reading, once its arguments are checked."""
     names = [f"{method}/{n}" for n in MATRICES + ("rank_k", "rank_v")]
     with h5io.open_file(path, "projections", names) as f:
         s = h5io.sizes(f, path)
@@ -441,6 +453,25 @@ def load_projections(path: str | os.PathLike, method: str = "kqsvd",
                            quant=scheme, **s, **mats)
     return proj if stored is None else tiers.attach(proj, *stored,
                                                      lambda r: load_projections(path, method, r))
+
+
+def _load_policy(path, method, pol, tuned):
+    """load_projections of a formats.policy.Policy that `kqsvd ranks` does
+    not read alone (stored, bits, a layout), as quality.measure's
+    resolve_policies reads it; UsageError for one fitted to the model."""
+    if pol.fitted:
+        raise UsageError(f"rank policy {pol.text} is fitted to the model: fit it with python -m "
+                         "kqsvd.quality, then load the file it writes")
+    stored = pol.base == policies.STORED
+    p = load_projections(path, method, None if stored or pol.tiers is not None else pol.base,
+                         tuned)
+    if pol.tiers is not None:
+        return tiers.attach(p, pol.tiers, QuantScheme(),
+                            lambda r: load_projections(path, method, r))
+    if pol.bits is None:  # stored: the file's own bits and layout, where it has them
+        return p
+    label = p.policy + pol.text[len(pol.base):] if stored else pol.text
+    return replace(with_bits(p, pol.bits, QuantScheme()), policy=label)
 
 
 def _ranks_of(f, path, method, ranks, shape):
