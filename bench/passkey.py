@@ -252,7 +252,7 @@ def check(a):
         raise KqsvdError(f"{a.model}: the passkey needs a causal decoder, not '{info.model_type}'")
     for c in a.composites:  # QuantizedCache's group (32) against the model's sizes
         try:
-            c.check_model(info)
+            c.check_model(lambda: info)
         except UsageError as e:
             raise UsageError(f"--composites {_composite_name(c)}: "
                              f"{str(e).removeprefix('--group 32: ')}") from None

@@ -35,6 +35,7 @@ label).  Usage errors exit 2,
 bad input 1; outputs are written under a temporary name and renamed."""
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -127,7 +128,7 @@ def parse(argv):
     policy as `kqsvd ranks` reads it, the peers, the outputs)."""
     from .cli import check_plot
     from ..formats.projections import file_sizes
-    from ..models import resolve
+    from ..models import describe, resolve
     from ..quality.peers import BACKENDS, PRESSES
     a = _options().parse_args(argv)
     T = a.context + a.continuation
@@ -159,11 +160,9 @@ def parse(argv):
                          "--presses")
     for c in a.configs:
         c.check()
-    if a.configs:  # the peers against the model's sizes, from its header
-        from ..models import describe
-        info = describe(a.model)[0]
-        for c in a.configs:
-            c.check_model(info)
+    info = functools.cache(lambda: describe(a.model)[0])  # the header, once, if a peer asks
+    for c in a.configs:
+        c.check_model(info)
     check_plot(a.plot)
     check_input_file("--text", a.text)
     files = _files(a.proj)

@@ -21,8 +21,9 @@ class Config:
 
     def check_model(self, info):
         """Raises UsageError, before the weights load, when the
-        configuration cannot run on a model of info's sizes (a ModelInfo,
-        models.describe)."""
+        configuration cannot run on the model: info() gives its ModelInfo
+        (models.describe, read from its header on the first call, so that
+        a configuration that needs no sizes reads nothing)."""
 
     @contextlib.contextmanager
     def window(self, model):

@@ -101,12 +101,13 @@ class QuantizedCachePeer(Config):
         # quanto and HQQ group a layer's keys (and values) across its KV
         # heads, tokens and channels, and need the group to divide them at
         # every step: with one token a step, to divide a token's values
-        width = info.num_kv_heads * info.head_dim
+        sizes = info()
+        width = sizes.num_kv_heads * sizes.head_dim
         if width % self.group:
             raise UsageError(f"--group {self.group}: the peer {self.label} (transformers' "
                              f"QuantizedCache) quantizes in groups of {self.group} values, which "
-                             f"must divide a token's {info.num_kv_heads} KV heads x "
-                             f"{info.head_dim} = {width}")
+                             f"must divide a token's {sizes.num_kv_heads} KV heads x "
+                             f"{sizes.head_dim} = {width}")
 
     def cache(self, model):
         from transformers import QuantizedCache
