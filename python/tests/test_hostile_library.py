@@ -275,6 +275,44 @@ class Library(unittest.TestCase):
                      lambda: load_projections(self.proj, "kqsvd", "quality-budget:0.5"),
                      "quality-budget:0.5", "python -m kqsvd.quality")
 
+    def test_renamed_names_keep_working_for_a_release(self):
+        """Each public name renamed or moved in 0.5's redesign (renamed.py)
+        still works, with a DeprecationWarning naming the new one at the
+        caller's line; the new names warn nothing."""
+        import importlib
+        import warnings
+        from kqsvd.calibration import calibrator, result
+        from kqsvd.formats import saving
+
+        def old(call, new):
+            with self.assertWarns(DeprecationWarning) as w:
+                got = call()
+            self.assertIn(new, str(w.warning))
+            self.assertEqual(w.filename, __file__)
+            return got
+        cal = old(lambda: Calibrator(layers=1, kv_heads=1, group=2, head_dim=4, hidden=4),
+                  "q_per_kv=")
+        self.assertEqual(cal.shape.q_per_kv, 2)
+        self.assertEqual(old(lambda: cal.shape.group, "q_per_kv"), 2)
+        binding = importlib.import_module("kqsvd.calibration.binding")
+        projections = importlib.import_module("kqsvd.formats.projections")
+        for module, name, now in ((binding, "Calibrator", calibrator),
+                                  (binding, "check_policy", calibrator),
+                                  (binding, "Result", result),
+                                  (projections, "save_ranks", saving)):
+            self.assertIs(old(lambda: getattr(module, name), now.__name__), getattr(now, name))
+        self.refused(kqsvd.UsageError, lambda: Calibrator(layers=1, kv_heads=1, q_per_kv=2,
+                                                          group=2, head_dim=4, hidden=4),
+                     "Calibrator()", "q_per_kv", "group")
+        with self.assertRaises(AttributeError):
+            binding.nosuch  # noqa: B018
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = Calibrator(layers=1, kv_heads=1, q_per_kv=2, head_dim=4, hidden=4)
+            self.assertEqual(again.shape.q_per_kv, 2)
+        again.close()
+        cal.close()
+
     def test_calibrator_arguments(self):
         U = kqsvd.UsageError
         self.refused(U, lambda: Calibrator(L, HKV, GROUP, D, HIDDEN, head_groups=2 ** 70),

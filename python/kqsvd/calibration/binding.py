@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from .. import native
 from ..errors import KqsvdError, UsageError
+from ..renamed import attribute, moved
 
 if TYPE_CHECKING:  # numpy loads at first use, torch never: rows may be either
     pass
@@ -50,6 +51,13 @@ class Shape(ctypes.Structure):
     _fields_ = [("layers", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("q_per_kv", ctypes.c_int64), ("head_dim", ctypes.c_int64),
                 ("hidden", ctypes.c_int64)]
+    group = attribute("q_per_kv", "Shape.group")  # renamed in 0.5 (renamed.py)
+
+
+# Calibrator, check_policy and Result lived here before calibrator.py and result.py.
+__getattr__ = moved(__name__, {"Calibrator": "kqsvd.calibration.calibrator",
+                               "check_policy": "kqsvd.calibration.calibrator",
+                               "Result": "kqsvd.calibration.result"})
 
 
 # How rows become factors (kqsvd_qr_t): Householder QR merged by TSQR, or

@@ -8,6 +8,7 @@ import os
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import UsageError
+from ..renamed import keywords
 from .binding import (QR_METHODS, TENSORS, AccOptions, FinishOptions, Handle, Shape,
                       check_status, library, one_of, path_arg, rows_of, whole)
 from .result import Result
@@ -72,6 +73,7 @@ class Calibrator(Handle):
     >>> cal.finish(ranks="eps:0.1").write("proj.h5", model="name")
     """
 
+    @keywords(group="q_per_kv")  # renamed in 0.5 (renamed.py)
     def __init__(self, layers: int, kv_heads: int, q_per_kv: int, head_dim: int, hidden: int,
                  block_rows: int = 256, mem_limit_mib: float = 0.0, head_groups: int = 1,
                  qr: Literal["tsqr", "gram"] = "tsqr") -> None:

@@ -20,8 +20,11 @@ from . import policy as policies
 from .. import native
 from .quant import QuantScheme, read_bits, with_bits
 from ..errors import KqsvdError, UsageError
+from ..renamed import moved
 
 METHODS = ("kqsvd", "ksvd", "eigen")
+# save_ranks lived here before formats/saving.py (kqsvd.save_ranks).
+__getattr__ = moved(__name__, {"save_ranks": "kqsvd.formats.saving"})
 MATRICES = ("key_down", "query_down", "value_down", "value_up")
 # query_down_tuned, value_up_tuned: up-projections trained on the model's
 # loss at the stored ranks (kqsvd.quality.tune; docs/formats.md section 5.3).
