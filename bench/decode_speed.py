@@ -17,6 +17,10 @@ time from the first to the last.  Medians with their range over the
 repeats; with --rounds R, the whole list of configurations runs R times
 in turn and each ratio is the median of the rounds' ratios, each to its
 own round's full cache (on a shared machine, speed drifts between runs).
+The cache's bytes are taken from the last call's cache, values held as
+computed counted as bf16: `cache MB` what it references, measured
+(kqsvd.cache_bytes: its capacity, the room its buffers keep for more
+tokens included), `held MB` the bytes of the tokens it holds (its use).
 Random tokens (speed does not depend on them; seed 0), greedy.  Each
 context and its --steps fit the model's positions (max_position_embeddings,
 8,192): the model attends over the prompt and every new token but the
@@ -206,10 +210,8 @@ def install(model, info, spec, scheme, context):
     """Sets the model up for `spec`; returns generate()'s extra keyword
     arguments (a fresh cache per call, or none for generate()'s own), the
     context each generate() runs in, and the bytes a cache it leaves holds
-    (values unquantized as bf16; QuantizedCache's codes as its peer counts
-    them, which cache_bytes cannot see); `spec` has passed check()."""
-    from kqsvd.attention import cache_bytes
-    none, held = contextlib.nullcontext, (lambda cache: cache_bytes(cache, 2))
+    (sizes()); `spec` has passed check()."""
+    none, held = contextlib.nullcontext, sizes
     if spec == "full":
         model.set_attn_implementation("sdpa")
         return (lambda: {}), none, held
@@ -235,11 +237,21 @@ def install(model, info, spec, scheme, context):
             if kind == "composite" else QuantizedCachePeer(kind, int(rest), scheme.group)
         peer.check()
         return ((lambda: {"past_key_values": peer.cache(model)}),
-                (lambda: peer.prefill(model)), peer.nbytes)
+                (lambda: peer.prefill(model)), lambda cache: sizes(cache, peer.nbytes))
     from kqsvd.attention import compress, latent_cache
     path, method, pol = latent_spec(spec)
     compress(model, _resolved(path, method, pol, info.num_layers, scheme, spec)[1])
     return (lambda: {"past_key_values": latent_cache(model)}), none, held
+
+
+def sizes(cache, counted=None):
+    """A cache's bytes, values held as computed counted as bf16: what it
+    references, measured (cache_bytes: its capacity, the room of its
+    buffers included), and the bytes of the tokens it holds (its use;
+    `counted(cache)` for QuantizedCache, as its peer counts them)."""
+    from kqsvd.attention import cache_bytes
+    return dict(cache_bytes=cache_bytes(cache, 2),
+                cache_bytes_held=counted(cache) if counted else cache_bytes(cache, 2, held=True))
 
 
 def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
@@ -289,7 +301,7 @@ def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
                 prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
                 decode_tok_s=statistics.median(decode) * batch,
                 decode_range=[min(decode) * batch, max(decode) * batch],
-                cache_bytes=held(cache), peak_above_model_mb=peak.stop())
+                **held(cache), peak_above_model_mb=peak.stop())
 
 
 def _rss():
@@ -510,7 +522,7 @@ def run(a):
     if a.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
-          f"{'range':>16}{'x full':>8}{'cache MB':>10}{'peak MB':>9}", flush=True)
+          f"{'range':>16}{'x full':>8}{'cache MB':>10}{'held MB':>9}{'peak MB':>9}", flush=True)
     for n in a.contexts:
         for b in a.batches:
             got = measure(named, n, b, a, a.scheme, env)
@@ -523,6 +535,7 @@ def run(a):
                 print(f"{label[:43]:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}"
                       f"{r['decode_tok_s']:>14.2f}{f'{lo:.2f}-{hi:.2f}':>16}"
                       f"{r['against_full']:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
+                      f"{r.get('cache_bytes_held', r['cache_bytes']) / 2**20:>9.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     from kqsvd.commands.cli import write_report
     from kqsvd.formats.files import json_writer, write_all
@@ -539,11 +552,11 @@ def run(a):
             from kqsvd.formats.files import Staged
             with Staged() as staged:
                 write_rows(staged.tmp(a.json))
-                write_report(out, a.annotate, a.plot, plot, table, staged)
+                write_report(out, a.annotate, a.plot, plot, table, staged, a.force)
         else:
-            write_report(out, a.annotate, a.plot, plot, table)
+            write_report(out, a.annotate, a.plot, plot, table, force=a.force)
     elif a.json:
-        write_all([(a.json, write_rows)])
+        write_all([(a.json, write_rows)], force=a.force)
 
 
 def main(argv=None):

@@ -17,6 +17,7 @@ import torch
 from common import ROOT, TEXT, Calibrated, workdir
 
 from kqsvd import models
+from kqsvd.attention.quant import room
 from kqsvd.formats.saving import save_ranks
 from kqsvd.formats.quant import QuantScheme
 from kqsvd.quality.frontier import continue_window, pareto
@@ -29,10 +30,13 @@ CTX, CONT, N = 80, 12, 2
 
 def side_bytes(L, H, T, n, bits, axis, res=0):
     """One side's bytes by section 1 of docs/quantized-cache.md, group 16:
-    T tokens of n columns, the newest res (and, per channel, those of a
-    block not complete) held at 2 bytes."""
+    T tokens of n columns taken at once, the newest res (and, per channel,
+    those of a block not complete) held at 2 bytes, the codes' buffers
+    with the room they keep (at most an eighth)."""
     q = (T - res) // 16 * 16 if axis == "channel" else T - res
-    rows = n * (q // 16) if axis == "channel" else q
+    units = q // 16 if axis == "channel" else q
+    units += room(0, units, 16 if axis == "channel" else 1)
+    rows = n * units if axis == "channel" else units
     width = 16 if axis == "channel" else n
     return L * H * (rows * ((width + 7) // 8 * bits + 4 * -(-width // 16)) + (T - q) * n * 2)
 

@@ -228,7 +228,7 @@ class InTheModel(unittest.TestCase):
                     return (torch.from_numpy(kc), torch.from_numpy(vc) @ Bv.T), lambda q: q @ B
                 want = self.reference(side)
                 self.assertAlmostEqual(got, want, delta=1e-9 * abs(want), msg=f"{rot} {bits_k}")
-                self.assertEqual(cache_bytes(cache, 2), held[0])
+                self.assertEqual(cache_bytes(cache, 2, held=True), held[0])
 
     def test_per_column_bits_are_the_documented_scheme(self):
         """Bits per latent column, in no particular order: each head's
@@ -266,7 +266,7 @@ class InTheModel(unittest.TestCase):
                 return (kc, vc @ Av.T), lambda q: q @ A  # B = A, B_v = A_v here
             want = self.reference(side)
             self.assertAlmostEqual(got, want, delta=1e-9 * abs(want), msg=f"rotate {rot}")
-            self.assertEqual(cache_bytes(cache, 2), held[0])
+            self.assertEqual(cache_bytes(cache, 2, held=True), held[0])
 
     def test_per_column_bits_alike_are_the_units_bits_before_rope(self):
         """Keys before RoPE: the same bits in every column of a head give the
@@ -296,7 +296,7 @@ class InTheModel(unittest.TestCase):
                 return (torch.from_numpy(kc), torch.from_numpy(vc)), lambda q: q
             want = self.reference(side)
             self.assertAlmostEqual(got, want, delta=1e-9 * abs(want))
-            self.assertEqual(cache_bytes(cache, 2), held[0])
+            self.assertEqual(cache_bytes(cache, 2, held=True), held[0])
             full = 2 * 2 * L * 2 * 45 * 16  # keys and values, bf16
             self.assertLess(held[0], full * (bits + 8) / 16)
 
@@ -459,7 +459,7 @@ class QualityProtocol(unittest.TestCase):
         self.assertFalse(torch.equal(whole_a[16:20], whole_b[16:20]))
         np.testing.assert_array_equal(whole_a[:16].numpy(), whole_b[:16].numpy())
         # both end holding the same: two complete blocks, 8 tokens as computed
-        self.assertEqual(cache_bytes(ca, 2), cache_bytes(cw, 2))
+        self.assertEqual(cache_bytes(ca, 2, held=True), cache_bytes(cw, 2, held=True))
 
     def test_byte_ratio_in_bf16_in_both_dtypes(self):
         cal = Calibrated.get()
@@ -478,12 +478,13 @@ class QualityProtocol(unittest.TestCase):
                  "--force"])
             with open(out) as f:
                 got[dtype] = {r["policy"]: r for r in json.load(f)["results"]}
-        for dtype, rows in got.items():
-            for pol, r in rows.items():
-                # 64 tokens: every key block of 32 complete, so the bytes held
-                # are the formula's, as for the latent held as computed
-                self.assertAlmostEqual(r["cache_bytes_ratio"], r["cache_kept"], delta=1e-12,
-                                       msg=f"{dtype} {pol}")
+        for pol, r in got["float64"].items():
+            # the bytes referenced, measured: in bf16 in either dtype ...
+            self.assertEqual(got["float32"][pol]["cache_bytes_ratio"], r["cache_bytes_ratio"])
+            # ... and 64 tokens, every key block of 32 complete: the formula's
+            # bytes held, and the room the buffers keep, at most an eighth
+            self.assertGreaterEqual(r["cache_bytes_ratio"], r["cache_kept"] - 1e-12, pol)
+            self.assertLessEqual(r["cache_bytes_ratio"], r["cache_kept"] * 9 / 8, pol)
         self.assertLess(got["float64"]["test"]["cache_kept"], 0.25)
 
 

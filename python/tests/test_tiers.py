@@ -6,7 +6,7 @@ cache on a tiny Llama calibrated by the C tool, checked by its properties:
 - a layout that drops every token outside the sinks and the window is the
   model attending to those alone (a mask in an independent Llama written
   here);
-- the bytes after the prefill are the sinks' and window's in bf16 and each
+- the bytes held after the prefill are the sinks' and window's in bf16 and each
   tier's codes as docs/quantized-cache.md counts them, positions at 4
   bytes where keys are taken before RoPE;
 - padded batches, fold and probe are refused in one line."""
@@ -32,6 +32,15 @@ from kqsvd.quality.frontier import continue_window
 from kqsvd.quality.measure import resolve_policies
 
 CTX, T = 80, 92
+
+
+class Held(Latent):
+    """A Latent whose bytes are those of the tokens it holds (the use,
+    cache_bytes(held=True)): what the docs' formulas count; the memory
+    referenced is at most an eighth above (test_cache_kinds)."""
+
+    def nbytes(self, cache):
+        return kqsvd.cache_bytes(cache, 2, held=True)
 
 
 def tiered(cal, info, policy, scheme=None, path=None):
@@ -85,7 +94,7 @@ class Cache(unittest.TestCase):
     def window(self, policy, path=None, chunk=1, scheme=None):
         p = tiered(self.cal, self.info, policy, scheme, path)
         with torch.no_grad():
-            return continue_window(self.model, self.ids, CTX, Latent(policy, "kqsvd", p), chunk)
+            return continue_window(self.model, self.ids, CTX, Held(policy, "kqsvd", p), chunk)
 
     def test_a_window_of_everything_is_the_model(self):
         for chunk in (1, 5):
@@ -221,7 +230,7 @@ class Independent(unittest.TestCase):
         cls.proj = dataclasses.replace(p, tiers=(lay, (tier, None)))
         with torch.no_grad():
             cls.got, cls.first, cls.last = continue_window(
-                cls.model, cls.ids, CTX, Latent("t", "kqsvd", cls.proj))
+                cls.model, cls.ids, CTX, Held("t", "kqsvd", cls.proj))
 
     def test_log_probabilities(self):
         """The model run once over the whole window with the attention
@@ -243,11 +252,12 @@ class Independent(unittest.TestCase):
         L, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
         d = cfg.hidden_size // cfg.num_attention_heads
 
-        def held(n1):  # one layer: sinks and window in bf16, the tier's codes, its positions
+        def held(n1):  # one layer: sinks and window in bf16, the tier's codes, positions
             q = n1 // self.G * self.G
             keys = self.R * (q // self.G) * (self.G // 8 * self.BK + 4) + (n1 - q) * self.R * 2
             values = n1 * ((self.R + 7) // 8 * self.BV + 4)
-            return hkv * ((self.S + self.W) * 2 * d * 2 + keys + values) + 4 * n1
+            return hkv * ((self.S + self.W) * 2 * d * 2 + keys + values) + \
+                4 * (n1 + self.S + self.W)  # every token's position: int32
         middle = CTX - self.S - self.W
         self.assertEqual(self.first, L * held(middle // 2))
         # the last step fed token T - 2: T - 1 - CTX tokens left the window

@@ -23,8 +23,9 @@ import threading
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..errors import KqsvdError
+from ..errors import KqsvdError, UsageError
 from . import kernel
+from .footprint import referenced_bytes
 from .handoff import hand
 from .quant import store
 
@@ -237,26 +238,43 @@ class QuantCache(Cache):
         super().__init__(layers=[QuantLayer(None, scheme, bits) for _ in range(num_layers)])
 
 
-def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None) -> int:
-    """Bytes held by a transformers cache.
+def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None,
+                held: bool = False) -> int:
+    """Bytes of memory a transformers cache holds.
 
-    Values held unquantized count float_bytes each; codes and scales count
-    as stored.  Not collective.
+    Measured: the storages of every tensor the cache's layers reference,
+    each counted once and whole (footprint.py), so that a view of a large
+    buffer counts the buffer it keeps alive, and a quantized store counts
+    the room its buffers keep for more tokens (at most an eighth of what
+    they hold: docs/quantized-cache.md, section 1).  With
+    `held`, the bytes of the tokens held instead (codes, scales and
+    values of held tokens, without that room): the use, where the default
+    is the capacity.  Not collective.
 
     Parameters
     ----------
     cache : transformers Cache, or tuple or list
-        Any Cache whose layers hold keys and values tensors (a latent
-        cache among them), or QuantLayers; or legacy (keys, values) tuples,
-        one per layer.
+        Any Cache whose layers hold tensors (a latent, quantized or tiered
+        cache of this package among them); or legacy (keys, values)
+        tuples, one per layer.
     float_bytes : int or None
-        Bytes per floating-point value held unquantized (None or 0: as
-        held; 2 counts them as bf16).  Other tensors count as held.
+        Bytes per floating-point value held as it came (None or 0: as
+        held; 2 counts a float32 model's values as bf16), a rescale of the
+        floating storages referenced.  Codes, float16 scales and zeros,
+        and integer positions count as stored.
+    held : bool
+        Count the tokens held (the use) rather than the memory referenced.
 
     Returns
     -------
     int
         The bytes.
+
+    Raises
+    ------
+    UsageError
+        For a cache that is not one (None, say), or a float_bytes that is
+        not a whole number of bytes.
 
     Examples
     --------
@@ -264,12 +282,28 @@ def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None) -> 
     >>> kqsvd.cache_bytes(out.past_key_values, float_bytes=2)
     """
     layers = getattr(cache, "layers", None)
+    if layers is None and not isinstance(cache, (tuple, list)):
+        raise UsageError(f"cache_bytes: cache must be a transformers Cache or a tuple of (keys, "
+                         f"values) per layer, not {type(cache).__name__}")
+    if float_bytes is not None and (isinstance(float_bytes, bool) or
+                                    not isinstance(float_bytes, int) or float_bytes < 0):
+        raise UsageError(f"cache_bytes: float_bytes must be a whole number of bytes, not "
+                         f"{float_bytes!r}")
     if layers is None:
-        tensors = [t for kv in cache for t in kv[:2]]
-    else:
-        if any(hasattr(layer, "nbytes") for layer in layers):
-            return sum(layer.nbytes(float_bytes) for layer in layers)
-        tensors = [t for layer in layers for t in (getattr(layer, "keys", None),
-                                                   getattr(layer, "values", None))]
-    return sum(t.numel() * (float_bytes if float_bytes and t.is_floating_point() else
-                            t.element_size()) for t in tensors if t is not None)
+        if not all(isinstance(kv, (tuple, list)) and all(
+                isinstance(t, torch.Tensor) or t is None for t in kv[:2]) for kv in cache):
+            raise UsageError("cache_bytes: a legacy cache is a tuple of (keys, values) tensors "
+                             "per layer")
+        layers = [tuple(kv[:2]) for kv in cache]
+    if not held:
+        return referenced_bytes(layers, float_bytes)
+    total = 0
+    for layer in layers:
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes(float_bytes)
+            continue
+        tensors = layer if isinstance(layer, tuple) else (getattr(layer, "keys", None),
+                                                           getattr(layer, "values", None))
+        total += sum(t.numel() * (float_bytes if float_bytes and t.is_floating_point() else
+                                  t.element_size()) for t in tensors if t is not None)
+    return total

@@ -119,6 +119,26 @@ def hadamard(n, dtype=torch.float64, device=None):
     return torch.block_diag(*blocks)
 
 
+def own(t):
+    """t, or a copy of it where t is a view of a larger buffer: a cache that
+    keeps a view keeps the whole buffer alive (the prefill's, held for
+    the cache's life, where a few tokens of it were to be held)."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def room(used, need, unit):
+    """Units (tokens, or blocks of `unit` tokens) of room a store's buffers
+    keep beyond the `need` they must hold, when they grow from holding
+    `used`: an eighth of what they held (appending one token at a time
+    would otherwise copy the whole cache at every step), and at least
+    min(64 tokens, an eighth of `need`), so that a prefill's buffers keep
+    room for the first steps after it.  So the room is never more than an
+    eighth of what they hold (docs/quantized-cache.md, section 1)."""
+    return max(used // 8, min(64 // unit, need // 8))
+
+
 class Store:
     """One side (keys or values) of one cache layer: rows [b, H, T, n]
     appended token by token, quantized as the scheme says (bits UNQUANTIZED:
@@ -126,6 +146,8 @@ class Store:
     `residual` tokens (and, per channel, the tokens of a block not yet
     complete) held as they came.  values() is everything held, quantized
     tokens dequantized."""
+
+    _as_stored = ("_buf",)  # codes, float16 scales and zeros: as stored (footprint.py)
 
     def __init__(self, bits, group, axis, residual=0):
         if bits not in BITS + (UNQUANTIZED,) or axis not in AXES or group < 1 or residual < 0:
@@ -163,14 +185,15 @@ class Store:
     def append(self, x, read=True):
         """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
         (None when not `read`)."""
-        self.rest = x if self.rest is None or not self.rest.shape[-2] else torch.cat(
+        rest = x if self.rest is None or not self.rest.shape[-2] else torch.cat(
             [self.rest, x], -2)
-        over = self.rest.shape[-2] - self.residual
+        over = rest.shape[-2] - self.residual
         unit = self.group if self.axis == "channel" else 1
         take = max(over, 0) // unit * unit if self.bits != UNQUANTIZED else 0
         if take:
-            self._add(self.rest[..., :take, :])
-            self.rest = self.rest[..., take:, :]
+            self._add(rest[..., :take, :])
+            rest = rest[..., take:, :]
+        self.rest = own(rest)
         return self.values(x.dtype) if read else None
 
     def _add(self, x):
@@ -196,7 +219,7 @@ class Store:
         shapes = [(*lead, packed_width(n, self.bits)), (*lead, -(-n // self.group))]
         used, new = self._used, shapes[0][dim]
         if self._buf is None or used + new > self._buf[0].shape[dim]:
-            cap = used + new + max(used // 8, 64 // (self.group if dim == -3 else 1), 1)
+            cap = used + new + room(used, used + new, self.group if dim == -3 else 1)
             bufs = []
             for i, (shape, dt) in enumerate(zip((shapes[0], shapes[1], shapes[1]),
                                                 (torch.uint8, torch.float16, torch.float16))):
@@ -246,8 +269,9 @@ class Store:
         return kernel.weigh([self], [0, self.rest.shape[-1]], p)
 
     def nbytes(self, float_bytes=None):
-        """Bytes held: codes and float16 scales as stored; the tokens held
-        as they came at float_bytes per value (their own size when None)."""
+        """Bytes of the tokens held (the store's use, without its buffers'
+        room): codes and float16 scales as stored; the tokens held as they
+        came at float_bytes per value (their own size when None)."""
         held = 0 if self.codes is None else sum(
             t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
         if self.rest is not None:
@@ -286,7 +310,9 @@ class RunStore:
             commit()
             s.done += x.shape[-2]
             if s.rest is None or s.rest.dtype != x.dtype:
-                s.rest = x[..., :0, a:b]  # nothing held back (_together), as append keeps it
+                # nothing held back (_together), as append keeps it: an empty
+                # tensor of its own (a view of x would keep x alive)
+                s.rest = x.new_empty(*x.shape[:-2], 0, b - a)
         return self.values(x.dtype) if read else None
 
     def _together(self, x):

@@ -141,7 +141,7 @@ class TierLayer(DynamicLayer):
         self.tiers = [None if P is None else Tier(P) for P in Ps]
         self.full = None       # keys, values [b, Hkv, n, d]: the sinks, then the window
         self.held_sinks = 0    # of full's first tokens, the sinks
-        self.full_pos = None   # int64 [b, n]: their positions
+        self.full_pos = None   # int32 [b, n]: their positions, before RoPE (None after)
         self.seen = 0
         self.prefill = None    # the prefill's keys, values, positions until settled
 
@@ -183,12 +183,15 @@ class TierLayer(DynamicLayer):
         if out > 0:
             a, b = self.held_sinks, self.held_sinks + out
             if self.tiers[0] is not None:
-                self.tiers[0].add(fk[..., a:b, :], fv[..., a:b, :], self.full_pos[:, a:b],
-                                  self.site.rotary)
+                self.tiers[0].add(fk[..., a:b, :], fv[..., a:b, :], None if self.full_pos is None
+                                  else self.full_pos[:, a:b], self.site.rotary)
             keep = lambda x, d: torch.cat([x.narrow(d, 0, a), x.narrow(d, b, x.shape[d] - b)], d)  # noqa: E731
-            fk, fv, self.full_pos = keep(fk, -2), keep(fv, -2), keep(self.full_pos, -1)
+            fk, fv = keep(fk, -2), keep(fv, -2)
+            if self.full_pos is not None:
+                self.full_pos = keep(self.full_pos, -1)
         self.full = (torch.cat([fk, keys], -2), torch.cat([fv, values], -2))
-        self.full_pos = torch.cat([self.full_pos, pos.expand(fk.shape[0], -1)], -1)
+        if self.full_pos is not None:
+            self.full_pos = torch.cat([self.full_pos, pos.expand(fk.shape[0], -1).int()], -1)
 
     def settle(self, query, scaling):
         """Places the prefill's tokens, scored by the attention of its last
@@ -217,7 +220,10 @@ class TierLayer(DynamicLayer):
                              self.site.rotary)
         keep = torch.cat([torch.arange(S), torch.arange(N - W, N)]).to(keys.device)
         self.full = (keys[..., keep, :], values[..., keep, :])
-        self.full_pos, self.held_sinks = pos[:, keep], S
+        # positions rotate a tier's keys back before RoPE; after RoPE its keys carry them
+        self.full_pos = pos[:, keep].int() if any(
+            t is not None and t.P.pre for t in self.tiers) else None
+        self.held_sinks = S
 
     def attend(self, query, scaling, drop):
         """A step of T new tokens' queries [b, Hq, T, d] over everything
@@ -244,7 +250,7 @@ class TierLayer(DynamicLayer):
         held = sum(t.nbytes(float_bytes) for t in self.tiers if t is not None)
         for x in (self.full or ()) + ((self.prefill[:2]) if self.prefill else ()):
             held += x.numel() * (float_bytes or x.element_size())
-        return held
+        return held + (0 if self.full_pos is None else self.full_pos.numel() * 4)
 
     def _refuse(self, *args, **kwargs):
         raise KqsvdError("a tiered cache cannot be cropped, reordered or repeated")

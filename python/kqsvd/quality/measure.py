@@ -98,8 +98,9 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
     others and the full model in one pass, tiered caches on each window's
     last tokens after a prefill of the rest (tiers.tiered_logprobs; their
     results say scored "tail", the tokens and the full model's perplexity
-    on them); cache bytes count values held
-    unquantized at 2 (bf16) in either dtype, as the frontier does.
+    on them); cache bytes are the memory each cache references, measured
+    (attention.cache_bytes: the room its buffers keep included), values
+    held as computed at 2 (bf16) in either dtype, as the frontier does.
     fold: fold B_v into o_proj; score_errors: also measure err_kq and
     err_out in the model (one more pass per pair).  Returns (full, [result
     per pair]) as the report holds them.  Not collective; leaves the model

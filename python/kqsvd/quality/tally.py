@@ -1,6 +1,7 @@
 """Sums over the scored tokens of one configuration: negative
 log-likelihood, KL and top-1 agreement against the full model, cache
-bytes, and probe errors; for the quality command (measure.py) and the
+bytes (the largest a configuration's caches referenced, measured by
+attention.cache_bytes), and probe errors; for the quality command (measure.py) and the
 frontier (frontier.py) alike."""
 import math
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from ..formats.quant import UNQUANTIZED
-from ..attention.quant import packed_width
+from ..attention.quant import packed_width, room
 from ..formats.tiers import DROP, PREFIX, SCORERS, Tier, TierLayout
 
 CHUNK = 8        # continuation tokens per step, as the frontier's benches run
@@ -31,17 +31,20 @@ def tail(T):
 
 
 def side_bytes(n, runs, group, axis):
-    """Bytes of n tokens of one unit's side held as docs/quantized-cache.md
-    counts them (residual 0): runs [(count, bits)] of columns."""
+    """Bytes of n tokens of one unit's side, taken at once, as the cache
+    references them (docs/quantized-cache.md, residual 0): runs [(count,
+    bits)] of columns, each store's buffers with the room they keep
+    (attention.quant.room)."""
     total = 0
     for count, bits in runs:
         if bits == UNQUANTIZED:
             total += n * count * 2
         elif axis == "channel":  # blocks of `group` tokens, each column's a row
-            q = n // group * group
-            total += (q // group) * count * (packed_width(group, bits) + 4) + (n - q) * count * 2
+            nb = n // group
+            total += (nb + room(0, nb, group)) * count * (packed_width(group, bits) + 4) + \
+                (n - nb * group) * count * 2
         else:
-            total += n * (packed_width(count, bits) + 4 * -(-count // group))
+            total += (n + room(0, n, 1)) * (packed_width(count, bits) + 4 * -(-count // group))
     return total
 
 
@@ -49,10 +52,11 @@ def layout_bytes(layout, N, units, kv_heads, head_dim, scheme, pre):
     """Bytes of one layer of a tiered cache right after a prefill of N
     tokens: units [(key runs, value runs) per unit] for each tier (None
     for a dropped one), sinks and window at 2 bytes a value, 4 bytes a
-    position before RoPE."""
+    position before RoPE (the sinks' and window's too), each store's room
+    included (side_bytes): the bytes the cache references."""
     S = min(layout.sinks, N)
     W = min(layout.window, N - S)
-    total = (S + W) * kv_heads * head_dim * 2 * 2
+    total = (S + W) * (kv_heads * head_dim * 2 * 2 + (4 if pre else 0))
     for n, per_unit in zip(layout.counts(N - S - W), units):
         if per_unit is None or not n:
             continue
