@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "kqsvd_h5.h"
+#include "kqsvd_proj.h"
 #include "kqsvd_signal.h"
 #include "kqsvd_util.h"
 
@@ -55,17 +56,18 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
   char tmp[PATH_MAX + 32] = "", fp[32], sum[32];
   hid_t file = -1, space = -1, ds = -1;
   KQSVD_CHECK(strlen(path) < PATH_MAX, KQSVD_ERR_USAGE, "checkpoint path too long: %.64s...", path);
-  KQSVD_CHECK(kqsvd_tmp_path(path, tmp, sizeof tmp) == 0, KQSVD_ERR_USAGE,
+  KQSVD_CHECK(strlen(path) + KQSVD_TMP_SUFFIX_MAX < sizeof tmp, KQSVD_ERR_USAGE,
               "checkpoint path too long: %.64s...", path);
   snprintf(fp, sizeof fp, "%016" PRIx64, fingerprint);
   checksum(fp, pos, nvals, state, sum);
+  /* The space claimed before HDF5 writes (kqsvd_tmp_claim): a full disk
+   * is an ordinary error naming the checkpoint, never a failing close. */
+  const int64_t need = nvals * (int64_t)sizeof(double) + 64 * 1024;
+  KQSVD_CALL(kqsvd_tmp_claim(path, tmp, sizeof tmp, need));
   kqsvd_signal_track(tmp);
-  file = H5Fcreate(tmp, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
-  if (file < 0) {
-    kqsvd_signal_untrack(tmp);
-    tmp[0] = '\0'; /* not made: nothing of ours to remove */
-    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create the checkpoint's temporary file", path);
-  }
+  file = H5Fcreate(tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  if (file < 0) KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create the checkpoint's temporary file", path);
+  KQSVD_CALL(kqsvd_reserve(path, tmp, need));
   KQSVD_CALL(kqsvd_h5_put_str(file, "kqsvd_format", "checkpoint"));
   KQSVD_CALL(kqsvd_h5_put_str(file, "fingerprint", fp));
   KQSVD_CALL(kqsvd_h5_put_str(file, "about", about));
@@ -86,6 +88,7 @@ kqsvd_status_t kqsvd_checkpoint_save_file(const char *path, uint64_t fingerprint
     goto done;
   }
   file = -1;
+  KQSVD_CALL(kqsvd_proj_trim(tmp)); /* what the claim held beyond the end */
   KQSVD_CALL(kqsvd_publish(tmp, path));
 done:
   if (st != KQSVD_OK && tmp[0]) kqsvd_error_context(tmp);

@@ -1,4 +1,5 @@
 #include "kqsvd_proj.h"
+#include "kqsvd_util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -8,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 enum {
@@ -126,24 +126,9 @@ int64_t kqsvd_proj_size_estimate(const kqsvd_dims_t *dm) {
 }
 
 kqsvd_status_t kqsvd_proj_reserve(const kqsvd_proj_writer_t *w, const char *final_path) {
-  kqsvd_status_t st = KQSVD_OK;
-  struct statvfs vfs;
-  const int64_t need = kqsvd_proj_size_estimate(
-      &(kqsvd_dims_t){.layers = w->layers, .kv_heads = w->kv_heads, .head_dim = w->d});
-  const int fd = open(w->path, O_WRONLY);
-  KQSVD_CHECK(fd >= 0, KQSVD_ERR_IO, "%s: cannot open %s to reserve its space: %s", final_path,
-              w->path, strerror(errno));
-  const int rc = posix_fallocate(fd, 0, (off_t)need);
-  close(fd);
-  if (rc != 0) {
-    const double free_mib = statvfs(w->path, &vfs) == 0
-                                ? (double)vfs.f_bavail * (double)vfs.f_frsize / 1048576.0
-                                : -1.0;
-    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot reserve the %.1f MiB it needs (%s; %.1f MiB free)",
-               final_path, (double)need / 1048576.0, strerror(rc), free_mib);
-  }
-done:
-  return st;
+  return kqsvd_reserve(final_path, w->path,
+                       kqsvd_proj_size_estimate(&(kqsvd_dims_t){
+                           .layers = w->layers, .kv_heads = w->kv_heads, .head_dim = w->d}));
 }
 
 kqsvd_status_t kqsvd_proj_trim(const char *path) {

@@ -1,3 +1,4 @@
+#include "kqsvd_proj.h"
 #include "kqsvd_signal.h"
 #include "kqsvd_util.h"
 #include "kqsvd_writer.h"
@@ -13,13 +14,23 @@ struct kqsvd_writer {
   hid_t file, mtype;
   hid_t dset[3]; /* keys, values, queries; or o_proj in dset[0] */
   kqsvd_dtype_t type;
-  int64_t d, width;
+  int64_t d, width, need;
   void *buf;
   size_t cap;
 };
 
+/* Bytes a file holding `values` elements of type t takes, with an
+ * allowance for HDF5's metadata (a few KiB for these few datasets). */
+static int64_t size_estimate(int64_t values, kqsvd_dtype_t t) {
+  const int64_t raw = values * (int64_t)kqsvd_dtype_size(t);
+  return raw + 64 * 1024 + raw / 100;
+}
+
+/* The file is made under its temporary name with its space claimed
+ * first (kqsvd_tmp_claim): a full disk is an ordinary error naming the
+ * output, before HDF5 has written a byte. */
 static kqsvd_status_t writer_new(const char *path, const kqsvd_dims_t *dims, kqsvd_dtype_t t,
-                                 const char *format, kqsvd_writer_t **out) {
+                                 const char *format, int64_t need, kqsvd_writer_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_writer_t *w = calloc(1, sizeof *w);
   *out = NULL;
@@ -29,20 +40,19 @@ static kqsvd_status_t writer_new(const char *path, const kqsvd_dims_t *dims, kqs
   w->type = t;
   w->d = dims->head_dim;
   snprintf(w->path, sizeof w->path, "%s", path);
-  KQSVD_CHECK(kqsvd_tmp_path(path, w->tmp, sizeof w->tmp) == 0, KQSVD_ERR_USAGE,
+  w->need = need;
+  KQSVD_CHECK(strlen(path) + KQSVD_TMP_SUFFIX_MAX < sizeof w->tmp, KQSVD_ERR_USAGE,
               "%.64s...: path too long", path);
+  KQSVD_CALL(kqsvd_tmp_claim(path, w->tmp, sizeof w->tmp, need));
   kqsvd_signal_track(w->tmp);
-  w->file = H5Fcreate(w->tmp, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
+  /* Ours, made exclusively by the claim: truncated, never followed. */
+  w->file = H5Fcreate(w->tmp, H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   if (w->file < 0) {
     kqsvd_h5_fail_("H5Fcreate", __FILE__, __LINE__, __func__);
     kqsvd_error_clear();
-    kqsvd_signal_untrack(w->tmp);
-    w->tmp[0] = '\0'; /* not made: nothing of ours to remove */
-    KQSVD_FAIL(KQSVD_ERR_IO,
-               "%s: cannot create its temporary file (does the folder exist and is it "
-               "writable?)",
-               w->path);
+    KQSVD_FAIL(KQSVD_ERR_IO, "%s: cannot create its temporary file %s", w->path, w->tmp);
   }
+  KQSVD_CALL(kqsvd_reserve(w->path, w->tmp, need));
   KQSVD_CALL(kqsvd_h5_mem_type(t, &w->mtype));
   KQSVD_CALL(kqsvd_h5_write_dims(w->file, format, dims, 1));
   *out = w;
@@ -59,7 +69,8 @@ kqsvd_status_t kqsvd_cache_create(const char *path, const kqsvd_dims_t *dims, kq
   hid_t ds = -1;
   int64_t T = 0;
   for (int64_t s = 0; s < nseq; s++) T += seq_lens[s];
-  KQSVD_CALL(writer_new(path, dims, t, "cache", &w));
+  const int64_t values = dims->layers * (2 * dims->kv_heads + dims->heads) * T * dims->head_dim;
+  KQSVD_CALL(writer_new(path, dims, t, "cache", size_estimate(values, t) + nseq * 8, &w));
   const hsize_t kv[4] = {(hsize_t)dims->layers, (hsize_t)dims->kv_heads, (hsize_t)T,
                          (hsize_t)dims->head_dim};
   const hsize_t q[4] = {(hsize_t)dims->layers, (hsize_t)dims->heads, (hsize_t)T,
@@ -87,7 +98,9 @@ kqsvd_status_t kqsvd_model_create(const char *path, const kqsvd_dims_t *dims, kq
                                   kqsvd_writer_t **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_writer_t *w = NULL;
-  KQSVD_CALL(writer_new(path, dims, t, "model", &w));
+  KQSVD_CALL(
+      writer_new(path, dims, t, "model",
+                 size_estimate(dims->layers * dims->hidden * dims->heads * dims->head_dim, t), &w));
   const hsize_t o[3] = {(hsize_t)dims->layers, (hsize_t)dims->hidden,
                         (hsize_t)(dims->heads * dims->head_dim)};
   KQSVD_CALL(kqsvd_h5_create_dataset(w->file, "o_proj", t, 3, o, &w->dset[0]));
@@ -168,7 +181,10 @@ kqsvd_status_t kqsvd_writer_commit(kqsvd_writer_t **wp) {
     goto done;
   }
   w->file = -1;
-  KQSVD_CALL(kqsvd_publish(w->tmp, w->path));
+  KQSVD_CALL(kqsvd_proj_trim(w->tmp)); /* what the claim held beyond the end */
+  /* synth --force removes the set it replaces first: a file there now is
+   * another run's. */
+  KQSVD_CALL(kqsvd_publish_new(w->tmp, w->path));
 done:
   if (st != KQSVD_OK) remove(w->tmp);
   kqsvd_signal_untrack(w->tmp);

@@ -318,6 +318,7 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
   kqsvd_monitor_t *mon = NULL;
   kqsvd_progress_t prog;
   int64_t *lens = NULL, *first = NULL, done_rows = 0;
+  char made[PATH_MAX] = ""; /* the outermost folder of --out the run makes */
   memset(&o, 0, sizeof o);
   st = parse(&o, argc, argv);
   if (st == KQSVD_OK && !o.help) st = kqsvd_synth_init(&o.cfg, &gen);
@@ -338,6 +339,7 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
   if (cli->rank == 0) local = kqsvd_check_folder_output("--out", o.out);
   if (cli->rank == 0 && local == KQSVD_OK) local = check_set(&o, 0);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
+  if (cli->rank == 0) kqsvd_missing_top(o.out, made, sizeof made);
   if (cli->rank == 0 && kqsvd_mkdir_p(o.out) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
                             o.out, strerror(errno));
@@ -371,6 +373,10 @@ kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
            (long long)dims.head_dim, o.cfg.beta);
   }
 done:
+  /* A set not written leaves no folder it made; once every rank knows,
+   * so that none is writing there still. */
+  if (st != KQSVD_OK && cli->rank == 0 && (cli->size == 1 || kqsvd_error_is_collective()))
+    kqsvd_rmdir_made(o.out, made);
   kqsvd_monitor_free(&mon);
   kqsvd_synth_free(&gen);
   free(lens);

@@ -30,6 +30,16 @@ void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
  * -1 with errno set. */
 int kqsvd_mkdir_p(const char *path);
 
+/* Into top (n bytes): the outermost folder of `path` that does not exist,
+ * i.e. the first one kqsvd_mkdir_p(path) would make; "" when path exists
+ * (or does not fit).  Call before kqsvd_mkdir_p, and kqsvd_rmdir_made
+ * after a failure: a run that wrote nothing leaves no folder either. */
+void kqsvd_missing_top(const char *path, char *top, size_t n);
+
+/* Removes `path` and the folders above it up to `top` (from
+ * kqsvd_missing_top; nothing when ""), as long as they are empty. */
+void kqsvd_rmdir_made(const char *path, const char *top);
+
 /* Longest suffix kqsvd appends to an output's name while writing it
  * (kqsvd_tmp_path: ".tmp-", a process id, "-" and a counter). */
 #define KQSVD_TMP_SUFFIX_MAX 20
@@ -48,11 +58,44 @@ int kqsvd_tmp_path(const char *path, char *tmp, size_t n);
  * kqsvd_publish, or removes it. */
 FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n);
 
+/* The temporary file of an HDF5 output `path`, made before HDF5 writes a
+ * byte of it: named (kqsvd_tmp_path, into tmp), created exclusively, and
+ * `need` bytes claimed on its file system (kqsvd_reserve) to learn now
+ * whether they fit, then emptied for H5Fcreate(H5F_ACC_TRUNC), after which
+ * the writer claims them again (kqsvd_reserve) and trims the file when it
+ * is closed.  A full disk is then an ordinary error here, naming `path`,
+ * never a failing H5Fcreate or H5Fclose, which leave HDF5 unable to close
+ * the file (and the process to exit cleanly).  On failure nothing is left
+ * and tmp is "". */
+kqsvd_status_t kqsvd_tmp_claim(const char *path, char *tmp, size_t n, int64_t need);
+
+/* Makes the file system allocate `need` bytes of `file` now (the
+ * temporary file of the output `path`), so that no later write to them
+ * fails for want of space.  Errors name `path`: "PATH: no space left on
+ * device (it needs X MiB, Y MiB free)".  KQSVD_ERR_IO. */
+kqsvd_status_t kqsvd_reserve(const char *path, const char *file, int64_t need);
+
+/* Whether `need` bytes are free on the file system of `path`'s folder
+ * (statvfs), for an output HDF5 must create itself (a parallel file, or
+ * one made under H5F_ACC_EXCL), so that a disk already full is the
+ * ordinary error of kqsvd_reserve rather than a failing H5Fcreate.  A
+ * look, not a claim: kqsvd_reserve claims the space once the file is
+ * made.  KQSVD_ERR_IO. */
+kqsvd_status_t kqsvd_check_space(const char *path, int64_t need);
+
 /* Renames the finished temporary file `tmp` to `path`, unless `path` has
  * become something rename() must not replace (a device, FIFO, socket or
  * folder; a link is replaced itself, never followed).  Errors name `path`;
  * the caller removes `tmp` on failure. */
 kqsvd_status_t kqsvd_publish(const char *tmp, const char *path);
+
+/* kqsvd_publish, but never over a file already at `path`: the outputs were
+ * checked before the run, so one there now appeared while the run worked
+ * (another run of the same command); it is kept and the output is not
+ * written (KQSVD_ERR_IO naming `path`).  For outputs written without
+ * --force.  A hard link made exclusively, then `tmp` removed; where the
+ * file system has no hard links, a rename after a look. */
+kqsvd_status_t kqsvd_publish_new(const char *tmp, const char *path);
 
 /* "1.23 k", "4.56 M" style rendering of a count into buf. */
 const char *kqsvd_fmt_count(double v, char *buf, size_t n);

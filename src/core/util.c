@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -89,6 +90,34 @@ int kqsvd_mkdir_p(const char *path) {
   return 0;
 }
 
+void kqsvd_missing_top(const char *path, char *top, size_t n) {
+  struct stat sb;
+  char buf[PATH_MAX];
+  top[0] = '\0';
+  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf || strlen(buf) >= n) return;
+  while (buf[0] && lstat(buf, &sb) != 0) {
+    snprintf(top, n, "%s", buf);
+    char *slash = strrchr(buf, '/');
+    while (slash && slash > buf && slash[1] == '\0') { /* a trailing '/' */
+      *slash = '\0';
+      slash = strrchr(buf, '/');
+    }
+    if (!slash || slash == buf) break;
+    *slash = '\0';
+  }
+}
+
+void kqsvd_rmdir_made(const char *path, const char *top) {
+  char buf[PATH_MAX];
+  if (!top[0] || snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
+  for (;;) {
+    if (rmdir(buf) != 0 || strcmp(buf, top) == 0) return;
+    char *slash = strrchr(buf, '/');
+    if (!slash || slash == buf) return;
+    *slash = '\0';
+  }
+}
+
 int kqsvd_tmp_path(const char *path, char *tmp, size_t n) {
   static _Atomic unsigned long made;
   const unsigned long k = atomic_fetch_add(&made, 1) % 100000;
@@ -117,17 +146,102 @@ FILE *kqsvd_tmp_open(const char *path, char *tmp, size_t n) {
   return f;
 }
 
-kqsvd_status_t kqsvd_publish(const char *tmp, const char *path) {
+/* "PATH: no space left on device (it needs X MiB, Y MiB free)", or the
+ * error `rc` when another. */
+static kqsvd_status_t no_room(const char *path, const char *where, int rc, int64_t need) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct statvfs vfs;
+  const double free_mib =
+      statvfs(where, &vfs) == 0 ? (double)vfs.f_bavail * (double)vfs.f_frsize / 1048576.0 : -1.0;
+  KQSVD_FAIL(KQSVD_ERR_IO, "%s: %s (it needs %.1f MiB, %.1f MiB free)", path,
+             rc == ENOSPC || rc == EDQUOT ? "no space left on device" : strerror(rc),
+             (double)need / 1048576.0, free_mib);
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_check_space(const char *path, int64_t need) {
+  struct statvfs vfs;
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", path);
+  char *slash = strrchr(dir, '/');
+  if (!slash)
+    snprintf(dir, sizeof dir, ".");
+  else
+    slash[slash == dir] = '\0';                 /* "/x" -> "/" */
+  if (statvfs(dir, &vfs) != 0) return KQSVD_OK; /* the create says what is wrong */
+  if ((double)vfs.f_bavail * (double)vfs.f_frsize >= (double)need) return KQSVD_OK;
+  return no_room(path, dir, ENOSPC, need);
+}
+
+kqsvd_status_t kqsvd_reserve(const char *path, const char *file, int64_t need) {
+  kqsvd_status_t st = KQSVD_OK;
+  const int fd = open(file, O_WRONLY);
+  KQSVD_CHECK(fd >= 0, KQSVD_ERR_IO, "%s: cannot open %s to reserve its space: %s", path, file,
+              strerror(errno));
+  const int rc = posix_fallocate(fd, 0, (off_t)need);
+  close(fd);
+  if (rc != 0) KQSVD_CALL(no_room(path, file, rc, need));
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_tmp_claim(const char *path, char *tmp, size_t n, int64_t need) {
+  kqsvd_status_t st = KQSVD_OK;
+  FILE *f = kqsvd_tmp_open(path, tmp, n);
+  KQSVD_CHECK(f, KQSVD_ERR_IO, "%s: cannot create its temporary file: %s", path,
+              errno == ENOSPC || errno == EDQUOT ? "no space left on device" : strerror(errno));
+  fclose(f);
+  KQSVD_CALL(kqsvd_reserve(path, tmp, need));
+  KQSVD_CHECK(truncate(tmp, 0) == 0, KQSVD_ERR_IO, "%s: cannot empty %s: %s", path, tmp,
+              strerror(errno));
+done:
+  if (st != KQSVD_OK && tmp[0]) {
+    remove(tmp);
+    tmp[0] = '\0';
+  }
+  return st;
+}
+
+/* The output was checked before the run, but runs are long and the name
+ * may since have become, say, a device node, which rename() replaces. */
+static kqsvd_status_t still_replaceable(const char *path) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat sb;
-  /* The output was checked before the run, but runs are long and the name
-   * may since have become, say, a device node, which rename() replaces. */
   KQSVD_CHECK(lstat(path, &sb) != 0 || S_ISREG(sb.st_mode) || S_ISLNK(sb.st_mode), KQSVD_ERR_IO,
               "%s is no longer a regular file (now a device, FIFO, socket or folder); it is left "
               "as it is and the output is not written",
               path);
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_publish(const char *tmp, const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  KQSVD_CALL(still_replaceable(path));
   KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
               strerror(errno));
+done:
+  return st;
+}
+
+kqsvd_status_t kqsvd_publish_new(const char *tmp, const char *path) {
+  kqsvd_status_t st = KQSVD_OK;
+  struct stat sb;
+  KQSVD_CALL(still_replaceable(path));
+  if (link(tmp, path) != 0) {
+    const int e = errno;
+    const int no_links = e == EPERM || e == EOPNOTSUPP || e == ENOSYS || e == EMLINK;
+    KQSVD_CHECK(e != EEXIST && (!no_links || lstat(path, &sb) != 0), KQSVD_ERR_IO,
+                "%s appeared while the run worked; nothing written (give --force to replace it)",
+                path);
+    KQSVD_CHECK(no_links, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(e));
+    KQSVD_CHECK(rename(tmp, path) == 0, KQSVD_ERR_IO, "cannot rename %s to %s: %s", tmp, path,
+                strerror(errno));
+  } else {
+    KQSVD_CHECK(unlink(tmp) == 0, KQSVD_ERR_IO, "%s: cannot remove %s: %s", path, tmp,
+                strerror(errno));
+  }
 done:
   return st;
 }

@@ -139,6 +139,8 @@ kqsvd_status_t calib_finish(calib_t *c) {
                             c->rope[0] ? c->rope : NULL,
                             c->G,
                             c->seq_max};
+  local = root ? kqsvd_check_space(c->cfg.out_path, kqsvd_proj_size_estimate(&c->dims)) : KQSVD_OK;
+  KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   local = kqsvd_proj_create(tmp, comm, &meta, &w);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   /* Every byte is claimed now, while a failure can still be agreed on. */
@@ -159,7 +161,9 @@ kqsvd_status_t calib_finish(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
   local = root ? kqsvd_proj_trim(tmp) : KQSVD_OK;
-  if (local == KQSVD_OK && root) local = kqsvd_publish(tmp, c->cfg.out_path);
+  if (local == KQSVD_OK && root)
+    local = c->cfg.force || c->cfg.skip_done ? kqsvd_publish(tmp, c->cfg.out_path)
+                                             : kqsvd_publish_new(tmp, c->cfg.out_path);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   c->t_solve = kqsvd_now() - t0;
 done:

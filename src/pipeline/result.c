@@ -254,6 +254,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   meta.seq_len = opt ? opt->seq_len : 0;
   kqsvd_h5guard_enter(&guard);
   locked = 1;
+  KQSVD_CALL(kqsvd_check_space(path, kqsvd_proj_size_estimate(&meta.dims)));
   KQSVD_CALL(kqsvd_proj_create(tmp, MPI_COMM_NULL, &meta, &w));
   KQSVD_CALL(kqsvd_proj_reserve(w, path));
   for (int64_t i = 0; i < r->nitems; i++) {
@@ -264,7 +265,7 @@ kqsvd_status_t kqsvd_result_write(const kqsvd_result_t *r, const char *path,
   KQSVD_CALL(kqsvd_proj_write_ranks(w, r->rank_k, r->rank_v));
   KQSVD_CALL(kqsvd_proj_close(&w));
   KQSVD_CALL(kqsvd_proj_trim(tmp));
-  KQSVD_CALL(kqsvd_publish(tmp, path));
+  KQSVD_CALL(opt && opt->force ? kqsvd_publish(tmp, path) : kqsvd_publish_new(tmp, path));
   tmp[0] = '\0';
 done:
   if (w) kqsvd_proj_close(&w);
