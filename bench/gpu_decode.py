@@ -246,7 +246,7 @@ def main(argv=None):
                   f"{row['peak_bytes'] / 2**30:.1f} GiB | {row['prefill_s']:.1f} s |", flush=True)
         rows.append(row)
         if a.json:  # after every row: a run cut short keeps what it measured
-            write_atomic(a.json, json_writer(dict(
+            write_atomic(a.json, force=a.force or len(rows) > 1, write=json_writer(dict(
                 device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
                 warmup=a.warmup, rank=a.rank, bits=a.bits, rows=rows)))
     return 0

@@ -304,7 +304,7 @@ def _filler(a, text):
     return filler
 
 
-def write(path, report, folders):
+def write(path, report, folders, force=False):
     """The report, under a temporary name renamed when complete, in
     `folders` made first (outermost first) and removed again should the
     write fail or be interrupted."""
@@ -315,7 +315,7 @@ def write(path, report, folders):
             if not os.path.isdir(d):  # made meanwhile by another run: not ours to remove
                 os.mkdir(d)
                 made.append(d)
-        write_atomic(path, json_writer(report))
+        write_atomic(path, json_writer(report), force)
     except BaseException:
         for d in reversed(made):
             try:
@@ -355,7 +355,7 @@ def run(a):
     report = dict(model=a.model, task=a.task, text=os.path.basename(a.text), lengths=a.lengths,
                   depths=a.depths, dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
-    write(a.json, report, folders)
+    write(a.json, report, folders, a.force)
     w = max(len(k) for k in rows) + 2
     print(f"{'configuration':<{w}}" + "".join(f"{n:>8} {'kept':>6}" for n in a.lengths))
     for label, got in rows.items():

@@ -91,6 +91,32 @@ class HostileOutputs(unittest.TestCase):
     def test_folder(self):
         self.refused(self.wd, "folder")
 
+    def test_an_output_that_appeared_while_the_run_worked(self):
+        """write_all publishes without replacing: a file made at an output
+        after the checks (another run of the same command) is kept, with
+        one line naming it, and none of the outputs is renamed; force
+        replaces it."""
+        from kqsvd.formats.files import write_all
+        one, two = os.path.join(self.wd, "r.json"), os.path.join(self.wd, "r.png")
+
+        def theirs(tmp):  # the other run finishing while this one writes
+            with open(two, "w") as f:
+                f.write("theirs")
+            with open(tmp, "w") as f:
+                f.write("ours")
+        with self.assertRaises(kqsvd.KqsvdError) as e:
+            write_all([(one, theirs), (two, theirs)])
+        self.assertEqual(str(e.exception), f"{two} appeared while the run worked; nothing written "
+                         "(give --force to replace it)")
+        self.assertEqual(sorted(os.listdir(self.wd)), ["r.png"])
+        with open(two) as f:
+            self.assertEqual(f.read(), "theirs")
+        write_all([(one, theirs), (two, theirs)], force=True)
+        for p in (one, two):
+            with open(p) as f:
+                self.assertEqual(f.read(), "ours")
+        self.assertEqual(sorted(os.listdir(self.wd)), ["r.json", "r.png"])
+
     def test_regular_file_still_replaced(self):
         """The refusals above are not of every existing output: a file is
         kept without force, and replaced with it."""

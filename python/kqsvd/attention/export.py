@@ -95,7 +95,7 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
     if o_proj is not None:
         _check_o_proj(p, o_proj)
     out, meta = _tensors(p, o_proj, dtype), _metadata(p)
-    write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta))
+    write_atomic(path, lambda tmp: save_file(out, tmp, metadata=meta), force)
     return path
 
 

@@ -64,7 +64,7 @@ class Checkpoint:
         def write(tmp):
             with open(tmp, "w") as f:
                 json.dump({"inputs": self.inputs, "done": done, "state": state}, f)
-        write_atomic(self.index, write)
+        write_atomic(self.index, write, force=True)  # its own, of the save before
         if self.current and self.current != state:
             os.remove(os.path.join(self.folder, self.current))
         self.current = state

@@ -217,7 +217,7 @@ def finish(job, signals):
     with Staged() as staged:
         res = group.on_root(lambda: _solve(job, staged))
         signals.check(group, _kept(job))
-        group.on_root(lambda: write_all([], staged))
+        group.on_root(lambda: write_all([], staged, job.args.force or job.args.skip_done))
     if job.ckpt:
         group.barrier()  # the output exists before any checkpoint goes
         job.ckpt.remove()

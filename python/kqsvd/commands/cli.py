@@ -178,15 +178,16 @@ def run_command(prog, body, every_rank=False):
     return 0
 
 
-def write_report(report, json_path, plot_path, plot, table, staged=None):
+def write_report(report, json_path, plot_path, plot, table, staged=None, force=False):
     """The end of a reporting command: the JSON report and its plot
     (plot(report) gives the figure's writer) written together with the
     files `staged` holds (files.Staged: fitted files the run measured), so
-    that a failure leaves none, then the table printed and where they went."""
+    that a failure leaves none, then the table printed and where they went.
+    force: the command's --force (files.write_all)."""
     from ..formats.files import json_writer, write_all
     staged_paths = list(staged.tmps) if staged is not None else []
     write_all([(json_path, json_writer(report))] + ([(plot_path, plot(report))] if plot_path else []),
-              staged)
+              staged, force)
     table(report)
     wrote = [json_path] + ([plot_path] if plot_path else []) + staged_paths
     print(f"wrote {', '.join(wrote[:-1])}{' and ' if len(wrote) > 1 else ''}{wrote[-1]} in "

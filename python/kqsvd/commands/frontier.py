@@ -448,7 +448,7 @@ def run(a):
                                       front_kl=i in front_kl, **r))
     report["elapsed_s"] = time.time() - t0
     from .cli import write_report
-    write_report(report, a.json, a.plot, plot, table)
+    write_report(report, a.json, a.plot, plot, table, force=a.force)
     return report
 
 

@@ -254,7 +254,7 @@ def run(a):
         report = _report(a, pairs, full, results, seqs, start, bos, info, psizes["head_groups"])
         report["elapsed_s"] = time.time() - t0
         from .cli import write_report
-        write_report(report, a.json, a.plot, plot, table, staged)
+        write_report(report, a.json, a.plot, plot, table, staged, a.force)
     return report
 
 

@@ -2,6 +2,7 @@
 written under a unique temporary name in their own folder and renamed when
 complete, so that an error or an interruption leaves nothing behind and no
 output ever replaces an input of the same run."""
+import errno
 import os
 import stat
 import tempfile
@@ -201,14 +202,47 @@ def check_replaceable(path):
         raise KqsvdError(f"{path}: is no longer a regular file; nothing written")
 
 
-def publish(tmp, path):
+def publish(tmp, path, force=False):
     """Renames the finished temporary file tmp to path (check_replaceable
-    first); KqsvdError naming path.  The caller removes tmp on failure."""
+    first); KqsvdError naming path.  Without force a file at path is never
+    replaced: the outputs were checked before the run, so one there now
+    appeared while the run worked (another run of the same command, say),
+    and the rename refuses it rather than lose either.  The caller removes
+    tmp on failure."""
     check_replaceable(path)
     try:
-        os.replace(tmp, path)
+        if force:
+            os.replace(tmp, path)
+        else:
+            _rename_new(tmp, path)
+    except FileExistsError:
+        raise _appeared(path) from None
     except OSError as e:
         raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+
+
+def _appeared(path):
+    return KqsvdError(f"{path} appeared while the run worked; nothing written (give --force to "
+                      "replace it)")
+
+
+def _rename_new(tmp, path):
+    """rename(tmp, path) that fails (FileExistsError) where path exists, in
+    one step: a hard link made exclusively, then the temporary name
+    removed.  Where the file system has no hard links, a rename after a
+    look, which only a file made in between the two can slip past."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", path) from None
+        os.rename(tmp, path)
+        return
+    os.remove(tmp)
 
 
 def json_writer(obj):
@@ -222,21 +256,24 @@ def json_writer(obj):
     return write
 
 
-def write_atomic(path, write):
+def write_atomic(path, write, force=False):
     """Calls write(tmp) for a new temporary file in path's folder, gives it
     the mode a newly created file gets (0666 less the umask), then renames
-    it to path.  The temporary file is removed if anything fails.  A
-    failure to write is a KqsvdError naming `path` (never the temporary
-    name); KqsvdError from write() passes through as it is."""
-    write_all([(path, write)])
+    it to path (replacing a file there only with force: publish).  The
+    temporary file is removed if anything fails.  A failure to write is a
+    KqsvdError naming `path` (never the temporary name); KqsvdError from
+    write() passes through as it is."""
+    write_all([(path, write)], force=force)
 
 
-def write_all(outputs, staged=None):
+def write_all(outputs, staged=None, force=False):
     """write_atomic for several outputs [(path, write)] that belong
     together (a report and its plot): each is written under its temporary
     name first, and only when all are complete are they renamed, so that a
     failure in any leaves none of them.  staged: a Staged whose files,
-    written already, are renamed with them."""
+    written already, are renamed with them.  force: replace files that
+    are there (the command's --force); without it, one that appeared while
+    the run worked stops the publishing before any rename (publish)."""
     tmps = []
     try:
         for path, write in outputs:
@@ -255,8 +292,10 @@ def write_all(outputs, staged=None):
             done += list(staged.tmps.items())
         for path, _ in done:
             check_replaceable(path)
+            if not force and os.path.lexists(path):  # before any is renamed: all or none
+                raise _appeared(path)
         for path, tmp in done:
-            publish(tmp, path)
+            publish(tmp, path, force)
         if staged is not None:
             staged.tmps.clear()
     finally:

@@ -102,7 +102,7 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
         with h5py.File(tmp, "r+") as f:
             _write(f, checked, tuned or {}, bits or {}, scheme, layouts)
             f.attrs["rank_policy"] = policy
-    write_atomic(dst, write)
+    write_atomic(dst, write, force)
     return dst
 
 
