@@ -5,7 +5,9 @@ policy, no Traceback, nothing left in the output folder (no temporary
 file either) and every input unchanged.  Mistakes the files alone reveal
 are refused before the model loads (the cases patch the loader to fail
 the test if it runs), and fitted files are written with the report or
-not at all."""
+not at all.  Also (issue 61): a FIFO given as an input file (which HDF5
+would wait on forever), a full disk under the fitted files, and the
+exporter's --out naming a device or a FIFO."""
 import contextlib
 import io
 import json
@@ -19,7 +21,7 @@ from unittest import mock
 from common import MPIENV, ROOT
 from test_hostile import HostileCase, listing
 
-from kqsvd.commands import frontier, quality
+from kqsvd.commands import allocate, export, frontier, quality
 
 NO_LOAD = mock.patch("kqsvd.models.load", side_effect=AssertionError("the model was loaded"))
 
@@ -149,6 +151,68 @@ class HostileCommands(HostileCase):
             write_all([(report, lambda tmp: open(tmp, "w").write("{}"))], staged)
         self.assertEqual(listing(self.out), ["r.fit.h5", "r.json"])
         self.assertEqual(open(fitted).read(), "fitted")
+
+    # -- special files, a full disk ---------------------------------------------
+    def test_a_fifo_as_an_input_file(self):
+        """--proj naming a FIFO is refused in one line, not opened: HDF5's
+        open() would wait for a writer forever (an alarm stops the test
+        where it does)."""
+        fifo = os.path.join(self.out, "fifo.h5")
+        os.mkfifo(fifo)
+        allocate_argv = ["--model", self.model, "--text", self.text, "--proj", fifo,
+                         "--budget", "0.5", "--out", os.path.join(self.out, "a.h5"), "--methods",
+                         "kqsvd", "--seq-len", "16", "--num-seqs", "1", "--rounds", "0"]
+
+        def hung(*_):
+            raise TimeoutError(f"{fifo}: opened, and waited on")
+        before = signal.signal(signal.SIGALRM, hung)
+        try:
+            for main, argv in ((quality.main, self.quality()), (allocate.main, allocate_argv)):
+                argv[argv.index("--proj") + 1] = fifo
+                signal.alarm(60)
+                self.refused(main, argv, 1, fifo, "is a FIFO, not a regular file",
+                             leaves=["fifo.h5"], loads=True)
+                signal.alarm(0)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, before)
+
+    @unittest.skipUnless(os.geteuid() == 0, "a small tmpfs needs root")
+    def test_a_full_disk_names_the_output(self):
+        """A fitted file the disk has no room for: one line naming it (not
+        its temporary name) as a full disk, and nothing left."""
+        tiny = os.path.join(self.out, "tiny")
+        os.makedirs(tiny)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", tiny], check=True)
+        try:
+            argv = self.quality(ranks="quality-bits:0.25,fixed:4")
+            argv[argv.index("--json") + 1] = os.path.join(tiny, "q.json")
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(quality.main(argv), 1, err.getvalue())
+            lines = [x for x in err.getvalue().splitlines() if "error" in x]  # after the fit's log
+            self.assertEqual(len(lines), 1, err.getvalue())
+            self.assertIn(f"{os.path.join(tiny, 'q.quality-bits-0.25.h5')}: no space left on "
+                          "device", lines[0])
+            self.assertNotIn(".tmp", lines[0])
+            self.assertEqual(os.listdir(tiny), [])
+            self.assertEqual(listing(self.out), ["tiny"])
+        finally:
+            subprocess.run(["umount", tiny], check=True)
+
+    def test_export_out_names_what_it_is(self):
+        """The exporter's --out, or a folder above it, naming a device or a
+        FIFO says which it is, not "a file"."""
+        fifo = os.path.join(self.out, "fifo")
+        os.mkfifo(fifo)
+        for out, what in ((os.devnull, f"{os.devnull} is a character device, not a folder"),
+                          (fifo, f"{fifo} is a FIFO, not a folder"),
+                          (os.path.join(fifo, "x"), f"{fifo} is a FIFO, not a folder")):
+            self.refused(lambda argv: export.main(argv), ["--model", self.model, "--text",
+                                                          self.text, "--seq-len", "16",
+                                                          "--num-seqs", "1", "--split", "train",
+                                                          "--out", out],
+                         2, f"--out {out}", what, leaves=["fifo"])
 
     # -- the frontier ----------------------------------------------------------
     def test_empty_lists(self):

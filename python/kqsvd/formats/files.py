@@ -4,6 +4,7 @@ complete, so that an error or an interruption leaves nothing behind and no
 output ever replaces an input of the same run."""
 import errno
 import os
+import re
 import stat
 import tempfile
 
@@ -103,6 +104,21 @@ def check_outputs(outputs, inputs=(), force=False):
         _probe(name, folder)
 
 
+def node_kind(path):
+    """What path names, in words ("a FIFO", "a character device", ...),
+    links followed; None where nothing is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, what in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a file"
+
+
 def check_input_file(label, path):
     """An input read whole (a text): a regular file, so that a device such
     as /dev/zero is not read forever.  Raises KqsvdError naming it."""
@@ -122,12 +138,46 @@ def check_folder_output(label, path, inputs=()):
     while not os.path.lexists(where):  # the nearest part that exists
         where = os.path.dirname(where)
     if not os.path.isdir(where):
-        raise UsageError(f"{name}: {where} is a file, not a folder")
+        raise UsageError(f"{name}: {where} is {node_kind(where) or 'a dangling link'}, not a "
+                         "folder")
     _probe(name, where)
     inside = os.path.realpath(path) + os.sep
     for what, p in inputs:
         if p is not None and (os.path.realpath(p) + os.sep).startswith(inside):
             raise UsageError(f"{what} {p} lies inside {name}, which this run writes")
+
+
+def missing_top(path):
+    """The outermost folder of `path` that does not exist (the first that
+    os.makedirs(path) makes), None when path exists.  With rmdir_made:
+    a run that fails before it wrote anything leaves no folder either."""
+    top, p = None, os.path.abspath(path)
+    while not os.path.lexists(p):
+        top, p = p, os.path.dirname(p)
+    return top
+
+
+def rmdir_made(path, top):
+    """Removes path and the folders above it up to `top` (missing_top's,
+    nothing when None) as long as they are empty."""
+    p = os.path.abspath(path)
+    while top is not None:
+        try:
+            os.rmdir(p)
+        except OSError:
+            return
+        if p == top:
+            return
+        p = os.path.dirname(p)
+
+
+def said_of(e, path, tmp=None):
+    """A library's error about writing `path` under the temporary name
+    `tmp`, as one line naming `path` once and never the temporary name."""
+    msg = str(e).replace(tmp, path) if tmp else str(e)
+    p = re.escape(path)
+    msg = re.sub(rf"^(?:writing |saving )?{p}: (?:{p}: )?", "", msg)
+    return type(e)(f"{path}: {msg}")
 
 
 def _probe(name, folder):
@@ -146,6 +196,22 @@ def _probe(name, folder):
     os.remove(probe)
 
 
+# A staged output's temporary name -> the output (Staged.tmp): the errors
+# of a writer given the temporary name name the output.
+_STAGED = {}
+
+
+def cannot_write(path, e, tmp=None):
+    """KqsvdError for the OSError e writing `path` (under `tmp`): one line
+    naming the output (a staged one by its own name), a full disk as
+    such."""
+    path = _STAGED.get(path, path)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return KqsvdError(f"{path}: no space left on device")
+    why = e.strerror or str(e)
+    return KqsvdError(f"{path}: cannot be written: {why.replace(tmp, path) if tmp else why}")
+
+
 def _umask_mode():
     mask = os.umask(0)
     os.umask(mask)
@@ -159,7 +225,7 @@ def _new_tmp(path):
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
                                    prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     except OSError as e:
-        raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+        raise cannot_write(path, e) from None
     os.close(fd)
     return tmp
 
@@ -180,6 +246,7 @@ class Staged:
 
     def __exit__(self, *exc):
         for tmp in self.tmps.values():
+            _STAGED.pop(tmp, None)
             if os.path.lexists(tmp):
                 os.remove(tmp)
         self.tmps.clear()
@@ -190,6 +257,7 @@ class Staged:
         file is there already: writers must be allowed to replace it)."""
         if path not in self.tmps:
             self.tmps[path] = _new_tmp(path)
+            _STAGED[self.tmps[path]] = path
         return self.tmps[path]
 
 
@@ -218,7 +286,7 @@ def publish(tmp, path, force=False):
     except FileExistsError:
         raise _appeared(path) from None
     except OSError as e:
-        raise KqsvdError(f"{path}: cannot be written: {e.strerror or e}") from None
+        raise cannot_write(path, e) from None
 
 
 def _appeared(path):
@@ -283,8 +351,7 @@ def write_all(outputs, staged=None, force=False):
                 write(tmp)
                 os.chmod(tmp, _umask_mode())
             except OSError as e:
-                raise KqsvdError(f"{path}: cannot be written: "
-                                 f"{e.strerror or str(e).replace(tmp, path)}") from None
+                raise cannot_write(path, e, tmp) from None
         done = list(zip([p for p, _ in outputs], tmps))
         if staged is not None:
             for _, tmp in staged.tmps.items():
@@ -297,6 +364,8 @@ def write_all(outputs, staged=None, force=False):
         for path, tmp in done:
             publish(tmp, path, force)
         if staged is not None:
+            for tmp in staged.tmps.values():
+                _STAGED.pop(tmp, None)
             staged.tmps.clear()
     finally:
         for tmp in tmps:

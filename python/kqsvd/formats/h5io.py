@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import KqsvdError
+from .files import node_kind
 
 if TYPE_CHECKING:
     import h5py
@@ -75,6 +76,8 @@ def open_file(path, kind, datasets=()):
         raise KqsvdError(f"{path}: no such file")
     if os.path.isdir(path):
         raise KqsvdError(f"{path}: is a folder, not a file")
+    if not os.path.isfile(path):  # HDF5's open() of a FIFO waits for a writer forever
+        raise KqsvdError(f"{path}: is {node_kind(path)}, not a regular file")
     try:
         f = h5py.File(path, "r")
     except OSError as e:
