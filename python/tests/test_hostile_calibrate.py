@@ -3,14 +3,21 @@ its checkpoint folder, as test_hostile.py gives it to the other commands:
 the exit status, one stderr line naming the option, nothing made (not
 even the checkpoint folder) and the inputs unchanged.  A policy, a
 --head-groups or a --seq-len the model cannot take is refused from the
-model's header, before its weights load."""
+model's header, before its weights load.  The checkpoint folder's other
+files, an edited index, a second run in the folder, an output made while
+the run works: CheckpointFolder (issue 61)."""
 import contextlib
+import fcntl
 import io
+import json
 import os
+import re
+import shutil
+import signal
 import unittest
 from unittest import mock
 
-from test_hostile import HostileCase, listing
+from test_hostile import HostileCase, digest, listing
 
 from kqsvd.commands import calibrate_hf
 
@@ -82,6 +89,161 @@ class HostileCalibrate(HostileCase):
             self.assertEqual(os.listdir(ro), [])
         finally:
             os.chmod(ro, 0o755)
+
+
+class CheckpointFolder(HostileCase):
+    """The checkpoint folder and the output of whole in-process runs (4
+    windows of 16 tokens): the run removes only the files it wrote, refuses
+    an index that names anything but its own state after `done` windows,
+    one run at a time, and never replaces an output that appeared while it
+    worked (issue 61, items 1 to 5)."""
+    WORK = "hostile-ckpt"
+
+    def setUp(self):
+        super().setUp()
+        self.ck = os.path.join(self.out, "ck")
+        self.dest = os.path.join(self.out, "c.h5")
+
+    def calib(self, *extra, out=None, text=None):
+        return ["--model", self.model, "--text", text or self.text, "--seq-len", "16",
+                "--num-seqs", "4", "--out", out or self.dest, "--checkpoint", self.ck,
+                "--checkpoint-every", "0", *extra]
+
+    def main(self, argv, fault=None, at=None):
+        """calibrate_hf.main(argv) here: (exit status, stderr), the signal
+        handlers it sets given back; fault: KQSVD_TEST_FAULT; at: stands in
+        for faults.at."""
+        err, handlers = io.StringIO(), {s: signal.getsignal(s) for s in
+                                        (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        env = {"KQSVD_TEST_FAULT": fault} if fault else {}
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+                mock.patch.dict(os.environ, env), \
+                (mock.patch("kqsvd.calibration.faults.at", at) if at else contextlib.nullcontext()):
+            try:
+                code = calibrate_hf.main(argv)
+            except SystemExit as e:
+                code = e.code
+            finally:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+        # the progress lines of the windows folded before the error
+        return code, "".join(ln for ln in err.getvalue().splitlines(True)
+                             if not re.match(r"calibrate_hf: \d+/\d+ tok", ln))
+
+    def cut(self, n=2, **kw):
+        """A run stopped by a failure after n windows: its checkpoint kept."""
+        code, err = self.main(self.calib(**kw), fault=f"window-{n}:fail")
+        self.assertEqual(code, 1, err)
+        with open(os.path.join(self.ck, "rank-0-of-1.json")) as f:
+            return json.load(f)
+
+    def refused(self, argv, *words, code=1):
+        before = set(listing(self.out))
+        got, err = self.main(argv)
+        return self.one_error(code, got, err, words, before)
+
+    def test_only_its_own_files_go(self):
+        """The run's --text and a user's file in the folder, named like the
+        run's files, are there after a cut and a resumed run as before."""
+        os.makedirs(self.ck)
+        notes, backup = (os.path.join(self.ck, f) for f in ("rank-0-of-1-notes.txt",
+                                                             "rank-0-of-1-backup.h5"))
+        shutil.copyfile(self.text, notes)
+        shutil.copyfile(self.proj, backup)
+        kept = {p: digest(p) for p in (notes, backup)}
+        self.cut(text=notes)
+        code, err = self.main(self.calib(text=notes))
+        self.assertEqual(code, 0, err)
+        self.assertIn("resuming: 2 of 4", err)
+        self.assertEqual({p: digest(p) for p in kept}, kept)
+        self.assertEqual(listing(self.ck), ["rank-0-of-1-backup.h5", "rank-0-of-1-notes.txt"])
+
+    def edit(self, saved, **fields):
+        with open(os.path.join(self.ck, "rank-0-of-1.json"), "w") as f:
+            json.dump(dict(saved, **fields), f)
+
+    def test_an_index_naming_a_file_outside_its_folder(self):
+        saved = self.cut()
+        victim = os.path.join(self.out, "victim.h5")
+        shutil.copyfile(os.path.join(self.ck, saved["state"]), victim)
+        os.makedirs(os.path.join(self.ck, "sub"))
+        shutil.copyfile(victim, os.path.join(self.ck, "sub", saved["state"]))
+        want = digest(victim)
+        for state in ("../victim.h5", victim, f"sub/{saved['state']}", "", ".", ".."):
+            self.edit(saved, state=state)
+            self.refused(self.calib(), "rank-0-of-1.json", "field 'state'",
+                         "plain file name inside the folder")
+            self.assertEqual(digest(victim), want)
+        self.assertTrue(os.path.exists(os.path.join(self.ck, "sub", saved["state"])))
+
+    def test_an_edited_index(self):
+        """Every field checked against this rank's share, the state's name
+        and the tokens the state holds; the index as saved resumes."""
+        saved = self.cut()
+        state = os.path.join(self.ck, saved["state"])
+        for fields, words in (({"done": 999}, ("field 'done'", "999", "1 to 4")),
+                              ({"done": -1}, ("field 'done'", "-1")),
+                              ({"done": 0}, ("field 'done'", "= 0")),
+                              ({"done": True}, ("field 'done'", "True")),
+                              ({"done": "2"}, ("field 'done'", "'2'")),
+                              ({"done": 2.0}, ("field 'done'", "2.0")),
+                              ({"done": 3}, ("field 'state'", "after 3 windows")),
+                              ({"state": "rank-0-of-1-000003.h5"}, ("field 'state'",)),
+                              ({"inputs": "x"}, ("field 'inputs' differs",)),
+                              ({"extra": 1}, ("fields", "extra"))):
+            self.edit(saved, **fields)
+            self.refused(self.calib(), "rank-0-of-1.json", *words)
+        # A consistent index and name over a state of 2 windows: its tokens tell.
+        os.rename(state, state.replace("000002", "000003"))
+        self.edit(saved, done=3, state="rank-0-of-1-000003.h5")
+        self.refused(self.calib(), "field 'done'", "holds 32 tokens, not 3 x 16")
+        os.rename(state.replace("000002", "000003"), state)
+        self.edit(saved)
+        code, err = self.main(self.calib())
+        self.assertEqual(code, 0, err)
+        self.assertIn("resuming: 2 of 4", err)
+
+    def test_one_run_per_folder(self):
+        """A second run in the folder of one still working (here this
+        process holding the folder's lock as a run does) is refused in
+        one line, the first one's files untouched."""
+        saved = self.cut()
+        before = {f: digest(os.path.join(self.ck, f)) for f in listing(self.ck)}
+        fd = os.open(self.ck, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.refused(self.calib(), "--checkpoint", self.ck, "in use by another run")
+            self.assertEqual({f: digest(os.path.join(self.ck, f)) for f in listing(self.ck)},
+                             before)
+        finally:
+            os.close(fd)
+        code, err = self.main(self.calib())
+        self.assertEqual(code, 0, err)
+        self.assertIn(f"resuming: {saved['done']} of 4", err)
+
+    def test_an_output_made_while_the_run_works(self):
+        """A file created at --out while the run works (another run of the
+        same command finishing first) is kept without --force, with one
+        line; with --force it is replaced."""
+        def theirs(where, rank):
+            if where == "write":
+                with open(self.dest, "w") as f:
+                    f.write("theirs")
+        for force in ([], ["--force"]):
+            if os.path.exists(self.dest):
+                os.remove(self.dest)
+            code, err = self.main(self.calib(*force), at=theirs)
+            if not force:
+                line = self.one_error(1, code, err, (self.dest, "appeared while the run worked",
+                                                     "--force"), {"c.h5", "ck"})
+                self.assertNotIn(".tmp", line)
+                with open(self.dest) as f:
+                    self.assertEqual(f.read(), "theirs")
+            else:
+                self.assertEqual(code, 0, err)
+                with open(self.dest, "rb") as f:
+                    self.assertEqual(f.read(4), b"\x89HDF")
+            self.assertEqual(sorted(listing(self.out)), ["c.h5", "ck"])
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from ..errors import KqsvdError, UsageError
 from ..formats.files import Staged, check_folder_output, check_outputs, write_all
 from . import faults
-from .checkpoints import Checkpoint, file_identity
+from .checkpoints import Checkpoint, Share, file_identity
 from .ranks import Group, Signals, Stopped
 
 __all__ = ["Stopped", "run"]
@@ -64,10 +64,15 @@ def run(args, log):
     job = prepare(args, group)
     if job is None:
         return None
-    resume(job)
-    signals = Signals()
-    fold(job, signals)
-    return finish(job, signals)
+    try:
+        resume(job)
+        signals = Signals()
+        fold(job, signals)
+        return finish(job, signals)
+    except BaseException:  # after every rank agreed: none writes there now
+        if job.ckpt:
+            job.ckpt.release()
+        raise
 
 
 def prepare(args, group):
@@ -126,18 +131,21 @@ def _check_and_load(job):
 
 
 def resume(job):
-    """Loads this rank's checkpoint, when the run was cut short before."""
+    """Takes the checkpoint folder (rank 0, for the run) and loads this
+    rank's checkpoint, when the run was cut short before."""
     from .. import models
     a, group = job.args, job.group
+    if not a.checkpoint:
+        return
+    inputs = group.each(lambda: hashlib.sha256(json.dumps(
+        [file_identity(models.resolve(a.model)), file_identity(a.text), a.seq_len,
+         a.num_seqs, a.dtype, a.qr_block, group.rank, group.size, a.no_bos] + _keys(a)
+    ).encode()).hexdigest())
+    share = Share(job.last - job.first, a.seq_len, job.info.head_dim * a.head_groups)
+    job.ckpt = Checkpoint(a.checkpoint, group.rank, group.size, inputs, share)
+    group.on_root(lambda: job.ckpt.lock("--checkpoint"))
 
     def load():
-        if not a.checkpoint:
-            return
-        inputs = hashlib.sha256(json.dumps(
-            [file_identity(models.resolve(a.model)), file_identity(a.text), a.seq_len,
-             a.num_seqs, a.dtype, a.qr_block, group.rank, group.size, a.no_bos] + _keys(a)
-        ).encode()).hexdigest()
-        job.ckpt = Checkpoint(a.checkpoint, group.rank, group.size, inputs)
         job.done = job.ckpt.resume(job.cal)
         if job.on_device and job.done:
             job.on_device.load(job.cal)
