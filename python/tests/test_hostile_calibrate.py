@@ -78,6 +78,28 @@ class HostileCalibrate(HostileCase):
                 continue
             self.refused(self.calib(out), 2, "--out", f"is {n} bytes long", "at most 221")
 
+    def test_policy_errors_name_the_option(self):
+        """--ranks and --eps refused in the user's words, not the library
+        call's (finish(ranks=..., beta=...))."""
+        out = os.path.join(self.out, "c.h5")
+        for extra, words in ((["--ranks", "fixed:32@4"], ("--ranks fixed:32@4", "'32@4'")),
+                             (["--ranks", "fixed:999"], ("--ranks fixed:999", "head_dim")),
+                             (["--eps", "1.5"], ("--eps 1.5", "(0, 1)"))):
+            line = self.refused(self.calib(out, *extra), 2, *words)
+            self.assertNotIn("finish(", line)
+            self.assertNotIn("ranks '", line)
+
+    def test_fault_hook_takes_only_its_actions(self):
+        """KQSVD_TEST_FAULT names a documented point and action, or the run
+        is refused before any work: a SIGSTOP would hang it, a SIGSEGV
+        crash it."""
+        out = os.path.join(self.out, "c.h5")
+        for spec in ("fold:SIGSTOP", "fold:SIGSEGV", "fold:SIGKILL", "fold:bogus", "fold",
+                     "nowhere:kill", "window-0:kill", "window-x:fail"):
+            with mock.patch.dict(os.environ, {"KQSVD_TEST_FAULT": spec}):
+                self.refused(self.calib(out), 2, f"KQSVD_TEST_FAULT={spec}", "window-N",
+                             "SIGUSR1")
+
     def test_a_checkpoint_folder_that_takes_no_file(self):
         ro = os.path.join(self.out, "ro")
         os.makedirs(ro)

@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import time
 
 from ..errors import KqsvdError, UsageError
@@ -111,7 +112,10 @@ def _check_and_load(job):
     if info.num_kv_heads % a.head_groups:
         raise UsageError(f"--head-groups {a.head_groups} does not divide the "
                          f"{info.num_kv_heads} KV heads of {a.model}")
-    check_policy(a.ranks, a.beta, info.head_dim * a.head_groups)
+    try:
+        check_policy(a.ranks, a.beta, info.head_dim * a.head_groups)
+    except UsageError as e:
+        raise UsageError(policy_error(a, e)) from None
     dtype = {"f32": torch.float32, "f64": torch.float64}[a.dtype]
     job.model, tok, job.info = models.load(a.model, lm_head=False, device=a.device, dtype=dtype)
     job.seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train",
@@ -246,6 +250,13 @@ def _solve(job, staged):
               inputs_hash=job.made_from, rope=job.rope, seq_len=a.seq_len)
     faults.at("write", job.group.rank)
     return res
+
+
+def policy_error(args, e):
+    """The library's refusal of a policy (finish(ranks=..., beta=...): ranks
+    'P': why) said of the option the user gave (--ranks P, or --eps E)."""
+    why = re.sub(r"^finish\(.*?\): (ranks '[^']*': )?", "", str(e))
+    return f"{getattr(args, 'policy_option', f'--ranks {args.ranks}')}: {why}"
 
 
 def inputs_hash(args, model_path):

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from ..calibration import faults
 from ..calibration.capture import KEYS
 from ..errors import UsageError
 from ..formats.files import check_input_file
@@ -108,7 +109,11 @@ def parse(argv):
                          "its inputs changed), not both")
     if args.ranks and args.eps is not None:
         raise UsageError("give --ranks or --eps, not both")
+    # What the policy's errors name: the option the user gave.
+    args.policy_option = f"--eps {args.eps:g}" if args.eps is not None else \
+        f"--ranks {args.ranks or 'eps:0.1'}"
     args.ranks = args.ranks or (f"eps:{args.eps:g}" if args.eps is not None else "eps:0.1")
+    faults.check()
     check_input_file("--text", args.text)
     if args.checkpoint:
         # The run deletes its checkpoint files at the end; an output among
