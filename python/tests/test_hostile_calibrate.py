@@ -5,7 +5,7 @@ even the checkpoint folder) and the inputs unchanged.  A policy, a
 --head-groups or a --seq-len the model cannot take is refused from the
 model's header, before its weights load.  The checkpoint folder's other
 files, an edited index, a second run in the folder, an output made while
-the run works: CheckpointFolder (issue 61)."""
+the run works and a full disk: CheckpointFolder (issue 61)."""
 import contextlib
 import fcntl
 import io
@@ -14,9 +14,12 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import unittest
 from unittest import mock
 
+from common import MPIENV, ROOT
 from test_hostile import HostileCase, digest, listing
 
 from kqsvd.commands import calibrate_hf
@@ -266,6 +269,35 @@ class CheckpointFolder(HostileCase):
                 with open(self.dest, "rb") as f:
                     self.assertEqual(f.read(4), b"\x89HDF")
             self.assertEqual(sorted(listing(self.out)), ["c.h5", "ck"])
+
+    @unittest.skipUnless(os.geteuid() == 0, "a small tmpfs needs root")
+    def test_a_full_disk(self):
+        """A full disk under --checkpoint or --out: one line "no space left
+        on device" naming the file, exit 1, no HDF5 noise, no crash, and
+        nothing left on it: no temporary file, no folder the run made."""
+        tiny = os.path.join(self.out, "tiny")
+        os.makedirs(tiny)
+        for size, out, ck in (("16k", self.dest, os.path.join(tiny, "new", "ck")),
+                              ("16k", os.path.join(tiny, "p.h5"), None),
+                              ("100k", os.path.join(tiny, "p.h5"), None)):
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", tiny],
+                           check=True)
+            try:
+                argv = self.calib(out=out)[:-4] + (["--checkpoint", ck] if ck else [])
+                p = subprocess.run([sys.executable, "-m", "kqsvd.calibrate_hf"] + argv,
+                                   capture_output=True, text=True, timeout=300,
+                                   env=dict(MPIENV, PYTHONPATH=os.path.join(ROOT, "python")))
+                err = [ln for ln in p.stderr.splitlines() if "error" in ln.lower()]
+                self.assertEqual(p.returncode, 1, p.stderr)
+                self.assertEqual(len(err), 1, p.stderr)
+                self.assertIn(f"{ck or out}", err[0])
+                self.assertIn("no space left on device", err[0])
+                self.assertNotIn("HDF5", p.stderr)
+                self.assertNotIn(".tmp", p.stderr)
+                self.assertEqual(os.listdir(tiny), [], size)
+                self.assertFalse(os.path.exists(self.dest))
+            finally:
+                subprocess.run(["umount", tiny], check=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import re
 import stat
 
 from ..errors import KqsvdError
-from ..formats.files import write_atomic
+from ..formats.files import said_of, write_atomic
 
 
 def file_identity(path):
@@ -137,12 +137,20 @@ class Checkpoint:
         the index, then removes the state before: consistent at every step."""
         state = self.state_name(done)
         path = os.path.join(self.folder, state)
-        cal.save(path, force=True)  # a state this rank wrote before an interruption
+        try:
+            cal.save(path, force=True)  # a state this rank wrote before an interruption
+        except KqsvdError as e:
+            raise said_of(e, path) from None
 
         def write(tmp):
             with open(tmp, "w") as f:
                 json.dump({"inputs": self.inputs, "done": done, "state": state}, f)
-        write_atomic(self.index, write, force=True)  # its own, of the save before
+        try:
+            write_atomic(self.index, write, force=True)  # its own, of the save before
+        except KqsvdError:
+            if state != self.current:  # named by no index: the folder as it was
+                os.remove(path)
+            raise
         if self.current and self.current != state:
             os.remove(os.path.join(self.folder, self.current))
         self.current = state

@@ -20,7 +20,8 @@ import re
 import time
 
 from ..errors import KqsvdError, UsageError
-from ..formats.files import Staged, check_folder_output, check_outputs, write_all
+from ..formats.files import (Staged, check_folder_output, check_outputs, missing_top, rmdir_made,
+                             said_of, write_all)
 from . import faults
 from .checkpoints import Checkpoint, Share, file_identity
 from .ranks import Group, Signals, Stopped
@@ -47,6 +48,7 @@ class Job:
     last: int = 0
     done: int = 0
     seconds: float = 0.0
+    made: str = None  # the outermost folder of --checkpoint the run made
 
     def new_cal(self):
         from .calibrator import Calibrator
@@ -73,6 +75,8 @@ def run(args, log):
     except BaseException:  # after every rank agreed: none writes there now
         if job.ckpt:
             job.ckpt.release()
+        if args.checkpoint:
+            rmdir_made(args.checkpoint, job.made)  # kept when it holds a checkpoint
         raise
 
 
@@ -121,6 +125,7 @@ def _check_and_load(job):
     job.seqs = models.token_windows(tok, a.text, a.seq_len, a.num_seqs, "train",
                                     bos=not a.no_bos, flags=True)[0]
     if a.checkpoint:
+        job.made = missing_top(a.checkpoint)
         try:
             os.makedirs(a.checkpoint, exist_ok=True)
         except OSError as e:
@@ -245,9 +250,13 @@ def _solve(job, staged):
     for l, w in enumerate(attention_out_proj(job.model, info.model_type)):
         job.cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
     res = job.cal.finish(a.ranks, a.beta)
-    res.write(staged.tmp(a.out), model=a.model_name or a.model,
-              tokens=a.num_seqs * a.seq_len, causal=info.causal, force=True,
-              inputs_hash=job.made_from, rope=job.rope, seq_len=a.seq_len)
+    tmp = staged.tmp(a.out)
+    try:
+        res.write(tmp, model=a.model_name or a.model,
+                  tokens=a.num_seqs * a.seq_len, causal=info.causal, force=True,
+                  inputs_hash=job.made_from, rope=job.rope, seq_len=a.seq_len)
+    except KqsvdError as e:  # a full disk: named as the user named the file
+        raise said_of(e, a.out, tmp) from None
     faults.at("write", job.group.rank)
     return res
 
