@@ -4,12 +4,20 @@
   aside) and summing the distinct storages of their tensors, is what
   kqsvd.cache_bytes reports, and at most an eighth above the bytes of
   the tokens it holds (cache_bytes(held=True)): no view of a prefill
-  kept alive, no room for 64 tokens after a short prompt."""
+  kept alive, no room for 64 tokens after a short prompt;
+- each row of a left-padded batch, greedy generate() in float64, gives
+  the logits (to 1e-9) and tokens of its prompt run alone: padding
+  enters no group's scale, no score, no tier's ranking; read as codes
+  (float32) the same as dequantized;
+- a tiered cache honours its prefill's mask (a token hidden there is
+  the token removed) and refuses a later one that hides another."""
 import contextlib
 import dataclasses
 import gc
+import os
 import types
 import unittest
+from unittest import mock
 
 import numpy as np
 import torch
@@ -18,11 +26,12 @@ from common import orthonormal_projections, tiny_lm
 from test_decode_codes import group_projections
 
 import kqsvd
-from kqsvd.attention import compressed, reading_codes
+from kqsvd.attention import compressed, kernel, reading_codes
 from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.compressed import Site
 from kqsvd.attention.projection import LayerProjection
-from kqsvd.errors import UsageError
+from kqsvd.compat import cache_kwarg
+from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.policy import parse
 from kqsvd.formats.quant import QuantScheme, with_bits
 
@@ -162,6 +171,110 @@ class Memory(unittest.TestCase):
             self.assertIn("cache_bytes", str(e.exception))
         with self.assertRaises(UsageError):
             kqsvd.cache_bytes((), float_bytes=1.5)
+
+
+def generate(model, kind, ids, mask=None, steps=6):
+    """Greedy generate() of `kind` from ids (left-padded by mask): (tokens
+    [b, steps], logits [b, steps, V])."""
+    with torch.no_grad(), serving(model, kind) as new:
+        extra = {} if new is None else {cache_kwarg(model): new()}
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True, output_logits=True, **extra)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def left_padded(prompts):
+    """A batch of prompts (int64 [n] each) padded on the left with 0, and
+    its attention mask."""
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), T, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):], mask[i, T - len(p):] = p, 1
+    return ids, mask
+
+
+class Padded(unittest.TestCase):
+    """Prompts of 33, 45 and 40 tokens (12, 0 and 5 of padding: none a
+    multiple of the key blocks' 8), each row against the prompt alone."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_lm("llama", 97, seed=5, heads=4, kv_heads=2, hidden=64).double()
+        g = torch.Generator().manual_seed(2)
+        cls.prompts = [torch.randint(1, 97, (n,), generator=g) for n in (33, 45, 40)]
+
+    def test_each_row_is_its_prompt_alone(self):
+        ids, mask = left_padded(self.prompts)
+        for name, kind in kinds(self.model).items():
+            with self.subTest(name):
+                tokens, logits = generate(self.model, kind, ids, mask)
+                for i, p in enumerate(self.prompts):
+                    t1, l1 = generate(self.model, kind, p[None])
+                    np.testing.assert_allclose(logits[i].numpy(), l1[0].numpy(), rtol=0,
+                                               atol=1e-9, err_msg=f"{name}: row {i}")
+                    self.assertEqual(tokens[i].tolist(), t1[0].tolist(), f"{name}: row {i}")
+
+    def test_padded_codes_read_as_the_floats(self):
+        """float32: the padded batch's steps read as codes (quant.Rows, a
+        store per row) as through the dequantized stores."""
+        if not kernel.available(torch.zeros(1)):
+            self.skipTest("libkqsvd's decode kernels are not there")
+        model = tiny_lm("llama", 97, seed=5, heads=4, kv_heads=2, hidden=64)
+        ids, mask = left_padded(self.prompts)
+        ks = kinds(model)
+        for name in ("6@4 latent", "per-head ranks @4", "head groups @4",
+                     "int4 cache reading codes", "tiers after RoPE"):
+            got = []
+            for env in ("", "torch"):
+                with mock.patch.dict(os.environ, KQSVD_DECODE=env):
+                    kernel._LIB.clear()
+                    got.append(generate(model, ks[name], ids, mask, 8)[1])
+            kernel._LIB.clear()
+            np.testing.assert_allclose(got[0].numpy(), got[1].numpy(), atol=2e-4, rtol=0,
+                                       err_msg=name)
+
+
+class TieredMasks(unittest.TestCase):
+    """A tiered cache holds what its prefill's mask shows: a hole in it is
+    the token removed (positions as generate() numbers them, from the
+    mask), where the tiers had ignored it; a later step's mask that hides
+    a held token, or shows a hidden one, is refused in one line."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_lm("llama", 97, seed=6, heads=4, kv_heads=2, hidden=64).double()
+        cls.ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+        cls.hole = torch.ones_like(cls.ids)
+        cls.hole[0, 1] = 0
+
+    def test_a_hole_is_the_token_removed(self):
+        gone = torch.cat([self.ids[:, :1], self.ids[:, 2:]], 1)
+        for name in ("full", "tiers after RoPE", "tiers before RoPE"):
+            kind = kinds(self.model)[name]
+            tokens, logits = generate(self.model, kind, self.ids, self.hole)
+            t0, l0 = generate(self.model, kind, gone)
+            np.testing.assert_allclose(logits.numpy(), l0.numpy(), rtol=0, atol=1e-9,
+                                       err_msg=name)
+            self.assertEqual(tokens.tolist(), t0.tolist(), name)
+            _, whole = generate(self.model, kind, self.ids)
+            self.assertGreater(float((whole - logits).abs().max()), 1e-3, f"{name}: no hole")
+
+    def test_later_masks_that_cannot_be_honoured(self):
+        kind = kinds(self.model)["tiers after RoPE"]
+        ones = torch.ones(1, 31, dtype=torch.int64)
+        later = ones.clone()
+        later[0, 7] = 0
+        for prefill, step in ((None, later), (self.hole, ones)):
+            with torch.no_grad(), serving(self.model, kind):
+                out = self.model(input_ids=self.ids, attention_mask=prefill, use_cache=True)
+                with self.assertRaises(KqsvdError) as e:
+                    self.model(input_ids=self.ids[:, -1:], attention_mask=step,
+                               position_ids=torch.tensor([[30]]), use_cache=True,
+                               **{cache_kwarg(self.model): out.past_key_values})
+            self.assertIn("mask", str(e.exception))
+            self.assertEqual(len(str(e.exception).splitlines()), 1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ cache on a tiny Llama calibrated by the C tool, checked by its properties:
 - the bytes held after the prefill are the sinks' and window's in bf16 and each
   tier's codes as docs/quantized-cache.md counts them, positions at 4
   bytes where keys are taken before RoPE;
-- padded batches, fold and probe are refused in one line."""
+- fold and probe are refused in one line (padded batches are served:
+  test_cache_kinds)."""
 import dataclasses
 import math
 import os
@@ -21,9 +22,8 @@ import torch
 from common import TEXT, Calibrated, orthonormal_projections, reference_llama_logp, workdir
 
 import kqsvd
-from kqsvd import compressed, latent_cache, models
-from kqsvd.compat import cache_kwarg
-from kqsvd.errors import KqsvdError, UsageError
+from kqsvd import compressed, models
+from kqsvd.errors import UsageError
 from kqsvd.formats.policy import parse
 from kqsvd.formats.projections import Projections
 from kqsvd.formats.quant import QuantScheme, with_bits
@@ -188,14 +188,6 @@ class Cache(unittest.TestCase):
                 with compressed(self.model, p, **kw):
                     pass
             self.assertIn("tiered", str(e.exception))
-        with compressed(self.model, p), torch.no_grad():
-            ids = self.ids[:, :20].repeat(2, 1)
-            mask = torch.ones_like(ids)
-            mask[1, :3] = 0
-            with self.assertRaises(KqsvdError) as e:
-                self.model(input_ids=ids, attention_mask=mask, use_cache=True,
-                           **{cache_kwarg(self.model): latent_cache(self.model)})
-            self.assertIn("padding", str(e.exception))
 
 
 class Independent(unittest.TestCase):

@@ -27,7 +27,7 @@ from ..errors import KqsvdError, UsageError
 from . import kernel
 from .footprint import referenced_bytes
 from .handoff import hand
-from .quant import store
+from .quant import Rows, store
 
 
 class _Blocks(threading.local):
@@ -65,6 +65,29 @@ def rotation(site, values, cache_kwargs, kwargs, past):
     if pos is None:
         pos = torch.arange(past, past + values.shape[-2], device=values.device)[None]
     return site.rotary(values, pos)
+
+
+def row_pads(cache_kwargs, kwargs, T):
+    """Each row's padding at a cache's first T tokens: the tokens before its
+    last one at position 0, as generate() numbers a left-padded batch
+    (cumsum of the mask, the padding at 1) and as key_positions reads
+    it.  The positions are the position_ids transformers 5.24 hands
+    update(), else the RoPE sines older ones do (zero exactly at position
+    0, and only there).  None when no row has padding, or neither is
+    given (positions shared by the rows: none is padded)."""
+    pos = (kwargs or {}).get("position_ids")
+    if pos is not None:
+        zero = pos.reshape(-1, pos.shape[-1]) == 0
+    else:
+        sin = (cache_kwargs or {}).get("sin")
+        if sin is None or sin.dim() != 3:
+            return None
+        zero = (sin == 0).all(-1)
+    if zero.shape[0] == 1 or zero.shape[-1] != T:
+        return None
+    last = T - 1 - zero.flip(-1).int().argmax(-1)
+    pads = torch.where(zero.any(-1), last, 0).tolist()
+    return pads if any(pads) else None
 
 
 def _installed(site):
@@ -127,9 +150,19 @@ class Columns:
 
     def __init__(self, slices, scheme, dim=1):
         self.slices, self.scheme, self.dim = slices, scheme, dim
-        s = scheme
-        self.stores = [(store(bk, s.group, s.key_axis, s.residual),
-                        store(bv, s.group, s.value_axis, s.residual)) for _, bk, bv in slices]
+        self.pad(None)
+
+    def pad(self, pads):
+        """Before the first tokens: row i of the batch begins with pads[i]
+        tokens of padding, which no store holds (quant.Rows); None: no row
+        does."""
+        s = self.scheme
+
+        def side(bits, axis):
+            if pads is None:
+                return store(bits, s.group, axis, s.residual)
+            return Rows(lambda: store(bits, s.group, axis, s.residual), pads)
+        self.stores = [(side(bk, s.key_axis), side(bv, s.value_axis)) for _, bk, bv in self.slices]
 
     def append(self, keys, values):
         """Adds new tokens' columns [b, H, T, n] (every slice's)."""
@@ -182,6 +215,9 @@ class QuantLayer(DynamicLayer):
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
         if self.cols is None:
             self.lazy_initialization(key_states, value_states)
+            pads = row_pads(cache_kwargs, kwargs, key_states.shape[-2])
+            if pads is not None:
+                self.cols.pad(pads)
         if self.site is not None:
             cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs,
                                 self.get_seq_length())

@@ -133,25 +133,19 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 def _tiered(module, site, layer, query, key, value, mask, dropout, scaling, kwargs):
     """A step over a tiered cache layer (tiers.py): the prefill attends
-    exactly, as the model does, and then settles its tokens into the
-    tiers; later steps attend over all the layer holds."""
+    exactly, as the model does, and then settles the tokens its mask shows
+    (each row's own, in a padded batch) into the tiers; later steps attend
+    over all the layer holds, their mask checked against it."""
     if layer.site is not site:
         raise KqsvdError("this cache was filled under other projections: start a new one "
                          "(kqsvd.latent_cache) after each compress()")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.prefill is None:
-        return layer.attend(query, scaling, dropout if module.training else 0.0)
-    if mask is not None and mask.dim() == 4:
-        n = mask.shape[-1]
-        seen = mask if mask.dtype == torch.bool else mask == 0
-        want = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()[-mask.shape[-2]:]
-        if not torch.equal(seen, want.expand_as(seen)):
-            raise KqsvdError("a tiered cache takes batches without padding (the tiers choose "
-                             "each sequence's tokens by position)")
+        return layer.attend(query, scaling, dropout if module.training else 0.0, mask)
     out = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
                                  dropout=dropout, **kwargs)
-    layer.settle(query, scaling)
+    layer.settle(query, scaling, mask, kwargs.get("position_ids"))
     return out
 
 

@@ -336,6 +336,55 @@ class RunStore:
         return sum(s.nbytes(float_bytes) for s in self.parts)
 
 
+class Rows:
+    """One side of a cache slice for a batch whose rows begin with padding
+    (left padding: row i's first pads[i] tokens): a store per row (made
+    by make()), holding that row's own tokens alone, so that no pad token
+    enters a group's scale or zero and each row's key blocks begin at its
+    first token, as they would for the row alone.  The pad positions hold
+    nothing: they read as zeros (values) and score -inf (scores), and
+    their bytes are not held."""
+
+    def __init__(self, make, pads):
+        self.pads = [int(p) for p in pads]
+        self.rows = [make() for _ in self.pads]
+
+    def __len__(self):
+        return self.pads[0] + len(self.rows[0])
+
+    def append(self, x, read=True):
+        """Adds rows x [b, H, T, n], each row's padding dropped at the first."""
+        first = not len(self.rows[0])
+        for i, (r, p) in enumerate(zip(self.rows, self.pads)):
+            r.append(x[i:i + 1, ..., p if first else 0:, :], False)
+        return self.values(x.dtype) if read else None
+
+    def values(self, dtype):
+        got = [r.values(dtype) for r in self.rows]
+        out = got[0].new_zeros(len(got), got[0].shape[1], len(self), got[0].shape[-1])
+        for i, (g, p) in enumerate(zip(got, self.pads)):
+            out[i, :, p:] = g[0]
+        return out
+
+    def scores(self, q, out):
+        """out [b, H, nq, N] += q times each row's tokens' columns, its pad
+        positions -inf (a row's own scores are its store's, alone)."""
+        for i, (r, p) in enumerate(zip(self.rows, self.pads)):
+            n = len(r)
+            part = out.new_zeros(1, *out.shape[1:3], n)
+            r.scores(q[i:i + 1], part)
+            out[i:i + 1, ..., p:p + n] += part
+            out[i, ..., :p] = float("-inf")
+        return out
+
+    def weigh(self, p):
+        return torch.cat([r.weigh(p[i:i + 1, ..., pad:pad + len(r)])
+                          for i, (r, pad) in enumerate(zip(self.rows, self.pads))])
+
+    def nbytes(self, float_bytes=None):
+        return sum(r.nbytes(float_bytes) for r in self.rows)
+
+
 def store(spec, group, axis, residual=0):
     """The store of one side of a cache slice: spec the slice's bits (one
     number, BITS or UNQUANTIZED) or its runs [(count, bits)]."""

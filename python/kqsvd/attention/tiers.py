@@ -23,6 +23,8 @@ get_seq_length() is the tokens seen, not those held, so that positions
 count on from it (generate() takes them from there)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
@@ -129,52 +131,22 @@ class Tier:
         return held + (0 if self.pos is None else self.pos.numel() * 4)
 
 
-class TierLayer(DynamicLayer):
-    """A cache layer of one attention module whose site (compressed.Site)
-    carries a tier layout (site.tiers: (layout, [LayerProjection or None
-    per tier]))."""
+class Held:
+    """What a tiered layer holds of rows that all saw the same tokens: the
+    whole batch, or one row of a batch whose prefill's mask hid some of
+    its tokens (padding).  Its tiers, the sinks and the window in full,
+    and `hidden`, the prefill's tokens it never held (its positions are
+    the cache's less those)."""
 
-    def __init__(self, site):
-        super().__init__()
-        self.site = site
+    def __init__(self, site, hidden=0):
+        self.site, self.hidden = site, hidden
         self.layout, Ps = site.tiers
         self.tiers = [None if P is None else Tier(P) for P in Ps]
         self.full = None       # keys, values [b, Hkv, n, d]: the sinks, then the window
         self.held_sinks = 0    # of full's first tokens, the sinks
         self.full_pos = None   # int32 [b, n]: their positions, before RoPE (None after)
-        self.seen = 0
-        self.prefill = None    # the prefill's keys, values, positions until settled
 
-    def lazy_initialization(self, key_states, value_states=None):
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.is_initialized = True
-
-    def get_seq_length(self, *args):
-        return self.seen
-
-    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
-        if self.keys is None:
-            self.lazy_initialization(key_states, value_states)
-        if not self.site.live:
-            raise KqsvdError("this tiered cache belongs to a compressed model that no longer is: "
-                             "start a new cache")
-        T = key_states.shape[-2]
-        pos = positions(cache_kwargs, kwargs, self.seen, key_states)
-        first = self.seen == 0
-        self.seen += T
-        if first:  # attended exactly, then settled (settle)
-            self.prefill = (key_states, value_states, pos)
-            return hand(key_states, self), hand(value_states, self)
-        self._enter(key_states, value_states, pos)
-        none = key_states.new_zeros(())
-        n = self.full[0].shape[-2]
-        shape = (*key_states.shape[:2], n, key_states.shape[-1])
-        return hand(none.expand(shape), self, codes=True), hand(none.expand(shape), self,
-                                                                 codes=True)
-
-    def _enter(self, keys, values, pos):
+    def enter(self, keys, values, pos):
         """New tokens into the window; the oldest of it, beyond the window's
         length (or the new tokens' count), into the first tier."""
         W, T = self.layout.window, keys.shape[-2]
@@ -193,13 +165,11 @@ class TierLayer(DynamicLayer):
         if self.full_pos is not None:
             self.full_pos = torch.cat([self.full_pos, pos.expand(fk.shape[0], -1).int()], -1)
 
-    def settle(self, query, scaling):
-        """Places the prefill's tokens, scored by the attention of its last
-        queries [b, Hq, T, d] (after RoPE)."""
-        keys, values, pos = self.prefill
-        self.prefill = None
-        b, _, N, _ = keys.shape
-        pos = pos.expand(b, -1)
+    def settle(self, query, keys, values, pos, scaling):
+        """Places a prefill's tokens keys, values [b, Hkv, N, d] at positions
+        pos [b, N], scored by the attention of its last queries [b, Hq, N,
+        d] (after RoPE), each row ranking its own."""
+        N = keys.shape[2]
         S = min(self.layout.sinks, N)
         W = min(self.layout.window, N - S)
         middle = N - S - W
@@ -244,18 +214,155 @@ class TierLayer(DynamicLayer):
         for sc, weigh in tiers:
             out = out + weigh(p[..., at:at + sc.shape[-1]])
             at += sc.shape[-1]
-        return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous()
 
     def nbytes(self, float_bytes=None):
         held = sum(t.nbytes(float_bytes) for t in self.tiers if t is not None)
-        for x in (self.full or ()) + ((self.prefill[:2]) if self.prefill else ()):
-            held += x.numel() * (float_bytes or x.element_size())
+        held += sum(x.numel() * (float_bytes or x.element_size()) for x in self.full or ())
         return held + (0 if self.full_pos is None else self.full_pos.numel() * 4)
+
+
+# (id(mask), what the prefill's mask showed) -> mask: the masks decode steps
+# have checked (TierLayer.check_mask), each once and not at every layer (on
+# a GPU each check waits for the device).  Weak: a mask's record goes with it.
+_CHECKED = weakref.WeakValueDictionary()
+
+
+_UNMASKED = ("a tiered cache holds the tokens its prefill's attention mask showed: a later "
+             "step's mask must show those and every later token (the prefill's mask extended "
+             "by ones), not hide or show others")
+
+
+class TierLayer(DynamicLayer):
+    """A cache layer of one attention module whose site (compressed.Site)
+    carries a tier layout (site.tiers: (layout, [LayerProjection or None
+    per tier])).  It holds what its prefill's attention mask showed to the
+    prefill's last query: a batch without padding as one Held, a padded
+    batch (or one whose mask hid any token) a Held per row, each holding
+    its own tokens by the layout's counts of them (a shorter row holds
+    fewer) and ranking them by its own queries; padding is never held."""
+
+    def __init__(self, site):
+        super().__init__()
+        self.site = site
+        self.held = [Held(site)]  # the batch's, or a Held per row
+        self.shown = None         # bool [b, N]: what the prefill's mask showed (None: all)
+        self.shown_key = None     # its bytes: the same for every layer of a cache
+        self.seen = 0
+        self.prefill = None       # the prefill's keys, values, positions until settled
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def get_seq_length(self, *args):
+        return self.seen
+
+    def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+        if not self.site.live:
+            raise KqsvdError("this tiered cache belongs to a compressed model that no longer is: "
+                             "start a new cache")
+        T = key_states.shape[-2]
+        if self.seen == 0:  # attended exactly, then settled (settle)
+            self.prefill = (key_states, value_states,
+                            positions(cache_kwargs, kwargs, 0, key_states))
+            self.seen = T
+            return hand(key_states, self), hand(value_states, self)
+        given = (kwargs or {}).get("position_ids")
+        at = positions(cache_kwargs, None, self.seen, key_states)  # the cache's own
+        self.seen += T
+        for i, h in enumerate(self.held):
+            rows = slice(None) if len(self.held) == 1 else slice(i, i + 1)
+            if given is None:  # a row's positions skip the tokens its prefill hid
+                pos = at - h.hidden
+            else:
+                pos = given.reshape(-1, T)
+                pos = pos[rows] if pos.shape[0] > 1 else pos
+            h.enter(key_states[rows], value_states[rows], pos)
+        none = key_states.new_zeros(())
+        shape = (*key_states.shape[:2], self.seen, key_states.shape[-1])
+        return hand(none.expand(shape), self, codes=True), hand(none.expand(shape), self,
+                                                                 codes=True)
+
+    def settle(self, query, scaling, mask=None, position_ids=None):
+        """Places the prefill's tokens, scored by the attention of its last
+        queries [b, Hq, N, d] (after RoPE): those the mask [b, 1, N, N]
+        (or None) shows to its last query, at position_ids [b or 1, N]
+        (the model's; else those update() was given)."""
+        keys, values, pos = self.prefill
+        self.prefill = None
+        b, N = keys.shape[0], keys.shape[2]
+        if position_ids is not None and position_ids.shape[-1] == N:
+            pos = position_ids
+        pos = pos.reshape(-1, N).expand(b, -1)
+        self.shown = shown(mask, b, N)
+        self.shown_key = None if self.shown is None else self.shown.cpu().numpy().tobytes()
+        if self.shown is None:
+            self.held = [Held(self.site)]
+            self.held[0].settle(query, keys, values, pos, scaling)
+            return
+        self.held = []
+        for i in range(b):
+            idx = self.shown[i].nonzero()[:, 0]
+            h = Held(self.site, N - idx.numel())
+            h.settle(query[i:i + 1, :, idx], keys[i:i + 1, :, idx], values[i:i + 1, :, idx],
+                     pos[i:i + 1, idx], scaling)
+            self.held.append(h)
+
+    def attend(self, query, scaling, drop, mask=None):
+        """A step of new tokens' queries [b, Hq, T, d] over everything held
+        (Held.attend, row by row for a padded batch); the mask checked."""
+        self.check_mask(mask, query.shape[0])
+        if len(self.held) == 1:
+            return self.held[0].attend(query, scaling, drop), None
+        return torch.cat([h.attend(query[i:i + 1], scaling, drop)
+                          for i, h in enumerate(self.held)]), None
+
+    def check_mask(self, mask, b):
+        """KqsvdError unless a decode step's mask [b, 1, T, N] shows its
+        last query what the prefill's showed and every later token: a
+        tiered cache holds only what its prefill showed, and cannot honour
+        a mask that hides a token it holds or shows one it never held."""
+        if mask is None:  # every token shown: as the prefill's, or not honoured
+            if self.shown is not None:
+                raise KqsvdError(_UNMASKED)
+            return
+        key = (id(mask), self.shown_key)  # every layer of a cache is given the same mask
+        if mask.dim() != 4 or _CHECKED.get(key) is mask:
+            return
+        want = torch.ones(b, self.seen, dtype=torch.bool, device=mask.device)
+        if self.shown is not None:
+            want[:, :self.shown.shape[1]] = self.shown
+        if not torch.equal(shown(mask, b, self.seen, False), want):
+            raise KqsvdError(_UNMASKED)
+        _CHECKED[key] = mask
+
+    def nbytes(self, float_bytes=None):
+        held = sum(h.nbytes(float_bytes) for h in self.held)
+        held += sum(x.numel() * (float_bytes or x.element_size())
+                    for x in (self.prefill[:2] if self.prefill else ()))
+        return held + (0 if self.shown is None else self.shown.numel())
 
     def _refuse(self, *args, **kwargs):
         raise KqsvdError("a tiered cache cannot be cropped, reordered or repeated")
 
     crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _refuse
+
+
+def shown(mask, b, N, none_if_all=True):
+    """bool [b, N]: the tokens an attention mask [b or 1, 1, T, >= N]
+    (boolean, or additive: 0 shown) shows to its last query; None for no
+    mask, and (none_if_all) for one that shows every token."""
+    if mask is None or mask.dim() != 4:
+        return None
+    m = mask[:, 0, -1, :N]
+    m = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    m = m.expand(b, N)
+    return None if none_if_all and bool(m.all()) else m.clone()
 
 
 def positions(cache_kwargs, kwargs, seen, x):
