@@ -211,7 +211,7 @@ def run(args):
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
-    write_atomic(args.output, write)  # a whole file or none
+    write_atomic(args.output, write, args.force)  # a whole file or none
 
 
 def main(argv=None):
