@@ -35,10 +35,11 @@ typedef struct kqsvd_report {
 double kqsvd_report_mean(const kqsvd_report_t *r, int method, int metric);
 
 /* Writes the report to `path` through a temporary name renamed at the end,
- * so a failed run leaves nothing behind.  Numbers are printed with 17
- * significant digits (they read back exactly).  Errors: KQSVD_ERR_IO
- * naming the path. */
-kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r);
+ * so a failed run leaves nothing behind; the rename replaces a file that
+ * appeared at `path` while the run worked only when `force`
+ * (kqsvd_publish_new).  Numbers are printed with 17 significant digits
+ * (they read back exactly).  Errors: KQSVD_ERR_IO naming the path. */
+kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r, int force);
 
 /* Writes s to f as a JSON string: quotes, backslashes and control
  * characters escaped.  Not collective; no errors (f's error flag tells). */

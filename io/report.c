@@ -76,7 +76,7 @@ static void put_report(FILE *f, const kqsvd_report_t *r) {
   fprintf(f, "  }\n}\n");
 }
 
-kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
+kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r, int force) {
   kqsvd_status_t st = KQSVD_OK;
   char tmp[PATH_MAX + 32] = "";
   FILE *f = NULL;
@@ -89,7 +89,7 @@ kqsvd_status_t kqsvd_report_write(const char *path, const kqsvd_report_t *r) {
   f = NULL;
   KQSVD_CHECK(!werr && cerr == 0, KQSVD_ERR_IO, "%s: cannot write the report: %s", path,
               strerror(errno ? errno : EIO));
-  KQSVD_CALL(kqsvd_publish(tmp, path));
+  KQSVD_CALL(force ? kqsvd_publish(tmp, path) : kqsvd_publish_new(tmp, path));
 done:
   if (f) fclose(f);
   if (st != KQSVD_OK && tmp[0]) remove(tmp);

@@ -187,7 +187,7 @@ kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
     /* The table first: a report that cannot be written loses nothing else. */
     print_table(&res);
     fflush(stdout);
-    if (e.json_path) local = kqsvd_report_write(e.json_path, &res.report);
+    if (e.json_path) local = kqsvd_report_write(e.json_path, &res.report, e.force);
     if (local == KQSVD_OK && e.json_path) printf("wrote %s; ", e.json_path);
     if (local == KQSVD_OK) printf("evaluated in %.2f s\n", kqsvd_now() - t0);
   }

@@ -106,7 +106,7 @@ int main(int argc, char **argv) {
   ecfg.nshards = argc - 3;
   kqsvd_eval_result_t res;
   st = kqsvd_evaluate(&ctx, &ecfg, &obs, &res);
-  if (st == KQSVD_OK && ctx.rank == 0) st = kqsvd_report_write(path[2], &res.report);
+  if (st == KQSVD_OK && ctx.rank == 0) st = kqsvd_report_write(path[2], &res.report, 1);
   if (rec.f) fprintf(rec.f, "evaluate %d d=%lld\n", (int)st, (long long)res.head_dim);
   rec_counts(&rec, "evaluate");
   kqsvd_eval_result_free(&res);

@@ -1,7 +1,8 @@
 /* Publishing an output (src/core/kqsvd_util.h): kqsvd_publish_new never
  * replaces a file that appeared at the output while the run worked (issue
  * 61: two runs of one command, the later rename silently replacing the
- * earlier file), kqsvd_publish (--force) does; kqsvd_tmp_claim learns of
+ * earlier file), kqsvd_publish (--force) does, and so do the writers of
+ * evaluate's --json report and calibrate's output; kqsvd_tmp_claim learns of
  * a full disk before HDF5 writes, leaving nothing; kqsvd_missing_top and
  * kqsvd_rmdir_made take away only the folders a run made. */
 #include <errno.h>
@@ -12,6 +13,7 @@
 
 #include "check.h"
 #include "kqsvd_error.h"
+#include "kqsvd_report.h"
 #include "kqsvd_util.h"
 
 static void put(const char *path, const char *text) {
@@ -60,6 +62,20 @@ int main(void) {
   /* --force: replaced. */
   CHECK_OK(kqsvd_publish(tmp, out));
   CHECK(strcmp(text_of(out), "ours") == 0 && access(tmp, F_OK) != 0, "not replaced");
+
+  /* evaluate --json: the report is published so too, replacing only with
+   * force (its --force). */
+  kqsvd_report_t rep;
+  memset(&rep, 0, sizeof rep);
+  rep.model = "m";
+  put(out, "theirs");
+  CHECK(kqsvd_report_write(out, &rep, 0) == KQSVD_ERR_IO, "report replaced %s", out);
+  CHECK(strstr(kqsvd_error_message(), "appeared while the run"), "message '%s'",
+        kqsvd_error_message());
+  kqsvd_error_clear();
+  CHECK(strcmp(text_of(out), "theirs") == 0, "%s changed", out);
+  CHECK_OK(kqsvd_report_write(out, &rep, 1));
+  CHECK(text_of(out)[0] == '{', "the report is not there: '%s'", text_of(out));
 
   /* A claim that fits leaves an empty temporary file; one that cannot
    * fit leaves nothing and says so, naming the output. */
