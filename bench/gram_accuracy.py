@@ -14,6 +14,7 @@ ranks d/4, d/2 and 3d/4 that KQ-SVD's error equals.
 
     bench/gram_accuracy.py TSQR.h5 GRAM.h5
 """
+import os
 import sys
 
 import h5py
@@ -24,7 +25,12 @@ def main(argv):
     if len(argv) != 2:
         print(HELP, file=sys.stderr)
         return 2
-    with h5py.File(argv[0]) as a, h5py.File(argv[1]) as b:
+    for path in argv:  # HDF5's open() of a FIFO waits for a writer forever
+        if not os.path.isfile(path):
+            print(f"gram_accuracy.py: {path}: no such file, or not a regular file",
+                  file=sys.stderr)
+            return 1
+    with h5py.File(argv[0], "r") as a, h5py.File(argv[1], "r") as b:
         print(f"{argv[0]} against {argv[1]}: {a.attrs.get('model')}, "
               f"{int(a.attrs.get('tokens', 0))} tokens\n")
         print("| rows | condition number: median | 90th percentile | largest |")

@@ -76,6 +76,8 @@ def check_inputs(proj, shard, layer):
             fail(f"{path}: no such file")
         if os.path.isdir(path):
             fail(f"{path}: is a folder, not a file")
+        if not os.path.isfile(path):  # HDF5's open() of a FIFO waits for a writer forever
+            fail(f"{path}: is not a regular file (a device, FIFO or socket)")
         try:
             with h5py.File(path, "r") as f:
                 kind = attr(f, "kqsvd_format")

@@ -18,8 +18,10 @@ from _python import rerun_elsewhere
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "python"))
 
 try:
-    import h5py
+    import h5py  # noqa: F401 (open_file's: a missing one is said here, in one line)
     import numpy as np
+    from kqsvd.errors import KqsvdError
+    from kqsvd.formats.h5io import open_file
     from kqsvd.formats.h5io import read as f64
 except ImportError as e:
     rerun_elsewhere(__file__)
@@ -45,7 +47,12 @@ def blockdiag(mats):
 
 
 def main(model, proj, shard):
-    with h5py.File(shard, "r") as s, h5py.File(model, "r") as m, h5py.File(proj, "r") as p:
+    try:  # each checked as the package's readers check it: a FIFO would block forever
+        files = [open_file(path, kind) for path, kind in
+                 ((shard, "cache"), (model, "model"), (proj, "projections"))]
+    except KqsvdError as e:
+        raise SystemExit(f"inspect_proj.py: {e}") from None
+    with files[0] as s, files[1] as m, files[2] as p:
         K, V, Q, O = f64(s["keys"]), f64(s["values"]), f64(s["queries"]), f64(m["o_proj"])
         L, Hkv, T, d = K.shape
         g = Q.shape[1] // Hkv

@@ -11,6 +11,7 @@ from harness import FAILURES, calibrate, check, finish, small_set, synth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPRESS = os.path.join(HERE, "..", "..", "examples", "compress_cache.py")
+INSPECT = os.path.join(HERE, "..", "..", "examples", "inspect_proj.py")
 
 
 def compress(*args):
@@ -75,6 +76,16 @@ def examples_usage():
            "with a shard as PROJ.h5")
     expect(compress(proj, model), 1, [model, "not a kqsvd cache file", "'model'"],
            "with the model file as SHARD.h5")
+    fifo = os.path.join(wd, "proj.fifo")
+    if not os.path.exists(fifo):
+        os.mkfifo(fifo)
+    # HDF5 opens a FIFO and waits for a writer: a check missing hangs (timeout).
+    expect(compress(fifo, shard), 1, [fifo, "not a regular file"], "with a FIFO as PROJ.h5")
+    p = subprocess.run([sys.executable, INSPECT, model, fifo, shard], capture_output=True,
+                       text=True, timeout=120)
+    check(p.returncode == 1 and "Traceback" not in p.stderr and fifo in p.stderr and
+          "not a regular file" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+          f"inspect_proj.py with a FIFO as PROJ.h5: exit {p.returncode}, stderr:\n{p.stderr}")
     text = os.path.join(wd, "notes.txt")
     with open(text, "w") as f:
         f.write("not HDF5\n")
