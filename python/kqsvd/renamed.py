@@ -7,6 +7,7 @@ lists them):
     kqsvd.calibration.binding.Calibrator,   kqsvd.calibration.calibrator
         check_policy, Result                (result.Result for Result)
     kqsvd.formats.projections.save_ranks    kqsvd.formats.saving (kqsvd.save_ranks)
+    kqsvd.attention.LayerProjection.g       .q_per_kv
 
 One helper per kind of rename: a keyword (keywords), an attribute
 (attribute), a module-level name (moved)."""

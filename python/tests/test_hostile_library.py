@@ -294,6 +294,11 @@ class Library(unittest.TestCase):
                   "q_per_kv=")
         self.assertEqual(cal.shape.q_per_kv, 2)
         self.assertEqual(old(lambda: cal.shape.group, "q_per_kv"), 2)
+        from types import SimpleNamespace
+
+        from kqsvd.attention import LayerProjection
+        one = SimpleNamespace(q_per_kv=3)  # a LayerProjection's attribute, read as its class does
+        self.assertEqual(old(lambda: LayerProjection.g.fget(one), "q_per_kv"), 3)
         binding = importlib.import_module("kqsvd.calibration.binding")
         projections = importlib.import_module("kqsvd.formats.projections")
         for module, name, now in ((binding, "Calibrator", calibrator),

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import KqsvdError
+from ..renamed import attribute
 
 
 def _rot_half(x):
@@ -166,6 +167,8 @@ class LayerProjection:
     """One layer's matrices as tensors of the model's dtype and device.
     Tuning and allocation replace A, Av, Bq, BkT and BvT by tensors that
     carry gradients; everything here reads them at each call."""
+
+    g = attribute("q_per_kv", "LayerProjection.g")  # renamed in 0.5 (d7b91ea)
 
     def __init__(self, proj, layer, heads, dtype, device, o_weight=None, fold=False):
         G = getattr(proj, "head_groups", 1)
