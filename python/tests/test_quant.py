@@ -14,12 +14,13 @@ import h5py
 import numpy as np
 import torch
 
-from common import TEXT, Calibrated, orthonormal_projections, reference_llama_nll, run, tiny_lm
+from common import TEXT, cache_kw, Calibrated, orthonormal_projections, reference_llama_nll, run, tiny_lm
 
 from kqsvd.attention import cache_bytes, compress
 from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.projection import rotate
 from kqsvd.attention.quant import Store, dequantize, hadamard, quantize, store
+from kqsvd.compat import output_cache
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.projections import load_projections
 from kqsvd.formats.saving import save_ranks
@@ -128,6 +129,20 @@ class Scheme(unittest.TestCase):
                     self.assertEqual(s.nbytes(2), held)
                     self.assertEqual(len(s), t)
 
+    def test_a_store_of_no_columns(self):
+        """A slice of rank 0 (a zero head) holds its tokens at no cost, and
+        reads, scores and weighs as empty: it raised ZeroDivisionError."""
+        for make in (lambda: Store(4, 8, "token"), lambda: Store(4, 8, "channel"),
+                     lambda: store([(0, 4), (0, 2)], 8, "token")):
+            s = make()
+            self.assertEqual(tuple(s.append(torch.randn(1, 2, 16, 0)).shape), (1, 2, 16, 0))
+            self.assertEqual(tuple(s.append(torch.randn(1, 2, 1, 0)).shape), (1, 2, 17, 0))
+            self.assertEqual((len(s), s.nbytes()), (17, 0))
+            out = torch.zeros(1, 2, 1, 17)
+            s.scores(torch.randn(1, 2, 1, 0), out)
+            self.assertEqual(float(out.abs().max()), 0.0)
+            self.assertEqual(tuple(s.weigh(torch.rand(1, 2, 1, 17)).shape), (1, 2, 1, 0))
+
     def test_hadamard_is_orthogonal_and_the_rotation_keeps_scores(self):
         for n in list(range(1, 20)) + [48, 64, 100]:
             H = hadamard(n)
@@ -175,7 +190,7 @@ class InTheModel(unittest.TestCase):
         with torch.no_grad():
             out = self.model(input_ids=self.ids, use_cache=True, **kw)
         logp = torch.log_softmax(out.logits[0, :-1].double(), -1)
-        return -float(logp.gather(1, self.ids[0, 1:, None]).sum()), out.past_key_values
+        return -float(logp.gather(1, self.ids[0, 1:, None]).sum()), output_cache(out)
 
     def nll_with(self, proj):
         """nll() with proj installed, the model left as it was."""
@@ -286,7 +301,7 @@ class InTheModel(unittest.TestCase):
         L = self.model.config.num_hidden_layers
         for bits in (4, 2):
             cache = QuantCache(L, QuantScheme(group=8, residual=2), (bits, bits))
-            got, cache = self.nll(past_key_values=cache)
+            got, cache = self.nll(**cache_kw(cache))
             held = [0]
 
             def side(l, j, k, v):
@@ -302,7 +317,7 @@ class InTheModel(unittest.TestCase):
 
     def test_a_quantized_cache_refuses_what_it_cannot_do(self):
         cache = QuantCache(2, QuantScheme(group=8), (4, 4))
-        self.nll(past_key_values=cache)
+        self.nll(**cache_kw(cache))
         with self.assertRaises(KqsvdError):
             cache.crop(10)
 

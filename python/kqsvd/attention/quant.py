@@ -189,7 +189,10 @@ class Store:
             [self.rest, x], -2)
         over = rest.shape[-2] - self.residual
         unit = self.group if self.axis == "channel" else 1
-        take = max(over, 0) // unit * unit if self.bits != UNQUANTIZED else 0
+        # No columns (a head of rank 0): nothing to quantize, and the rows
+        # held as they came are empty, so they cost nothing.
+        coded = self.bits != UNQUANTIZED and x.shape[-1] > 0
+        take = max(over, 0) // unit * unit if coded else 0
         if take:
             self._add(rest[..., :take, :])
             rest = rest[..., take:, :]
@@ -321,7 +324,7 @@ class RunStore:
         quantized) through the library."""
         return all(s.axis == "token" and not s.residual and s.bits != UNQUANTIZED and
                    (s.rest is None or not s.rest.shape[-2]) for s in self.parts) and \
-            kernel.quantizes(x)
+            all(b > a for a, b in zip(self.cuts, self.cuts[1:])) and kernel.quantizes(x)
 
     def values(self, dtype):
         return torch.cat([s.values(dtype) for s in self.parts], -1)
