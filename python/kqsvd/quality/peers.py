@@ -2,12 +2,9 @@
 frontier (frontier.py): transformers' QuantizedCache (quanto and HQQ
 backends) and kvpress's eviction presses.  Each peer is a Config; the
 packages are imported only when a peer of theirs runs, and a missing one
-is named with what installs it.
-
-The one module of the package that reads another package's internals:
-QuantizedCache keeps its codes in its layers' _quantized_keys and
-_quantized_values, with no public count of the bytes they hold, so
-QuantizedCachePeer.nbytes reads them there (and says what it counts)."""
+is named with what installs it.  Their bytes are measured as kqsvd's own
+caches' are (Config.nbytes: cache_bytes, the storages a cache references),
+never computed from a formula of their scheme."""
 import contextlib
 import functools
 import importlib
@@ -113,30 +110,6 @@ class QuantizedCachePeer(Config):
         from transformers import QuantizedCache
         return QuantizedCache(backend=self.backend, config=model.config, nbits=self.bits,
                               q_group_size=self.group, residual_length=0)
-
-    def nbytes(self, cache):
-        total = 0
-        for layer in cache.layers:
-            for q, rest in ((getattr(layer, "_quantized_keys", None), layer.keys),
-                            (getattr(layer, "_quantized_values", None), layer.values)):
-                n = _numel(q)
-                total += n * self.bits // 8 + -(-n // self.group) * 4
-                total += 0 if rest is None else rest.numel() * 2
-        return total
-
-
-def _numel(q):
-    """Values in a quantized tensor of quanto (a QTensor: numel) or HQQ (a
-    (codes, meta) pair whose meta has the original shape)."""
-    if q is None:
-        return 0
-    if hasattr(q, "numel") and not isinstance(q, (tuple, list)):
-        return int(q.numel())
-    meta = q[1]
-    n = 1
-    for s in meta["shape"]:
-        n *= int(s)
-    return n
 
 
 def press_of(text):
