@@ -86,6 +86,7 @@ for _p in (os.path.join(ROOT, "python"), os.path.dirname(os.path.abspath(__file_
         sys.path.insert(0, _p)
 
 from decode_frontier import annotate, frontier_specs, read_report  # noqa: E402
+from kqsvd.compat import cache_kwarg, output_cache  # noqa: E402
 from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
 
 PROG = "decode_speed.py"
@@ -212,6 +213,7 @@ def install(model, info, spec, scheme, context):
     context each generate() runs in, and the bytes a cache it leaves holds
     (sizes()); `spec` has passed check()."""
     none, held = contextlib.nullcontext, sizes
+    key = cache_kwarg(model)  # cache from transformers 5.24 on: the old name warns there
     if spec == "full":
         model.set_attn_implementation("sdpa")
         return (lambda: {}), none, held
@@ -222,7 +224,7 @@ def install(model, info, spec, scheme, context):
         from kqsvd.attention import reading_codes
         from kqsvd.attention.cache import QuantCache
         b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
-        return ((lambda: {"past_key_values": QuantCache(info.num_layers, plain, (b, b))}),
+        return ((lambda: {key: QuantCache(info.num_layers, plain, (b, b))}),
                 lambda: reading_codes(model), held)
     if spec.startswith("press:"):
         from kqsvd.quality.peers import PressPeer
@@ -236,12 +238,12 @@ def install(model, info, spec, scheme, context):
         peer = press_over_quantized(*composite_of(rest), context, scheme.group) \
             if kind == "composite" else QuantizedCachePeer(kind, int(rest), scheme.group)
         peer.check()
-        return ((lambda: {"past_key_values": peer.cache(model)}),
+        return ((lambda: {key: peer.cache(model)}),
                 (lambda: peer.prefill(model)), lambda cache: sizes(cache, peer.nbytes))
     from kqsvd.attention import compress, latent_cache
     path, method, pol = latent_spec(spec)
     compress(model, _resolved(path, method, pol, info.num_layers, scheme, spec)[1])
-    return (lambda: {"past_key_values": latent_cache(model)}), none, held
+    return (lambda: {key: latent_cache(model)}), none, held
 
 
 def sizes(cache, counted=None):
@@ -287,7 +289,7 @@ def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
                                  prefill_chunk_size=chunk if chunk and n > chunk else None,
                                  **extra())
         t = clock.times
-        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), out.past_key_values
+        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), output_cache(out)
 
     peak = _Peak()
     with torch.no_grad():

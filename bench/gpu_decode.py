@@ -111,37 +111,29 @@ def one(model, config, N, B, a, sync):
     chunks, a.warmup steps, a.steps timed."""
     import torch
     from kqsvd.attention import cache_bytes
+    from kqsvd.compat import cache_kwarg
     g = torch.Generator(device=model.device).manual_seed(N + B)
     ids = torch.randint(0, model.config.vocab_size, (B, N), generator=g, device=model.device)
     cache = cache_of(config, model)
+    key = cache_kwarg(model)  # cache from transformers 5.24 on: the old name warns there
     t0 = time.perf_counter()
     with torch.no_grad():
         for at in range(0, N, a.chunk):
-            out = model(input_ids=ids[:, at:at + a.chunk], past_key_values=cache,
+            out = model(input_ids=ids[:, at:at + a.chunk], **{key: cache},
                         use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(a.warmup):  # the kernels compiled, the buffers grown
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, **{key: cache}, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t1 = time.perf_counter()
         for _ in range(a.steps):
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, **{key: cache}, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         sync()
         t2 = time.perf_counter()
-    held = cache_bytes(cache, 2) if config == "kqsvd" else _plain_bytes(cache, config)
+    held = cache_bytes(cache, 2)  # measured, peers' caches too: the storages referenced
     return B * a.steps / (t2 - t1), t1 - t0, held
-
-
-def _plain_bytes(cache, config):
-    """Bytes of a transformers cache as a bf16 model holds it: 2 per value;
-    QuantizedCache's as the frontier counts them (quality/peers.py)."""
-    if config == "full":
-        return sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values))
-    from kqsvd.quality.peers import QuantizedCachePeer
-    backend, bits = config.split(":")
-    return QuantizedCachePeer(backend, int(bits), 64).nbytes(cache)  # its default groups
 
 
 def parse(argv):

@@ -22,6 +22,16 @@ MPIENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CON
               OMPI_MCA_rmaps_base_oversubscribe="1")
 
 
+def cache_kw(cache):
+    """The keyword argument that hands a model `cache`: `cache` from
+    transformers 5.24 on (past_key_values is deprecated there and warns),
+    past_key_values before; read from the installed release's signature."""
+    from transformers import LlamaForCausalLM
+
+    from kqsvd.compat import cache_kwarg
+    return {cache_kwarg(LlamaForCausalLM): cache}
+
+
 def workdir(name):
     base = os.environ.get("KQSVD_TEST_TMP") or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)

@@ -18,10 +18,11 @@ import unittest
 import numpy as np
 import torch
 
-from common import FAMILIES, Calibrated, evaluate, installed, padded, reference_llama_nll, tiny_lm
+from common import FAMILIES, cache_kw, Calibrated, evaluate, installed, padded, reference_llama_nll, tiny_lm
 
 import kqsvd
 from kqsvd import models
+from kqsvd.compat import output_cache
 from kqsvd.errors import KqsvdError, UsageError
 
 
@@ -88,16 +89,16 @@ class Cache(unittest.TestCase):
                 self.assertEqual(int(logits.argmax()), int(seq[0, t]), f"token {t}")
             # Incremental logits equal the uncached ones.
             step = model(input_ids=seq[:, :-1], use_cache=True)
-            nxt = model(input_ids=seq[:, -1:], past_key_values=step.past_key_values,
+            nxt = model(input_ids=seq[:, -1:], **cache_kw(output_cache(step)),
                         use_cache=True)
             whole = model(input_ids=seq, use_cache=False).logits[0, -1]
             self.assertLess(rel(nxt.logits[0, -1], whole), 1e-5)
             T = seq.shape[1]
-            got = kqsvd.cache_bytes(nxt.past_key_values)
+            got = kqsvd.cache_bytes(output_cache(nxt))
             want = 4 * T * info.num_kv_heads * (proj.rank_k.sum() + proj.rank_v.sum())
             self.assertEqual(got, want)
             kqsvd.compress(model, None)
-            fullc = model(input_ids=seq, use_cache=True).past_key_values
+            fullc = output_cache(model(input_ids=seq, use_cache=True))
             # the tokens' keys and values (the sliding-window layers of
             # transformers hold a counter of 8 bytes beside them)
             self.assertEqual(kqsvd.cache_bytes(fullc, held=True),
@@ -132,7 +133,7 @@ class PerHead(unittest.TestCase):
                 step = model(input_ids=ids, use_cache=True)
                 ragged = step.logits
                 T = ids.shape[1]
-                self.assertEqual(kqsvd.cache_bytes(step.past_key_values),
+                self.assertEqual(kqsvd.cache_bytes(output_cache(step)),
                                  4 * 2 * T * int(rk.sum() + rv.sum()))
                 for fold in (True, False):
                     kqsvd.compress(model, proj, fold=fold)
@@ -194,7 +195,7 @@ class Families(unittest.TestCase):
             with kqsvd.compressed(model, low):
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6,
                                      do_sample=False, pad_token_id=0, return_dict_in_generate=True)
-                self.assertIsInstance(out.past_key_values, kqsvd.attention.LatentCache)
+                self.assertIsInstance(output_cache(out), kqsvd.attention.LatentCache)
                 seq, m = ids, mask
                 for _ in range(6):  # whole sequences, no cache, positions as generate's
                     pos = (m.cumsum(-1) - 1).clamp(min=0)
@@ -204,7 +205,7 @@ class Families(unittest.TestCase):
                     seq, m = torch.cat([seq, nxt], -1), torch.cat([m, torch.ones_like(nxt)], -1)
         self.assertTrue(torch.equal(out.sequences, seq), kind)
         T = seq.shape[1] - 1  # the last token is never fed back
-        self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+        self.assertEqual(kqsvd.cache_bytes(output_cache(out)),
                          4 * 2 * T * 2 * int(low.rank_k.sum() + low.rank_v.sum()))
 
 

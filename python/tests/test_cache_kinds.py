@@ -22,7 +22,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from common import orthonormal_projections, tiny_lm
+from common import cache_kw, orthonormal_projections, tiny_lm
 from test_decode_codes import group_projections
 
 import kqsvd
@@ -30,7 +30,7 @@ from kqsvd.attention import compressed, kernel, reading_codes
 from kqsvd.attention.cache import QuantCache
 from kqsvd.attention.compressed import Site
 from kqsvd.attention.projection import LayerProjection
-from kqsvd.compat import cache_kwarg
+from kqsvd.compat import cache_kwarg, output_cache
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.policy import parse
 from kqsvd.formats.quant import QuantScheme, with_bits
@@ -142,22 +142,22 @@ class Memory(unittest.TestCase):
             for prompt in (23, 64):
                 with self.subTest(name, prompt=prompt), torch.no_grad(), \
                         serving(self.model, kind) as new:
-                    extra = {} if new is None else {"past_key_values": new()}
+                    extra = {} if new is None else cache_kw(new())
                     out = self.model(input_ids=self.ids[:, :prompt], use_cache=True, **extra)
-                    cache = out.past_key_values
+                    cache = output_cache(out)
                     self.check(f"{name} after the prefill", cache)
                     for t in range(prompt, prompt + 9):
-                        self.model(input_ids=self.ids[:, t:t + 1], past_key_values=cache,
+                        self.model(input_ids=self.ids[:, t:t + 1], **cache_kw(cache),
                                    use_cache=True)
                     self.check(f"{name} after 9 steps", cache)
 
     def test_float_bytes_rescales_what_is_referenced(self):
         with torch.no_grad():
-            cache = self.model(input_ids=self.ids[:, :30], use_cache=True).past_key_values
+            cache = output_cache(self.model(input_ids=self.ids[:, :30], use_cache=True))
         self.assertEqual(kqsvd.cache_bytes(cache, 2) * 2, kqsvd.cache_bytes(cache))
         with torch.no_grad(), serving(self.model, (None, (4, 4), False)) as new:
             cache = new()
-            self.model(input_ids=self.ids[:, :30], past_key_values=cache, use_cache=True)
+            self.model(input_ids=self.ids[:, :30], **cache_kw(cache), use_cache=True)
         # codes and float16 scales as stored; the 6 key tokens of a block
         # not yet complete (30 = 3 x 8 + 6) as bf16
         held = 2 * 2 * 2 * 6 * 16 * 4
@@ -272,7 +272,7 @@ class TieredMasks(unittest.TestCase):
                 with self.assertRaises(KqsvdError) as e:
                     self.model(input_ids=self.ids[:, -1:], attention_mask=step,
                                position_ids=torch.tensor([[30]]), use_cache=True,
-                               **{cache_kwarg(self.model): out.past_key_values})
+                               **{cache_kwarg(self.model): output_cache(out)})
             self.assertIn("mask", str(e.exception))
             self.assertEqual(len(str(e.exception).splitlines()), 1)
 

@@ -16,7 +16,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from common import orthonormal_projections, tiny_lm
+from common import cache_kw, orthonormal_projections, tiny_lm
 
 from transformers import AttentionInterface
 
@@ -84,9 +84,9 @@ class Steps(unittest.TestCase):
                 compress(self.model, proj, fold=fold)
                 try:
                     cache = latent_cache(self.model)
-                    self.model(input_ids=self.ids[:, :37], past_key_values=cache, use_cache=True)
+                    self.model(input_ids=self.ids[:, :37], **cache_kw(cache), use_cache=True)
                     for t in range(37, self.ids.shape[1]):
-                        self.model(input_ids=self.ids[:, t:t + 1], past_key_values=cache,
+                        self.model(input_ids=self.ids[:, t:t + 1], **cache_kw(cache),
                                    use_cache=True)
                 finally:
                     compress(self.model, None)
@@ -187,9 +187,9 @@ class Plain(unittest.TestCase):
             with torch.no_grad(), (reading_codes(self.model) if inside
                                    else contextlib.nullcontext()):
                 cache = QuantCache(L, scheme, bits)
-                self.model(input_ids=self.ids[:, :30], past_key_values=cache, use_cache=True)
+                self.model(input_ids=self.ids[:, :30], **cache_kw(cache), use_cache=True)
                 for t in range(30, self.ids.shape[1]):
-                    out = self.model(input_ids=self.ids[:, t:t + 1], past_key_values=cache,
+                    out = self.model(input_ids=self.ids[:, t:t + 1], **cache_kw(cache),
                                      use_cache=True)
         finally:
             AttentionInterface.register(function.NAME, function.latent_attention)
@@ -231,8 +231,8 @@ class Plain(unittest.TestCase):
                 with compressed(self.model, proj), (reading_codes(self.model) if inside
                                                     else contextlib.nullcontext()):
                     cache = QuantCache(L, scheme, (4, 4))
-                    self.model(input_ids=self.ids[:, :30], past_key_values=cache, use_cache=True)
-                    got.append(self.model(input_ids=self.ids[:, 30:31], past_key_values=cache,
+                    self.model(input_ids=self.ids[:, :30], **cache_kw(cache), use_cache=True)
+                    got.append(self.model(input_ids=self.ids[:, 30:31], **cache_kw(cache),
                                           use_cache=True).logits)
         torch.testing.assert_close(got[1], got[0], rtol=0, atol=1e-5)
 

@@ -150,6 +150,7 @@ class TritonOnTheGPU(unittest.TestCase):
         from unittest import mock
         from common import orthonormal_projections, tiny_lm
         from kqsvd.attention import compressed, latent_cache, triton_decode
+        from kqsvd.compat import cache_kwarg
         from kqsvd.formats.quant import QuantScheme, with_bits
         model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64).cuda()
         proj = with_bits(orthonormal_projections(model, 12, seed=1), (4, 3),
@@ -166,9 +167,10 @@ class TritonOnTheGPU(unittest.TestCase):
                     mock.patch.object(triton_decode, "scores", counted), torch.no_grad(), \
                     compressed(model, proj):
                 cache = latent_cache(model)
-                model(input_ids=ids[:, :45], past_key_values=cache, use_cache=True)
+                key = cache_kwarg(model)  # cache from transformers 5.24 on
+                model(input_ids=ids[:, :45], **{key: cache}, use_cache=True)
                 for t in range(45, 60):
-                    out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                    out = model(input_ids=ids[:, t:t + 1], **{key: cache}, use_cache=True)
                 got.append(out.logits.float())
             if not env:
                 self.assertGreater(len(calls), 0, "the steps read codes through Triton")

@@ -20,6 +20,7 @@ from common import calibrate as calibrate_cli
 import kqsvd
 from kqsvd import models
 from kqsvd.calibration.calibrator import Calibrator
+from kqsvd.compat import output_cache
 from kqsvd.errors import UsageError
 
 L, HKV, M, D_HEAD, HIDDEN = 2, 4, 2, 6, 10
@@ -307,7 +308,7 @@ class GroupAttention(unittest.TestCase):
                 self.assertEqual(int(logits.argmax()), int(seq[0, t]), f"token {t}")
             T = seq.shape[1] - 1
             # one latent of 7 keys and 7 values per layer, group and token, float32
-            self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+            self.assertEqual(kqsvd.cache_bytes(output_cache(out)),
                              4 * T * self.info.num_layers * 1 * (7 + 7))
             folded = None
             with kqsvd.compressed(self.model, proj, fold=True):
@@ -333,7 +334,7 @@ class GroupAttention(unittest.TestCase):
             nll = -logp.gather(2, ids[:, 1:, None]).sum((1, 2))
             for a, b in zip(nll.tolist(), ref):
                 self.assertLess(abs(a - b) / abs(b), 1e-9, f"fold={fold}")
-            self.assertEqual(kqsvd.cache_bytes(out.past_key_values),
+            self.assertEqual(kqsvd.cache_bytes(output_cache(out)),
                              8 * ids.numel() * int(sum(r.sum() for r in ranks)))
 
     def test_independent_perplexity(self):

@@ -28,11 +28,12 @@ import h5py
 import numpy as np
 import torch
 
-from common import (EXPORT, KQSVD, MPIENV, TEXT, calibrate, installed, padded, rope_theta, run,
+from common import (EXPORT, KQSVD, MPIENV, TEXT, cache_kw, calibrate, installed, padded, rope_theta, run,
                     tiny_decoder, workdir)
 
 import kqsvd
 from kqsvd import models
+from kqsvd.compat import output_cache
 
 SEQ, TRAIN, VALID = 64, 12, 4
 
@@ -299,13 +300,13 @@ class PreRope(unittest.TestCase):
                     self.assertEqual(int(logits.argmax()), int(seq[0, t]), f"{ranks} token {t}")
                 # Three steps on a cache equal one pass without it.
                 a = lm(input_ids=seq[:, :-3], use_cache=True)
-                b = lm(input_ids=seq[:, -3:-1], past_key_values=a.past_key_values, use_cache=True)
-                c = lm(input_ids=seq[:, -1:], past_key_values=b.past_key_values, use_cache=True)
+                b = lm(input_ids=seq[:, -3:-1], **cache_kw(output_cache(a)), use_cache=True)
+                c = lm(input_ids=seq[:, -1:], **cache_kw(output_cache(b)), use_cache=True)
                 whole = lm(input_ids=seq, use_cache=False).logits
                 self.assertLess(rel(b.logits[0], whole[0, -3:-1]), 1e-5)
                 self.assertLess(rel(c.logits[0, -1], whole[0, -1]), 1e-5)
                 T = seq.shape[1]
-                self.assertEqual(kqsvd.cache_bytes(c.past_key_values),
+                self.assertEqual(kqsvd.cache_bytes(output_cache(c)),
                                  4 * T * int(proj.rank_k_heads.sum() + proj.rank_v_heads.sum()))
 
     def test_left_padded_batch(self):
@@ -341,7 +342,7 @@ class PreRope(unittest.TestCase):
                     self.assertLess(rel(lm(input_ids=ids).logits, full), 1e-5, f"{kind} {m}")
                 kqsvd.compress(lm, kqsvd.load_projections(proj, "kqsvd", 5))
                 a = lm(input_ids=ids[:, :-2], use_cache=True)
-                b = lm(input_ids=ids[:, -2:], past_key_values=a.past_key_values, use_cache=True)
+                b = lm(input_ids=ids[:, -2:], **cache_kw(output_cache(a)), use_cache=True)
                 whole = lm(input_ids=ids, use_cache=False).logits
                 self.assertGreater(rel(whole, full), 1e-3, kind)
                 self.assertLess(rel(b.logits[0], whole[0, -2:]), 1e-5, kind)

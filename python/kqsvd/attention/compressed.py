@@ -456,7 +456,9 @@ def probe_errors(model: torch.nn.Module) -> list[list[tuple[float, float]]]:
 def latent_cache(model: torch.nn.Module) -> LatentCache:
     """A new, empty latent cache for a model with projections installed.
 
-    To pass as past_key_values (the model starts one by itself otherwise).
+    To pass as the model's cache keyword (compat.cache_kwarg: `cache` from
+    transformers 5.24 on, `past_key_values` before); the model starts one
+    by itself otherwise.
     The cache holds K A and V A_v (quantized columns for projections with
     bits) and serves only while these projections stay installed.
 
