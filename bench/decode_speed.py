@@ -88,6 +88,7 @@ for _p in (os.path.join(ROOT, "python"), os.path.dirname(os.path.abspath(__file_
 from decode_frontier import annotate, frontier_specs, read_report  # noqa: E402
 from kqsvd.compat import cache_kwarg, output_cache  # noqa: E402
 from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
+from kqsvd.formats.numbers import whole  # noqa: E402
 
 PROG = "decode_speed.py"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -139,9 +140,9 @@ def check(spec, info, contexts, scheme, what=None):
     if spec in ("full", "sdpa-off"):
         return spec, None
     if spec.startswith("int") and not rest:
-        if not (spec[3:].isdigit() and int(spec[3:]) in BITS):
+        if whole(spec[3:]) not in BITS:
             raise UsageError(f"{what}: intB takes B among {', '.join(map(str, BITS))}")
-        return ("int", int(spec[3:])), None
+        return ("int", whole(spec[3:])), None
     if kind in BACKENDS:
         if rest not in ("2", "4"):
             raise UsageError(f"{what}: expected {kind}:2 or {kind}:4")
@@ -220,10 +221,10 @@ def install(model, info, spec, scheme, context):
     if spec == "sdpa-off":
         return (lambda: {}), none, held
     model.set_attn_implementation("sdpa")
-    if spec.startswith("int") and spec[3:].isdigit():
+    if spec.startswith("int") and whole(spec[3:]) is not None:
         from kqsvd.attention import reading_codes
         from kqsvd.attention.cache import QuantCache
-        b, plain = int(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
+        b, plain = whole(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
         return ((lambda: {key: QuantCache(info.num_layers, plain, (b, b))}),
                 lambda: reading_codes(model), held)
     if spec.startswith("press:"):
@@ -506,7 +507,7 @@ def child(a):
     """--one SPEC N B: one configuration's figures, a JSON line on stdout."""
     from kqsvd.formats.quant import QuantScheme
     spec, n, b = a.one
-    if not (n.isdigit() and b.isdigit() and int(n) > 0 and int(b) > 0):
+    if not ((whole(n) or 0) > 0 and (whole(b) or 0) > 0):
         raise UsageError(f"--one {spec} {n} {b}: the context and batch are whole numbers above 0")
     try:
         scheme = QuantScheme(**json.loads(a.scheme)).check("--scheme")

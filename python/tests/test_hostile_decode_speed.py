@@ -299,7 +299,8 @@ class HostileDecodeSpeed(unittest.TestCase):
 
     def test_peers_and_their_syntax(self):
         for spec in ("quanto:3", "quanto:x", "hqq:", "press:bogus:0.5", "press:snapkv:nan",
-                     "press:snapkv:1", "press:snapkv", "int5", "int", "intx", "bogus", ""):
+                     "press:snapkv:1", "press:snapkv", "int5", "int", "intx", "bogus", "",
+                     "int\u00b2", "int\u0664", "int+4", "int 4"):  # other scripts' digits too
             self.refused(["--contexts", "64", "--config", spec], 2, f"--config {spec}")
         for spec, package in (("quanto:4", "optimum"), ("hqq:2", "hqq"),
                               ("press:snapkv:0.5", "kvpress")):
