@@ -216,23 +216,7 @@ def check(a):
             text = f.read()
     except UnicodeDecodeError as e:
         raise KqsvdError(f"--text {a.text}: not UTF-8 text (byte {e.start})") from None
-    seen, stems = {}, {}
-    for item in a.proj:
-        path, pol = _proj_item(item)
-        check_input_file("--proj", path)
-        try:  # policies compared as parsed: fixed:32 and fixed:032 are one
-            key = parse_policy(pol).key
-        except UsageError as e:
-            raise UsageError(f"--proj {item}: {e}") from None
-        st = os.stat(path)  # a link to a file given already is that file
-        if (st.st_dev, st.st_ino, key) in seen:
-            raise UsageError(f"--proj {item}: the same file and policy as --proj "
-                             f"{seen[st.st_dev, st.st_ino, key]}")
-        seen[st.st_dev, st.st_ino, key] = item
-        if (_stem(path), key) in stems:  # the report has one row per name
-            raise UsageError(f"--proj {item}: named [{_stem(path)}] in the report, as --proj "
-                             f"{stems[_stem(path), key]} is; give the files names of their own")
-        stems[_stem(path), key] = item
+    _check_proj_items(a.proj)
     for name, kept in a.presses:
         try:  # kvpress importable, and with this transformers
             PressPeer(name, kept, 1 << 20).check()
@@ -282,6 +266,29 @@ def check(a):
         check_outputs([("--json", path)], inputs, a.force)
     a.json = path
     return _filler(a, text), projs, missing[::-1]
+
+
+def _check_proj_items(items):
+    """--proj FILE=POLICY items: each file a regular file, each policy read,
+    and no file and policy (or report name) given twice."""
+    from kqsvd.formats.files import check_input_file
+    seen, stems = {}, {}
+    for item in items:
+        path, pol = _proj_item(item)
+        check_input_file("--proj", path)
+        try:  # policies compared as parsed: fixed:32 and fixed:032 are one
+            key = parse_policy(pol).key
+        except UsageError as e:
+            raise UsageError(f"--proj {item}: {e}") from None
+        st = os.stat(path)  # a link to a file given already is that file
+        if (st.st_dev, st.st_ino, key) in seen:
+            raise UsageError(f"--proj {item}: the same file and policy as --proj "
+                             f"{seen[st.st_dev, st.st_ino, key]}")
+        seen[st.st_dev, st.st_ino, key] = item
+        if (_stem(path), key) in stems:  # the report has one row per name
+            raise UsageError(f"--proj {item}: named [{_stem(path)}] in the report, as --proj "
+                             f"{stems[_stem(path), key]} is; give the files names of their own")
+        stems[_stem(path), key] = item
 
 
 def _filler(a, text):

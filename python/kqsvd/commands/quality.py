@@ -99,7 +99,27 @@ def parse(argv):
         raise UsageError(f"--methods: unknown method '{bad[0] if bad else ''}' (expected "
                          f"{', '.join(METHODS)})")
     check_plot(a.plot)
-    a.fitted, seen = {}, {}
+    a.fitted = _read_policies(a)
+    # Windows are needed only by the policies that use them.
+    tuned = [p for p in a.fitted if p.startswith(QUALITY_TUNED)]
+    for opt, n, uses in (("--calib-seqs", a.calib_seqs, list(a.fitted)),
+                         ("--check-seqs", a.check_seqs, tuned)):
+        if n < 1 and uses:
+            raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
+    if any(p not in a.fitted for p in a.policies):
+        from .. import native
+        native.tool()  # `kqsvd ranks` resolves them: a missing library is found before the load
+    check_input_file("--text", a.text)
+    check_outputs([("--json", a.json), ("--plot", a.plot)] +
+                  [(f"the {pol} file", path) for pol, path in a.fitted.items()],
+                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
+    return a
+
+
+def _read_policies(a):
+    """Each of --ranks' policies parsed and checked against the other
+    options; returns {fitted policy: the file it is fitted into}."""
+    fitted, seen = {}, {}
     for pol in a.policies:
         try:
             got = parse_policy(pol)
@@ -116,21 +136,8 @@ def parse(argv):
             raise UsageError(f"--ranks {pol}: no '@bits' after a policy fitted to the model; "
                              f"give its file's ranks new bits with --proj FITTED --ranks stored@B")
         if got.fitted:
-            a.fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{got.fraction:g}.h5"
-    # Windows are needed only by the policies that use them.
-    tuned = [p for p in a.fitted if p.startswith(QUALITY_TUNED)]
-    for opt, n, uses in (("--calib-seqs", a.calib_seqs, list(a.fitted)),
-                         ("--check-seqs", a.check_seqs, tuned)):
-        if n < 1 and uses:
-            raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
-    if any(p not in a.fitted for p in a.policies):
-        from .. import native
-        native.tool()  # `kqsvd ranks` resolves them: a missing library is found before the load
-    check_input_file("--text", a.text)
-    check_outputs([("--json", a.json), ("--plot", a.plot)] +
-                  [(f"the {pol} file", path) for pol, path in a.fitted.items()],
-                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
-    return a
+            fitted[pol] = f"{_stem(a.json)}.{pol.split(':')[0]}-{got.fraction:g}.h5"
+    return fitted
 
 
 def _refuse_tiered(a, pol):

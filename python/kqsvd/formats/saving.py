@@ -87,15 +87,7 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
                          f"{type(ranks).__name__}")
     check_outputs([("dst", dst)], [("src", src)], force)
     checked, width = _checked_ranks(src, dst, ranks, tuned, bits)
-    layouts = {}
-    for m, text in (tiers or {}).items():
-        if m not in checked or scheme is None:
-            raise UsageError(f"tiers for {dst}: method {m!r} needs new ranks and a scheme")
-        try:  # the readers' rules (formats.tiers.read_stored), before anything is written
-            layouts[m] = parse_tiers(text)
-            check_storable(layouts[m], width)
-        except UsageError as e:
-            raise UsageError(f"tiers for {dst}: method {m!r}: {e}") from None
+    layouts = _checked_layouts(dst, tiers or {}, checked, scheme, width)
 
     def write(tmp):
         shutil.copyfile(src, tmp)
@@ -104,6 +96,21 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
             f.attrs["rank_policy"] = policy
     write_atomic(dst, write, force)
     return dst
+
+
+def _checked_layouts(dst, tiers, checked, scheme, width):
+    """save_ranks' tiered layouts {method: TierLayouts}, read by the
+    readers' rules (formats.tiers.read_stored) before anything is written."""
+    layouts = {}
+    for m, text in tiers.items():
+        if m not in checked or scheme is None:
+            raise UsageError(f"tiers for {dst}: method {m!r} needs new ranks and a scheme")
+        try:
+            layouts[m] = parse_tiers(text)
+            check_storable(layouts[m], width)
+        except UsageError as e:
+            raise UsageError(f"tiers for {dst}: method {m!r}: {e}") from None
+    return layouts
 
 
 def _write(f, checked, tuned, bits, scheme, tiers):
