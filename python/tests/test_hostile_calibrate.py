@@ -246,6 +246,38 @@ class CheckpointFolder(HostileCase):
         self.assertEqual(code, 0, err)
         self.assertIn(f"resuming: {saved['done']} of 4", err)
 
+    def test_an_index_that_is_a_fifo(self):
+        """A FIFO where the index lies is refused in one line (open() of it
+        waited for a writer forever), and left where it is."""
+        os.makedirs(self.ck)
+        os.mkfifo(os.path.join(self.ck, "rank-0-of-1.json"))
+        self.refused(self.calib(), "rank-0-of-1.json", "not a regular file")
+
+    def test_a_refused_run_leaves_the_folder_of_the_one_that_holds_it(self):
+        """Two runs that both found --checkpoint missing both made it: the
+        one refused the lock leaves the folder to the other, whose first
+        save would fail without it (it removed it, as a folder it made)."""
+        from kqsvd.calibration.checkpoints import Checkpoint
+        real, held = Checkpoint.lock, []
+
+        def other_run_first(ckpt, label):
+            fd = os.open(ckpt.folder, os.O_RDONLY)  # the other run takes the folder just before
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.append(fd)
+            return real(ckpt, label)
+        self.assertFalse(os.path.exists(self.ck))
+        try:
+            with mock.patch.object(Checkpoint, "lock", other_run_first):
+                code, err = self.main(self.calib())
+            lines = [x for x in err.splitlines() if "in use by another run" in x]
+            self.assertNotEqual(code, 0, err)
+            self.assertEqual(len(lines), 1, err)
+            self.assertNotIn("Traceback", err)
+            self.assertTrue(os.path.isdir(self.ck), "the other run's folder was removed")
+        finally:
+            for fd in held:
+                os.close(fd)
+
     def test_an_output_made_while_the_run_works(self):
         """A file created at --out while the run works (another run of the
         same command finishing first) is kept without --force, with one

@@ -86,6 +86,9 @@ class Checkpoint:
     def _read(self):
         """The index's fields, each checked against the names and the
         share of this run: (done, state)."""
+        if not os.path.isfile(self.index):  # a FIFO would block open() forever
+            raise KqsvdError(f"{self.index}: not a calibrate_hf checkpoint (not a regular "
+                             "file); remove it")
         try:
             with open(self.index) as f:
                 saved = json.load(f)

@@ -49,6 +49,7 @@ class Job:
     done: int = 0
     seconds: float = 0.0
     made: str = None  # the outermost folder of --checkpoint the run made
+    locked: bool = False  # the folder taken for this run (rank 0's flock)
 
     def new_cal(self):
         from .calibrator import Calibrator
@@ -75,7 +76,10 @@ def run(args, log):
     except BaseException:  # after every rank agreed: none writes there now
         if job.ckpt:
             job.ckpt.release()
-        if args.checkpoint:
+        # Only the run that held the folder removes it: two runs may both
+        # have found it missing and made it, and the one refused the lock
+        # would take the other's folder away before its first save.
+        if args.checkpoint and job.locked:
             rmdir_made(args.checkpoint, job.made)  # kept when it holds a checkpoint
         raise
 
@@ -153,6 +157,7 @@ def resume(job):
     share = Share(job.last - job.first, a.seq_len, job.info.head_dim * a.head_groups)
     job.ckpt = Checkpoint(a.checkpoint, group.rank, group.size, inputs, share)
     group.on_root(lambda: job.ckpt.lock("--checkpoint"))
+    job.locked = True  # on every rank: on_root raised on all of them otherwise
 
     def load():
         job.done = job.ckpt.resume(job.cal)
