@@ -162,8 +162,11 @@ kqsvd_status_t calib_finish(calib_t *c) {
   KQSVD_CALL(kqsvd_mpi_agree(comm, kqsvd_proj_close(&w)));
   local = root ? kqsvd_proj_trim(tmp) : KQSVD_OK;
   if (local == KQSVD_OK && root)
-    local = c->cfg.force || c->cfg.skip_done ? kqsvd_publish(tmp, c->cfg.out_path)
-                                             : kqsvd_publish_new(tmp, c->cfg.out_path);
+    /* --skip-done and a manifest remake an output whose inputs changed:
+     * replacing it is what they ask for, as --force does. */
+    local = c->cfg.force || c->cfg.skip_done || c->cfg.manifest_path
+                ? kqsvd_publish(tmp, c->cfg.out_path)
+                : kqsvd_publish_new(tmp, c->cfg.out_path);
   KQSVD_CALL(kqsvd_mpi_agree(comm, local));
   c->t_solve = kqsvd_now() - t0;
 done:
