@@ -216,6 +216,41 @@ class Padded(unittest.TestCase):
                                                atol=1e-9, err_msg=f"{name}: row {i}")
                     self.assertEqual(tokens[i].tolist(), t1[0].tolist(), f"{name}: row {i}")
 
+    def test_padding_longer_than_the_first_chunk(self):
+        """A padded batch prefilled in chunks, the first holding only padding
+        for a row: refused in one line (the row's padding entered its key
+        blocks' scales, 0.031 off its prompt alone); chunks past the
+        longest padding serve each row as its prompt alone."""
+        ids, mask = left_padded(self.prompts)
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        L = self.model.config.num_hidden_layers
+
+        def chunked(n):
+            cache = QuantCache(L, QuantScheme(group=8), (4, 4))
+            with torch.no_grad():
+                for a in range(0, ids.shape[1], n):
+                    out = self.model(input_ids=ids[:, a:a + n], attention_mask=mask[:, :a + n],
+                                     position_ids=pos[:, a:a + n], use_cache=True,
+                                     **cache_kw(cache))
+            return out.logits[:, -1]
+        with self.assertRaises(KqsvdError) as e:
+            chunked(8)
+        self.assertEqual(len(str(e.exception).splitlines()), 1)
+        self.assertIn("row 0", str(e.exception))
+        got = chunked(16)  # row 0's 12 of padding inside the first chunk
+        for i, p in enumerate(self.prompts):
+            # alone, in the same chunks: the batch's cuts less the row's padding
+            pad = ids.shape[1] - len(p)
+            cuts = [0] + [c - pad for c in range(16, ids.shape[1], 16) if c > pad] + [len(p)]
+            cache = QuantCache(L, QuantScheme(group=8), (4, 4))
+            with torch.no_grad():
+                for a, b in zip(cuts, cuts[1:]):
+                    alone = self.model(input_ids=p[None, a:b], use_cache=True,
+                                       position_ids=torch.arange(a, b)[None],
+                                       **cache_kw(cache)).logits
+            np.testing.assert_allclose(got[i].numpy(), alone[0, -1].numpy(), rtol=0, atol=1e-9,
+                                       err_msg=f"row {i}")
+
     def test_padded_codes_read_as_the_floats(self):
         """float32: the padded batch's steps read as codes (quant.Rows, a
         store per row) as through the dequantized stores."""

@@ -85,6 +85,15 @@ def row_pads(cache_kwargs, kwargs, T):
         zero = (sin == 0).all(-1)
     if zero.shape[0] == 1 or zero.shape[-1] != T:
         return None
+    has = zero.any(-1)
+    if T > 1 and bool(has.any()) and not bool(has.all()):
+        # A row still all padding: its first token comes in a later chunk,
+        # after its padding would have entered the quantization groups.
+        row = int((~has).int().argmax())
+        raise KqsvdError(f"a left-padded batch prefilled in chunks of {T} tokens: row {row}'s "
+                         "padding is longer than the first chunk, which a quantized cache "
+                         "cannot tell from its tokens; prefill in one chunk, or in chunks "
+                         "longer than the longest padding")
     last = T - 1 - zero.flip(-1).int().argmax(-1)
     pads = torch.where(zero.any(-1), last, 0).tolist()
     return pads if any(pads) else None
@@ -334,13 +343,9 @@ def cache_bytes(cache: Cache | tuple | list, float_bytes: int | None = None,
         layers = [tuple(kv[:2]) for kv in cache]
     if not held:
         return referenced_bytes(layers, float_bytes)
-    total = 0
-    for layer in layers:
-        if hasattr(layer, "nbytes"):
-            total += layer.nbytes(float_bytes)
-            continue
-        tensors = layer if isinstance(layer, tuple) else (getattr(layer, "keys", None),
-                                                           getattr(layer, "values", None))
-        total += sum(t.numel() * (float_bytes if float_bytes and t.is_floating_point() else
-                                  t.element_size()) for t in tensors if t is not None)
-    return total
+    # Layers of this package know their tokens from their room; any other
+    # (DynamicLayer's concatenations, QuantizedCache's codes) holds no room
+    # to leave out, and its use is what it references: counted so, rather
+    # than its keys and values alone, which a QuantizedCache empties.
+    return sum(layer.nbytes(float_bytes) if hasattr(layer, "nbytes") else
+               referenced_bytes([layer], float_bytes) for layer in layers)
