@@ -117,6 +117,28 @@ class HostileOutputs(unittest.TestCase):
                 self.assertEqual(f.read(), "ours")
         self.assertEqual(sorted(os.listdir(self.wd)), ["r.json", "r.png"])
 
+    def test_a_link_to_nothing(self):
+        """A symbolic link to a missing file is a name taken: refused at the
+        start without force (it was let through, then refused by the final
+        rename after all the work), replaced with force."""
+        from kqsvd.formats.files import check_outputs, json_writer, write_atomic
+        path = os.path.join(self.wd, "dangling.h5")
+        for name, write in self.writers.items():
+            os.symlink(os.path.join(self.wd, "nowhere", "x.h5"), path)
+            self.refused(path, "exists", force=False)
+            write(path, True)
+            self.assertFalse(os.path.islink(path), name)
+            os.remove(path)
+        report = os.path.join(self.wd, "dangling.json")
+        os.symlink("nowhere.json", report)
+        with self.assertRaises(kqsvd.UsageError) as e:
+            check_outputs([("--json", report)])
+        self.assertIn("already exists", str(e.exception))
+        self.assertIn("--force", str(e.exception))
+        check_outputs([("--json", report)], force=True)
+        write_atomic(report, json_writer({"a": 1}), force=True)
+        self.assertFalse(os.path.islink(report))
+
     def test_regular_file_still_replaced(self):
         """The refusals above are not of every existing output: a file is
         kept without force, and replaced with it."""

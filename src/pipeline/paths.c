@@ -133,12 +133,15 @@ kqsvd_status_t kqsvd_check_output(const char *opt, const char *path, int force) 
               PATH_MAX - 1 - KQSVD_TMP_SUFFIX_MAX);
   KQSVD_CALL(printable(who, path));
   KQSVD_CALL(kqsvd_check_output_place(opt, path));
-  /* A calibration takes hours: replacing one needs saying so. */
+  /* A calibration takes hours: replacing one needs saying so.  lstat: a
+   * link to nothing is a name taken too, which the final rename (never
+   * replacing without force) would refuse after all the work. */
+  struct stat taken;
   if (opt)
-    KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
+    KQSVD_CHECK(force || lstat(path, &taken) != 0, KQSVD_ERR_USAGE,
                 "%s %s already exists; give --force to replace it", opt, path);
   else
-    KQSVD_CHECK(force || access(path, F_OK) != 0, KQSVD_ERR_USAGE,
+    KQSVD_CHECK(force || lstat(path, &taken) != 0, KQSVD_ERR_USAGE,
                 "%s exists; it is replaced only when asked to (force)", path);
 done:
   return st;

@@ -80,6 +80,13 @@ def check_outputs(outputs, inputs=(), force=False):
             st = None
         except OSError as e:
             raise UsageError(f"{name}: {e.strerror}") from None
+        # A link to nothing is a name taken all the same: the final rename,
+        # which never replaces a name without force, would refuse it after
+        # all the work.
+        if st is None and os.path.islink(path) and not force:
+            raise UsageError(f"{name} already exists (a symbolic link to "
+                             f"{os.readlink(path)}, which does not exist); give --force to "
+                             "replace it")
         if st is not None:
             if stat.S_ISDIR(st.st_mode):
                 raise UsageError(f"{name} is a folder; give a file name")
