@@ -33,7 +33,7 @@ import sys
 import time
 
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_input_file, check_outputs
+from ..formats.files import check_input_file, check_outputs, said_of
 from ..formats.projections import METHODS, load_projections
 from ..formats.saving import save_ranks
 from ..formats.policy import (QUALITY_BITS, QUALITY_BUDGET, QUALITY_TIERS, QUALITY_TUNED,
@@ -252,7 +252,11 @@ def run(a):
             if pol in own:
                 pairs += own[pol]
                 continue
-            out = fit(pol, staged.tmp(a.fitted[pol]))
+            tmp = staged.tmp(a.fitted[pol])
+            try:
+                out = fit(pol, tmp)
+            except KqsvdError as e:  # the fitted file by its own name, never its temporary one
+                raise said_of(e, a.fitted[pol], tmp) from None
             pairs += [(pol, m, load_projections(out, m)) for m in a.methods]
         print(f"kqsvd.quality: {a.model}, {a.num_seqs} x {a.seq_len} tokens ({a.split} split of "
               f"{ntok} tokens), {len(a.policies)} polic{'ies' if len(a.policies) > 1 else 'y'} x "

@@ -203,16 +203,9 @@ def _probe(name, folder):
     os.remove(probe)
 
 
-# A staged output's temporary name -> the output (Staged.tmp): the errors
-# of a writer given the temporary name name the output.
-_STAGED = {}
-
-
 def cannot_write(path, e, tmp=None):
     """KqsvdError for the OSError e writing `path` (under `tmp`): one line
-    naming the output (a staged one by its own name), a full disk as
-    such."""
-    path = _STAGED.get(path, path)
+    naming the output, a full disk as such."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return KqsvdError(f"{path}: no space left on device")
     why = e.strerror or str(e)
@@ -253,7 +246,6 @@ class Staged:
 
     def __exit__(self, *exc):
         for tmp in self.tmps.values():
-            _STAGED.pop(tmp, None)
             if os.path.lexists(tmp):
                 os.remove(tmp)
         self.tmps.clear()
@@ -264,7 +256,6 @@ class Staged:
         file is there already: writers must be allowed to replace it)."""
         if path not in self.tmps:
             self.tmps[path] = _new_tmp(path)
-            _STAGED[self.tmps[path]] = path
         return self.tmps[path]
 
 
@@ -371,8 +362,6 @@ def write_all(outputs, staged=None, force=False):
         for path, tmp in done:
             publish(tmp, path, force)
         if staged is not None:
-            for tmp in staged.tmps.values():
-                _STAGED.pop(tmp, None)
             staged.tmps.clear()
     finally:
         for tmp in tmps:
