@@ -21,7 +21,9 @@ The cache's bytes are taken from the last call's cache, values held as
 computed counted as bf16: `cache MB` what it references, measured
 (kqsvd.cache_bytes: its capacity, the room its buffers keep for more
 tokens included), `held MB` the bytes of the tokens it holds (its use).
-Random tokens (speed does not depend on them; seed 0), greedy.  Each
+Random tokens (speed does not depend on them; seed 0), greedy; each row
+keeps the tokens its last call generated (`new_tokens`, a list per
+prompt), so that two trees' runs can be compared token for token.  Each
 context and its --steps fit the model's positions (max_position_embeddings,
 8,192): the model attends over the prompt and every new token but the
 last, context + steps - 1 positions, so the default contexts end at
@@ -290,21 +292,21 @@ def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
                                  prefill_chunk_size=chunk if chunk and n > chunk else None,
                                  **extra())
         t = clock.times
-        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), output_cache(out)
+        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), output_cache(out), out.sequences[:, n:]
 
     peak = _Peak()
     with torch.no_grad():
         run(min(128, context), 4)  # warm-up: first calls, allocator (presses need a window)
         got = [run(context, steps) for _ in range(repeats)]
-    cache = got[-1][2]
-    prefill = [p for p, _, _ in got]
-    decode = [d for _, d, _ in got]
+    cache, new = got[-1][2], got[-1][3]
+    prefill = [p for p, *_ in got]
+    decode = [d for _, d, *_ in got]
     return dict(config=spec, context=context, batch=batch, steps=steps, prefill_chunk=chunk,
                 attn=model.config._attn_implementation,
                 prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
                 decode_tok_s=statistics.median(decode) * batch,
                 decode_range=[min(decode) * batch, max(decode) * batch],
-                **held(cache), peak_above_model_mb=peak.stop())
+                **held(cache), peak_above_model_mb=peak.stop(), new_tokens=new.tolist())
 
 
 def _rss():
