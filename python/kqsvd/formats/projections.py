@@ -18,7 +18,7 @@ import numpy as np
 from . import h5io, tiers
 from . import policy as policies
 from .. import native
-from .quant import QuantScheme, read_bits, with_bits
+from .quant import QuantScheme, read_bits, unit_bits, with_bits
 from ..errors import KqsvdError, UsageError
 from ..renamed import moved
 
@@ -160,7 +160,6 @@ class Projections:
         if self.quant is None:
             return float((self.rank_k_heads.sum() + self.rank_v_heads.sum()) /
                          (2 * self.head_dim * self.num_layers * self.num_kv_heads))
-        from .quant import unit_bits
         q, L, H = self.quant, self.num_layers, self.num_kv_heads
         held = sum(unit_bits(bs[l, h], rs[l, h], ax, q.group)
                    for rs, bs, ax in ((self.rank_k_heads, self.bits_k, q.key_axis),

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import KqsvdError, UsageError
 from .numbers import whole
 
 BITS = (2, 3, 4, 8)
@@ -84,7 +84,6 @@ def column_runs(bits, rank):
     4, 3, 2), each run's columns in increasing order.  bits: the unit's one
     number or its columns' ([d], COL_BITS: not DROPPED exactly on the first
     `rank`).  Raises KqsvdError for columns that break that rule."""
-    from ..errors import KqsvdError
     rank = int(rank)
     if np.ndim(bits) == 0:
         return [(np.arange(rank), int(bits))]
@@ -141,7 +140,6 @@ def read_bits(f, path, method, L, H, d=None, ranks=None):
     DROPPED exactly on the first rank columns of ranks = (rank_k [L, Hkv],
     rank_v)).  Raises KqsvdError naming the dataset or attribute that is
     wrong."""
-    from ..errors import KqsvdError
     forms = [[f"{method}/bits_{s}_{form}" for s in "kv"] for form in ("heads", "cols")]
     have = [n for names in forms for n in names if n in f]
     if not have:
@@ -180,7 +178,6 @@ def read_scheme(f, path, why="the file has bits"):
     """The file's quantization scheme (root attributes quant_*); KqsvdError
     naming the attribute that is missing (`why` says what needs it) or
     wrong."""
-    from ..errors import KqsvdError
     kw = {SCHEME_ATTRS[a]: _scheme_attr(f, path, a, why) for a in SCHEME_ATTRS}
     try:
         return QuantScheme(**kw).check(f"{path}: attributes quant_*")
@@ -195,7 +192,6 @@ def _scheme_attr(f, path, attr, why):
     otherwise.  Checked here because a bad value would otherwise surface
     at the first forward pass, as a TypeError or an allocation of
     terabytes."""
-    from ..errors import KqsvdError
     if attr not in f.attrs:
         raise KqsvdError(f"{path}: attribute '{attr}' is missing ({why})")
     v = f.attrs[attr]

@@ -12,8 +12,10 @@ import numpy as np
 
 from ..errors import UsageError
 from . import h5io
+from .files import check_outputs, write_atomic
 from .projections import METHODS, TUNED_SUFFIX, Projections, check_path, rank_lists
-from .quant import QuantScheme, drop_bits, write_bits, write_scheme
+from .quant import (BITS, COL_BITS, UNQUANTIZED, QuantScheme, drop_bits, off_rank, write_bits,
+                    write_scheme)
 from .tiers import check_storable
 from .tiers import parse as parse_tiers
 
@@ -79,7 +81,6 @@ def save_ranks(src: str | os.PathLike, dst: str | os.PathLike, ranks: dict[str, 
         For a bad src file.
     """
     import h5py
-    from .files import check_outputs, write_atomic
     check_path("src", src)
     check_path("dst", dst)
     if not isinstance(ranks, dict):
@@ -164,7 +165,6 @@ def _checked_ranks(src, dst, ranks, tuned, bits):
 def _check_bits(method, pair, ranks, shape, dst):
     """UsageError naming dst for bits that are neither [L, Hkv] nor
     [L, Hkv, d] per column with bits exactly on each unit's rank."""
-    from .quant import BITS, COL_BITS, UNQUANTIZED, off_rank
     L, H, d = shape
     per_unit = BITS + (UNQUANTIZED,)
     for side, b in zip("kv", pair):

@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..errors import UsageError
+from ..errors import KqsvdError, UsageError
 from .numbers import number, whole
+from .quant import read_scheme, split_bits, with_bits
 
 PREFIX = "tiers:"
 DROP, STORED = "drop", "stored"
@@ -93,7 +94,6 @@ def _code(text, policy):
     """The Tier fields (code, ranks, bits) of one CODE, the code written
     in one form (32@4/4 is 32@4, 032 is 32), so that two spellings of a
     tier are one tier, its label and its key alike."""
-    from .quant import split_bits
     if text in (DROP, STORED):
         return text, None, None
     try:
@@ -172,7 +172,6 @@ def attach(base, layout, scheme, load):
     Projections.tiers): R@B cut at R columns (load(R) reads the file so)
     and quantized under scheme (a QuantScheme), R cut and unquantized,
     stored as base is.  UsageError for a tier wider than base's units."""
-    from .quant import with_bits
     check_width(layout, base.head_dim)
     base = dataclasses.replace(base, tiers=None)
     per = [None if t.dropped else base if t.code == STORED else
@@ -184,8 +183,6 @@ def read_stored(f, path, method, width):
     """(layout, scheme) a method group stores (its `tiers` attribute,
     docs/formats.md 5.4.1), or None; KqsvdError naming the attribute for
     one that is not a layout."""
-    from ..errors import KqsvdError
-    from .quant import read_scheme
     if "tiers" not in f[method].attrs:
         return None
     v = f[method].attrs["tiers"]
