@@ -27,6 +27,7 @@ import re
 
 import numpy as np
 
+from ..compat import no_init_weights
 from ..errors import KqsvdError
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma", "phi3", "starcoder2")
@@ -524,7 +525,6 @@ def build_model(spec, m, hp, vocab, weights, extras, tokenizer, dtype):
     """The transformers model for ``spec`` holding ``weights`` (eager attention, eval mode)."""
     import torch
     import transformers
-    from ..compat import no_init_weights
 
     tied = "lm_head.weight" not in weights
     common = dict(

@@ -8,6 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from ..compat import check_transformers
 from ..errors import KqsvdError, UsageError
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gemma", "starcoder2")
@@ -161,7 +162,6 @@ def check_device(device, flags=False):
     PyTorch cannot reach one, with one message.  Raises UsageError."""
     import re
     import torch
-    from ..errors import UsageError
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device or ""):
         raise UsageError(f"{_name('device', flags)} {device} is not supported (supported: "
                          f"{DEVICES})")
@@ -184,7 +184,6 @@ def weights_dtype(path, cfg, asked, device):
     float16 checkpoint runs in float32 there and --weights-dtype f16 is
     refused.  Returns (dtype, key)."""
     import torch
-    from ..errors import UsageError
     own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # 5.x, 4.x
     own = str(own or "float32").replace("torch.", "")
     key = asked or TYPE_KEYS.get(own, "f32")
@@ -231,11 +230,10 @@ def load(name, dtype=None, device="cpu", lm_head=True, weights=None, device_map=
     Returns (model, tokenizer, ModelInfo); info.weights is the WEIGHT_TYPES
     key the model runs in.  Raises KqsvdError (for a transformers outside
     the supported range too: kqsvd.compat)."""
-    from ..compat import check_transformers
     check_transformers()
     path = resolve(name)
     if os.path.isfile(path):
-        from . import gguf_loader
+        from . import gguf_loader  # torch at its top
         if not gguf_loader.is_gguf(path):
             raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
         if device_map:
@@ -293,11 +291,10 @@ def tokenizer(name):
     """The tokenizer load() gives with the model, without the weights: for
     the checks that count a text's tokens before the load.  Raises
     KqsvdError as load() does."""
-    from ..compat import check_transformers
     check_transformers()
     path = resolve(name)
     if os.path.isfile(path):
-        from . import gguf_loader
+        from . import gguf_loader  # torch at its top
         if not gguf_loader.is_gguf(path):
             raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
         return gguf_loader.read_tokenizer(path)
@@ -310,11 +307,10 @@ def describe(name):
     head_dim) before it spends the load.  config: the transformers config
     of a folder, the GGUF header's sizes for a file (gguf_loader.read_config).
     Raises KqsvdError as load() does for a missing or unsupported model."""
-    from ..compat import check_transformers
     check_transformers()
     path = resolve(name)
     if os.path.isfile(path):
-        from . import gguf_loader
+        from . import gguf_loader  # torch at its top
         if not gguf_loader.is_gguf(path):
             raise KqsvdError(f"{path}: neither a model folder nor a GGUF file")
         cfg = gguf_loader.read_config(path)
