@@ -14,96 +14,93 @@ typedef struct evaluate_cmd {
   kqsvd_eval_config_t cfg;
   kqsvd_rank_policy_t ranks; /* cfg.ranks points here when --ranks is given */
   const char *json_path;
-  kqsvd_run_opts_t run;
-  int force, help;
+  int force;
 } evaluate_cmd_t;
 
-static void evaluate_help(void) {
-  printf("usage: [mpirun -np N] kqsvd evaluate --model MODEL.h5 --proj PROJ.h5 [OPTIONS] SHARD...\n"
-         "\n"
-         "Measures how well the kqsvd, ksvd and eigen projections of PROJ.h5 reproduce\n"
-         "attention on validation caches: err_k, err_q, err_v, err_kq and err_out, the\n"
-         "relative squared Frobenius errors of K, Q, V, Q K^T and the attention layer's\n"
-         "output, per sequence over all heads of a layer, averaged over sequences.\n"
-         "\n"
-         "  --model FILE        model file with o_proj (required)\n"
-         "  --proj FILE         projections from kqsvd calibrate (required)\n"
-         "  --json FILE         also write the report as JSON (docs/formats.md)\n"
-         "  --force             replace an existing --json FILE\n"
-         "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
-         "                        eps:E     the paper's rule with tolerance E\n"
-         "                        fixed:R   rank R everywhere\n"
-         "                        budget:F  a fraction F of the full cache, spread over layers\n"
-         "                                  by each method's own spectra\n"
-         "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
-         "                      [256, fewer if --mem-limit requires]\n"
-         "  --mem-limit MIB     memory bound per rank [1024]\n"
-         "  --allow-model-mismatch\n"
-         "                      evaluate projections whose 'model' attribute differs from\n"
-         "                      MODEL's (an error otherwise)\n"
-         "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
-         "  --progress MODE     auto, bar, lines or off [auto]\n"
-         "  -v, --verbose       print a trace with errors\n"
-         "  -h, --help          this text\n");
+static const char help[] =
+    "usage: [mpirun -np N] kqsvd evaluate --model MODEL.h5 --proj PROJ.h5 [OPTIONS] SHARD...\n"
+    "\n"
+    "Measures how well the kqsvd, ksvd and eigen projections of PROJ.h5 reproduce\n"
+    "attention on validation caches: err_k, err_q, err_v, err_kq and err_out, the\n"
+    "relative squared Frobenius errors of K, Q, V, Q K^T and the attention layer's\n"
+    "output, per sequence over all heads of a layer, averaged over sequences.\n"
+    "\n"
+    "  --model FILE        model file with o_proj (required)\n"
+    "  --proj FILE         projections from kqsvd calibrate (required)\n"
+    "  --json FILE         also write the report as JSON (docs/formats.md)\n"
+    "  --force             replace an existing --json FILE\n"
+    "  --ranks POLICY      ranks to evaluate at [those stored in PROJ.h5]:\n"
+    "                        eps:E     the paper's rule with tolerance E\n"
+    "                        fixed:R   rank R everywhere\n"
+    "                        budget:F  a fraction F of the full cache, spread over layers\n"
+    "                                  by each method's own spectra\n"
+    "  --block-rows N      query rows per unit of work; memory grows with N x T\n"
+    "                      [256, fewer if --mem-limit requires]\n"
+    "  --mem-limit MIB     memory bound per rank [1024]\n"
+    "  --allow-model-mismatch\n"
+    "                      evaluate projections whose 'model' attribute differs from\n"
+    "                      MODEL's (an error otherwise)\n"
+    "  --threads N         BLAS threads per rank [1]; use MPI ranks for cores\n"
+    "  --progress MODE     auto, bar, lines or off [auto]\n"
+    "  -v, --verbose       print a trace with errors\n"
+    "  -h, --help          this text\n";
+
+enum { O_MODEL = 256, O_PROJ, O_JSON, O_FORCE, O_RANKS, O_BLOCK, O_ALLOW };
+
+static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
+                                         {"proj", required_argument, NULL, O_PROJ},
+                                         {"json", required_argument, NULL, O_JSON},
+                                         {"force", no_argument, NULL, O_FORCE},
+                                         {"ranks", required_argument, NULL, O_RANKS},
+                                         {"block-rows", required_argument, NULL, O_BLOCK},
+                                         {"allow-model-mismatch", no_argument, NULL, O_ALLOW},
+                                         KQSVD_RUN_LONGOPTS,
+                                         KQSVD_LONGOPTS_END};
+
+static void defaults(void *state) {
+  evaluate_cmd_t *e = state;
+  kqsvd_eval_config_default(&e->cfg);
 }
 
-static kqsvd_status_t parse(kqsvd_cli_t *cli, evaluate_cmd_t *e, int argc, char **argv) {
+static kqsvd_status_t option(void *state, int o, const char *arg) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_MODEL = 256, O_PROJ, O_JSON, O_FORCE, O_RANKS, O_BLOCK, O_ALLOW };
-  static const struct option longopts[] = {{"model", required_argument, NULL, O_MODEL},
-                                           {"proj", required_argument, NULL, O_PROJ},
-                                           {"json", required_argument, NULL, O_JSON},
-                                           {"force", no_argument, NULL, O_FORCE},
-                                           {"ranks", required_argument, NULL, O_RANKS},
-                                           {"block-rows", required_argument, NULL, O_BLOCK},
-                                           {"allow-model-mismatch", no_argument, NULL, O_ALLOW},
-                                           KQSVD_RUN_LONGOPTS,
-                                           {"help", no_argument, NULL, 'h'},
-                                           {NULL, 0, NULL, 0}};
-  int handled = 0;
-  kqsvd_eval_config_default(&e->cfg);
-  kqsvd_run_opts_default(&e->run);
-  optind = 1;
-  for (;;) {
-    int o;
-    KQSVD_CALL(kqsvd_getopt(argc, argv, ":hv", longopts, &o));
-    if (o == -1) break;
-    switch (o) {
-    case O_MODEL: e->cfg.model_path = optarg; break;
-    case O_PROJ: e->cfg.proj_path = optarg; break;
-    case O_JSON: e->json_path = optarg; break;
-    case O_FORCE: e->force = 1; break;
-    case O_RANKS:
-      KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &e->ranks));
-      e->cfg.ranks = &e->ranks;
-      break;
-    case O_ALLOW: e->cfg.allow_mismatch = 1; break;
-    case O_BLOCK:
-      KQSVD_CALL(kqsvd_opt_int("--block-rows", optarg, 1, 1 << 20, &e->cfg.block_rows));
-      e->cfg.block_set = 1;
-      break;
-    case 'h':
-      if (cli->rank == 0) evaluate_help();
-      e->help = 1;
-      return KQSVD_OK;
-    default:
-      KQSVD_CALL(kqsvd_run_option(cli, o, optarg, &e->run, &handled));
-      KQSVD_CHECK(handled, KQSVD_ERR_BUG, "unhandled option %d", o);
-    }
+  evaluate_cmd_t *e = state;
+  switch (o) {
+  case O_MODEL: e->cfg.model_path = arg; break;
+  case O_PROJ: e->cfg.proj_path = arg; break;
+  case O_JSON: e->json_path = arg; break;
+  case O_FORCE: e->force = 1; break;
+  case O_RANKS:
+    KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", arg, &e->ranks));
+    e->cfg.ranks = &e->ranks;
+    break;
+  case O_ALLOW: e->cfg.allow_mismatch = 1; break;
+  case O_BLOCK:
+    KQSVD_CALL(kqsvd_opt_int("--block-rows", arg, 1, 1 << 20, &e->cfg.block_rows));
+    e->cfg.block_set = 1;
+    break;
+  default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
   }
+done:
+  return st;
+}
+
+static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n, char **args) {
+  kqsvd_status_t st = KQSVD_OK;
+  evaluate_cmd_t *e = state;
   KQSVD_CHECK(e->cfg.model_path, KQSVD_ERR_USAGE, "--model is required");
   KQSVD_CHECK(e->cfg.proj_path, KQSVD_ERR_USAGE, "--proj is required");
-  e->cfg.nshards = argc - optind;
-  e->cfg.shards = argv + optind;
+  e->cfg.nshards = n;
+  e->cfg.shards = args;
   KQSVD_CHECK(e->cfg.nshards > 0, KQSVD_ERR_USAGE, "no validation cache shards given");
   {
-    const char *named[] = {e->cfg.model_path, e->cfg.proj_path}, *opts[] = {"--model", "--proj"};
-    KQSVD_CALL(kqsvd_check_file_args("--json", e->json_path, 2, named, opts, e->cfg.shards,
+    const char *named[] = {e->cfg.model_path, e->cfg.proj_path}, *roles[] = {"--model", "--proj"};
+    KQSVD_CALL(kqsvd_check_file_args("--json", e->json_path, 2, named, roles, e->cfg.shards,
                                      e->cfg.nshards));
   }
   /* Quick to remake, but an output is never replaced unasked. */
   if (e->json_path) KQSVD_CALL(kqsvd_check_output("--json", e->json_path, e->force));
-  e->cfg.mem_mib = e->run.mem_mib;
+  e->cfg.mem_mib = opts->mem_mib;
 done:
   return st;
 }
@@ -165,30 +162,25 @@ static void print_table(const kqsvd_eval_result_t *res) {
   }
 }
 
-kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv) {
+static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  evaluate_cmd_t e;
+  const evaluate_cmd_t *e = state;
   kqsvd_eval_result_t res;
   const double t0 = kqsvd_now();
-  memset(&e, 0, sizeof e);
   memset(&res, 0, sizeof res);
-  st = parse(cli, &e, argc, argv);
-  if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "evaluate", st);
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
-  if (e.help) return KQSVD_OK;
-  kqsvd_blas_set_threads((int)e.run.threads);
+  kqsvd_blas_set_threads((int)opts->threads);
   kqsvd_cli_observer_t obs;
-  kqsvd_cli_observer_init(&obs, e.run.progress, cli->verbose);
+  kqsvd_cli_observer_init(&obs, opts->progress, cli->verbose);
   const kqsvd_ctx_t ctx = {cli->comm, cli->rank, cli->size};
-  st = kqsvd_evaluate(&ctx, &e.cfg, &obs.obs, &res);
+  st = kqsvd_evaluate(&ctx, &e->cfg, &obs.obs, &res);
   if (st != KQSVD_OK) kqsvd_usage_hint("evaluate");
   KQSVD_CALL(st);
   if (cli->rank == 0) {
     /* The table first: a report that cannot be written loses nothing else. */
     print_table(&res);
     fflush(stdout);
-    if (e.json_path) local = kqsvd_report_write(e.json_path, &res.report, e.force);
-    if (local == KQSVD_OK && e.json_path) printf("wrote %s; ", e.json_path);
+    if (e->json_path) local = kqsvd_report_write(e->json_path, &res.report, e->force);
+    if (local == KQSVD_OK && e->json_path) printf("wrote %s; ", e->json_path);
     if (local == KQSVD_OK) printf("evaluated in %.2f s\n", kqsvd_now() - t0);
   }
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
@@ -196,3 +188,18 @@ done:
   kqsvd_eval_result_free(&res);
   return st;
 }
+
+const kqsvd_command_t kqsvd_command_evaluate = {
+    .name = "evaluate",
+    .about = "measure attention fidelity of projections on validation caches",
+    .mpi = 1,
+    .h5 = 1,
+    .help = {help},
+    .shortopts = ":hv",
+    .longopts = longopts,
+    .size = sizeof(evaluate_cmd_t),
+    .defaults = defaults,
+    .option = option,
+    .operands = operands,
+    .run = run,
+};

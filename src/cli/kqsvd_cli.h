@@ -20,16 +20,6 @@ typedef struct kqsvd_cli {
   int verbose; /* set by -v: print error traces */
 } kqsvd_cli_t;
 
-/* Subcommands: collective over cli->comm.  On failure every rank returns an
- * error; those marked collective let main() finalize, others make it abort.
- * manifest, ranks and every --help run without MPI: cli->comm is then
- * MPI_COMM_NULL, size 1, and they make no MPI call. */
-kqsvd_status_t kqsvd_cmd_calibrate(kqsvd_cli_t *cli, int argc, char **argv);
-kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv);
-kqsvd_status_t kqsvd_cmd_evaluate(kqsvd_cli_t *cli, int argc, char **argv);
-kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv);
-kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv);
-
 /* Option values, parsed strictly: the whole string must be a number in
  * [lo, hi].  KQSVD_ERR_USAGE naming the option otherwise. */
 kqsvd_status_t kqsvd_opt_int(const char *opt, const char *s, int64_t lo, int64_t hi, int64_t *v);
@@ -44,13 +34,6 @@ kqsvd_status_t kqsvd_usage_error(kqsvd_cli_t *cli, const char *cmd, kqsvd_status
  * plan) gets the pointer to `kqsvd CMD --help` too; anything else is left
  * as it is. */
 void kqsvd_usage_hint(const char *cmd);
-
-/* getopt_long front end shared by the subcommands: returns the option
- * character, -1 at the end, or fails with a message for an unknown option
- * or a missing argument. */
-struct option;
-kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
-                            const struct option *longopts, int *c);
 
 /* Progress of a long run on rank 0's stderr: a live bar on a terminal,
  * a line every `line_interval` seconds otherwise, or nothing. */
@@ -100,17 +83,52 @@ enum { KQSVD_OPT_MEM = 1000, KQSVD_OPT_THREADS, KQSVD_OPT_PROGRESS };
     "verbose", no_argument, NULL, 'v'                              \
   }
 
+/* -h/--help and the end, last in every subcommand's table. */
+#define KQSVD_LONGOPTS_END \
+  {"help", no_argument, NULL, 'h'}, { NULL, 0, NULL, 0 }
+
 typedef struct kqsvd_run_opts {
   int64_t mem_mib, threads;
   kqsvd_progress_mode_t progress;
 } kqsvd_run_opts_t;
 
-/* --mem-limit 1024, --threads 1, --progress auto. */
-void kqsvd_run_opts_default(kqsvd_run_opts_t *r);
+/* One subcommand: main() lists these records, kqsvd_command_main() runs
+ * one.  The parse is the same for every subcommand: getopt_long over
+ * `longopts`; -h/--help, -v and the options of KQSVD_RUN_LONGOPTS are taken
+ * by the parse itself, every other option goes to `option`, then the
+ * operands, with the checks of the whole, to `operands`.  `state` is `size`
+ * zeroed bytes, set by `defaults` first, that the parse fills and `run`
+ * reads. */
+struct option; /* <getopt.h> */
+typedef struct kqsvd_command {
+  const char *name;
+  const char *about; /* its line in `kqsvd --help` */
+  int mpi;           /* 0: runs as one process without MPI (cli->comm is MPI_COMM_NULL) */
+  int h5;            /* reads HDF5 files (whose library, initialised, asks MPI_Initialized) */
+  /* `kqsvd NAME --help`, in parts: C11 promises string literals of 4095
+   * characters only. */
+  const char *help[2];
+  const char *shortopts; /* NULL: no options, every argument is an operand */
+  const struct option *longopts;
+  size_t size;
+  void (*defaults)(void *state); /* NULL: all zero */
+  /* These two fail with KQSVD_ERR_USAGE naming the option or operand. */
+  kqsvd_status_t (*option)(void *state, int code, const char *arg);
+  kqsvd_status_t (*operands)(void *state, const kqsvd_run_opts_t *opts, int n, char **args);
+  kqsvd_status_t (*run)(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts);
+} kqsvd_command_t;
 
-/* Takes option `o` when it is one of KQSVD_RUN_LONGOPTS (*handled = 1).
- * Errors: KQSVD_ERR_USAGE naming the option. */
-kqsvd_status_t kqsvd_run_option(kqsvd_cli_t *cli, int o, const char *arg, kqsvd_run_opts_t *r,
-                                int *handled);
+extern const kqsvd_command_t kqsvd_command_calibrate, kqsvd_command_evaluate,
+    kqsvd_command_manifest, kqsvd_command_ranks, kqsvd_command_synth;
+
+/* Runs subcommand `c` on argv (argv[0] its name), or prints its help on
+ * rank 0 when `help`; collective over cli->comm.  A usage error of the
+ * parse gets the pointer to `kqsvd NAME --help`, and every rank agrees on
+ * the parse before `run`.  On failure every rank returns an error; those
+ * marked collective let main() finalize, others make it abort.  manifest,
+ * ranks and every --help run without MPI: cli->comm is then MPI_COMM_NULL,
+ * size 1, and they make no MPI call. */
+kqsvd_status_t kqsvd_command_main(kqsvd_cli_t *cli, const kqsvd_command_t *c, int argc, char **argv,
+                                  int help);
 
 #endif

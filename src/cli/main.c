@@ -18,23 +18,10 @@
 #include "kqsvd_h5.h"
 #include "kqsvd_signal.h"
 
-typedef kqsvd_status_t (*command_fn)(kqsvd_cli_t *, int, char **);
-
-static const struct {
-  const char *name;
-  command_fn fn;
-  int mpi; /* 0: runs as one process without MPI (cli.comm is MPI_COMM_NULL) */
-  int h5;  /* reads HDF5 files (whose library, initialised, asks MPI_Initialized) */
-  const char *about;
-} g_commands[] = {
-    {"calibrate", kqsvd_cmd_calibrate, 1, 1,
-     "compute kqsvd, ksvd and eigen projections from caches"},
-    {"evaluate", kqsvd_cmd_evaluate, 1, 1,
-     "measure attention fidelity of projections on validation caches"},
-    {"manifest", kqsvd_cmd_manifest, 0, 0, "check a manifest of models and print it resolved"},
-    {"ranks", kqsvd_cmd_ranks, 0, 1,
-     "print the per-layer ranks a rank policy gives for projections"},
-    {"synth", kqsvd_cmd_synth, 1, 1, "write a synthetic cache set and model file"},
+/* In the order `kqsvd --help` lists them. */
+static const kqsvd_command_t *const g_commands[] = {
+    &kqsvd_command_calibrate, &kqsvd_command_evaluate, &kqsvd_command_manifest,
+    &kqsvd_command_ranks,     &kqsvd_command_synth,
 };
 #define NCOMMANDS (sizeof g_commands / sizeof g_commands[0])
 
@@ -44,7 +31,7 @@ static void usage(FILE *out) {
                "streamed once in bounded memory and reduced across MPI ranks by TSQR.\n\n"
                "commands:\n");
   for (size_t i = 0; i < NCOMMANDS; i++)
-    fprintf(out, "  %-10s %s\n", g_commands[i].name, g_commands[i].about);
+    fprintf(out, "  %-10s %s\n", g_commands[i]->name, g_commands[i]->about);
   fprintf(out, "\n'kqsvd help COMMAND' (or 'kqsvd COMMAND --help') describes each command;\n"
                "'kqsvd --version' (-V, version) the build and the GPUs it sees.\n"
                "help, --version, manifest and ranks run without MPI.\n"
@@ -101,9 +88,10 @@ static void version(void) {
 /* Runs a subcommand and turns its status into the exit code, printing the
  * error on the rank that reports it.  With MPI, an error that not every
  * rank knows of (or a fatal one) ends in MPI_Abort. */
-static int run_command(kqsvd_cli_t *cli, const char *cmd, command_fn fn, int mpi, int argc,
-                       char **argv) {
-  const kqsvd_status_t st = fn(cli, argc, argv);
+static int run_command(kqsvd_cli_t *cli, const kqsvd_command_t *c, int mpi, int argc, char **argv,
+                       int help) {
+  const char *cmd = c->name;
+  const kqsvd_status_t st = kqsvd_command_main(cli, c, argc, argv, help);
   if (st == KQSVD_OK) return 0;
   const kqsvd_status_t why = kqsvd_error_origin();
   const int code = why == KQSVD_ERR_USAGE         ? 2
@@ -142,7 +130,7 @@ int main(int argc, char **argv) {
   int help = 0;
   if (strcmp(cmd, "help") == 0) cmd = argv[2], help = 1;
   size_t k = 0;
-  while (k < NCOMMANDS && strcmp(cmd, g_commands[k].name) != 0) k++;
+  while (k < NCOMMANDS && strcmp(cmd, g_commands[k]->name) != 0) k++;
   if (k == NCOMMANDS) {
     if (!quiet) {
       fprintf(stderr, "kqsvd: error: unknown command '%s'\n\n", cmd);
@@ -150,16 +138,12 @@ int main(int argc, char **argv) {
     }
     return 2;
   }
-  if (help || asks_help(argc, argv)) {
-    char name[32], help_opt[] = "--help";
-    snprintf(name, sizeof name, "%s", g_commands[k].name);
-    char *help_argv[] = {name, help_opt, NULL};
-    return run_command(&cli, cmd, g_commands[k].fn, 0, 2, help_argv);
-  }
-  if (!g_commands[k].mpi) {
-    if (g_commands[k].h5) kqsvd_h5_init();
+  const kqsvd_command_t *c = g_commands[k];
+  if (help || asks_help(argc, argv)) return run_command(&cli, c, 0, argc - 1, argv + 1, 1);
+  if (!c->mpi) {
+    if (c->h5) kqsvd_h5_init();
     kqsvd_signal_install();
-    return run_command(&cli, cmd, g_commands[k].fn, 0, argc - 1, argv + 1);
+    return run_command(&cli, c, 0, argc - 1, argv + 1, 0);
   }
 
   if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
@@ -173,7 +157,7 @@ int main(int argc, char **argv) {
   /* After MPI_Init: parallel HDF5 then closes itself inside MPI_Finalize. */
   kqsvd_h5_init();
   kqsvd_signal_install();
-  const int code = run_command(&cli, cmd, g_commands[k].fn, 1, argc - 1, argv + 1);
+  const int code = run_command(&cli, c, 1, argc - 1, argv + 1, 0);
   MPI_Finalize();
   return code;
 }

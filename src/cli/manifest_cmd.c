@@ -41,42 +41,52 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_cmd_manifest(kqsvd_cli_t *cli, int argc, char **argv) {
+typedef struct manifest_cmd {
+  const char *path, *lists;
+} manifest_cmd_t;
+
+static const char help[] =
+    "usage: kqsvd manifest MANIFEST [--lists DIR]\n\n"
+    "Checks MANIFEST ('#' comments, paths relative to its folder), whose lines\n"
+    "name cache shards or, with hf:, a model to calibrate in situ:\n"
+    "  NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB [EPS [VALID_GLOB]]\n"
+    "  NAME hf:MODEL OUTPUT_H5 TEXT SEQ_LEN NUM_SEQS [EPS [VALID_TEXT]]\n"
+    "and prints one line per model, 8 fields separated by tabs, with absolute,\n"
+    "normalised paths:\n"
+    "  NAME MODEL_H5 OUTPUT_H5 POLICY SHARDS SHARD_GLOB VALID_GLOB -\n"
+    "  NAME hf:MODEL OUTPUT_H5 POLICY NUM_SEQS TEXT VALID_TEXT SEQ_LEN\n"
+    "where POLICY and VALID_* are '-' when not given and SHARDS counts the\n"
+    "shards.  Every bad line is reported, as MANIFEST:LINE: reason; paths\n"
+    "holding control characters (tabs, newlines) are refused, so the fields\n"
+    "cannot shift.\n"
+    "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid for each cache\n"
+    "line, the matching files in the order calibrate uses, each path followed\n"
+    "by a NUL byte (bash: mapfile -d '' files < DIR/NAME.shards).\n";
+
+/* MANIFEST [--lists DIR], in this order: no options otherwise. */
+static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n, char **args) {
   kqsvd_status_t st = KQSVD_OK;
+  manifest_cmd_t *m = state;
+  (void)opts;
+  if (n == 3 && strcmp(args[1], "--lists") == 0) {
+    m->lists = args[2];
+    n = 1;
+  }
+  KQSVD_CHECK(n == 1, KQSVD_ERR_USAGE, "expected MANIFEST [--lists DIR]");
+  m->path = args[0];
+done:
+  return st;
+}
+
+static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts) {
+  kqsvd_status_t st = KQSVD_OK;
+  const manifest_cmd_t *c = state;
+  const char *lists = c->lists;
   kqsvd_manifest_t m;
+  (void)opts;
   memset(&m, 0, sizeof m);
-  const char *lists = NULL;
-  if (argc == 4 && strcmp(argv[2], "--lists") == 0) {
-    lists = argv[3];
-    argc = 2;
-  }
-  if (argc == 2 && (strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0)) {
-    if (cli->rank == 0)
-      printf("usage: kqsvd manifest MANIFEST [--lists DIR]\n\n"
-             "Checks MANIFEST ('#' comments, paths relative to its folder), whose lines\n"
-             "name cache shards or, with hf:, a model to calibrate in situ:\n"
-             "  NAME MODEL_H5 OUTPUT_H5 SHARD_GLOB [EPS [VALID_GLOB]]\n"
-             "  NAME hf:MODEL OUTPUT_H5 TEXT SEQ_LEN NUM_SEQS [EPS [VALID_TEXT]]\n"
-             "and prints one line per model, 8 fields separated by tabs, with absolute,\n"
-             "normalised paths:\n"
-             "  NAME MODEL_H5 OUTPUT_H5 POLICY SHARDS SHARD_GLOB VALID_GLOB -\n"
-             "  NAME hf:MODEL OUTPUT_H5 POLICY NUM_SEQS TEXT VALID_TEXT SEQ_LEN\n"
-             "where POLICY and VALID_* are '-' when not given and SHARDS counts the\n"
-             "shards.  Every bad line is reported, as MANIFEST:LINE: reason; paths\n"
-             "holding control characters (tabs, newlines) are refused, so the fields\n"
-             "cannot shift.\n"
-             "--lists DIR also writes DIR/NAME.shards and DIR/NAME.valid for each cache\n"
-             "line, the matching files in the order calibrate uses, each path followed\n"
-             "by a NUL byte (bash: mapfile -d '' files < DIR/NAME.shards).\n");
-    return KQSVD_OK;
-  }
-  if (argc != 2) {
-    KQSVD_CALL(kqsvd_usage_error(cli, "manifest",
-                                 kqsvd_error_set(KQSVD_ERR_USAGE, __FILE__, __LINE__, __func__,
-                                                 "expected MANIFEST [--lists DIR]")));
-  }
   /* Under a launcher every process reads alone; the first one reports. */
-  KQSVD_CALL(kqsvd_manifest_read_report(argv[1], cli->rank == 0 ? stderr : NULL, &m));
+  KQSVD_CALL(kqsvd_manifest_read_report(c->path, cli->rank == 0 ? stderr : NULL, &m));
   /* The lists first: a table on stdout means every list was written. */
   for (int i = 0; lists && cli->rank == 0 && i < m.n; i++) {
     const kqsvd_manifest_entry_t *e = &m.e[i];
@@ -100,3 +110,14 @@ done:
   kqsvd_manifest_free(&m);
   return st;
 }
+
+const kqsvd_command_t kqsvd_command_manifest = {
+    .name = "manifest",
+    .about = "check a manifest of models and print it resolved",
+    .mpi = 0,
+    .h5 = 0,
+    .help = {help},
+    .size = sizeof(manifest_cmd_t),
+    .operands = operands,
+    .run = run,
+};

@@ -1,13 +1,9 @@
+/* Option values and the usage errors of every subcommand. */
 #include <errno.h>
-#include <fcntl.h>
-#include <getopt.h>
-#include <limits.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "kqsvd_cli.h"
 #include "kqsvd_util.h"
@@ -62,42 +58,4 @@ void kqsvd_usage_hint(const char *cmd) {
   const bool collective = kqsvd_error_is_collective();
   add_hint(cmd);
   if (collective) kqsvd_error_mark_collective(true);
-}
-
-kqsvd_status_t kqsvd_getopt(int argc, char **argv, const char *shortopts,
-                            const struct option *longopts, int *c) {
-  kqsvd_status_t st = KQSVD_OK;
-  opterr = 0;
-  *c = getopt_long(argc, argv, shortopts, longopts, NULL);
-  if (*c == '?') {
-    const char *arg = argv[optind - 1];
-    if (optopt) KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '-%c'", optopt);
-    KQSVD_FAIL(KQSVD_ERR_USAGE, "unknown option '%s'", arg);
-  }
-  if (*c == ':') KQSVD_FAIL(KQSVD_ERR_USAGE, "option '%s' needs a value", argv[optind - 1]);
-done:
-  return st;
-}
-
-void kqsvd_run_opts_default(kqsvd_run_opts_t *r) {
-  r->mem_mib = 1024;
-  r->threads = 1;
-  r->progress = KQSVD_PROGRESS_AUTO;
-}
-
-kqsvd_status_t kqsvd_run_option(kqsvd_cli_t *cli, int o, const char *arg, kqsvd_run_opts_t *r,
-                                int *handled) {
-  kqsvd_status_t st = KQSVD_OK;
-  *handled = 1;
-  switch (o) {
-  case KQSVD_OPT_MEM:
-    KQSVD_CALL(kqsvd_opt_int("--mem-limit", arg, 16, INT64_C(1) << 30, &r->mem_mib));
-    break;
-  case KQSVD_OPT_THREADS: KQSVD_CALL(kqsvd_opt_int("--threads", arg, 1, 1024, &r->threads)); break;
-  case KQSVD_OPT_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(arg, &r->progress)); break;
-  case 'v': cli->verbose = 1; break;
-  default: *handled = 0;
-  }
-done:
-  return st;
 }

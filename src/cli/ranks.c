@@ -13,65 +13,65 @@
 typedef struct ranks_cmd {
   const char *proj_path;
   kqsvd_rank_policy_t policy;
-  int policy_set, json, help;
+  int policy_set, json;
 } ranks_cmd_t;
 
-static void ranks_help(void) {
-  printf("usage: kqsvd ranks --proj PROJ.h5 [--ranks POLICY] [--json]\n"
-         "\n"
-         "Prints the key and value rank of each layer for the kqsvd, ksvd and eigen\n"
-         "projections of PROJ.h5, and the fraction of the full KV cache each method\n"
-         "keeps, sum over layers of (rank_k + rank_v) / (2 d L).  Without --ranks: the\n"
-         "ranks stored in PROJ.h5 and the policy that chose them.  With --ranks: those\n"
-         "POLICY chooses from the stored spectra, exactly as 'kqsvd calibrate --ranks\n"
-         "POLICY' and 'kqsvd evaluate --ranks POLICY' do.  Where PROJ.h5 stores ranks\n"
-         "per KV head (rank_k_heads, rank_v_heads) and --ranks is not given, those are\n"
-         "listed too, and kept is the sum over layers and KV heads of (rank_k +\n"
-         "rank_v) / (2 d L Hkv).  Runs without mpirun.\n"
-         "\n"
-         "  --proj FILE         projections from kqsvd calibrate (required)\n"
-         "  --ranks POLICY      ranks to compute [those stored in PROJ.h5]:\n"
-         "                        eps:E     the paper's rule with tolerance E\n"
-         "                        fixed:R   rank R everywhere, 1 <= R <= d\n"
-         "                        budget:F  a fraction F of the full cache, spread over layers\n"
-         "                                  by each method's own spectra\n"
-         "  --json              print one JSON object instead of the table: proj, policy,\n"
-         "                      num_layers, num_kv_heads, head_dim, methods.M.rank_k and\n"
-         "                      .rank_v (one entry per layer; .rank_k_heads and\n"
-         "                      .rank_v_heads, [layer][KV head], where stored) and\n"
-         "                      cache_kept.M, for M in kqsvd, ksvd, eigen\n"
-         "  -v, --verbose       print a trace with errors\n"
-         "  -h, --help          this text\n");
+static const char help[] =
+    "usage: kqsvd ranks --proj PROJ.h5 [--ranks POLICY] [--json]\n"
+    "\n"
+    "Prints the key and value rank of each layer for the kqsvd, ksvd and eigen\n"
+    "projections of PROJ.h5, and the fraction of the full KV cache each method\n"
+    "keeps, sum over layers of (rank_k + rank_v) / (2 d L).  Without --ranks: the\n"
+    "ranks stored in PROJ.h5 and the policy that chose them.  With --ranks: those\n"
+    "POLICY chooses from the stored spectra, exactly as 'kqsvd calibrate --ranks\n"
+    "POLICY' and 'kqsvd evaluate --ranks POLICY' do.  Where PROJ.h5 stores ranks\n"
+    "per KV head (rank_k_heads, rank_v_heads) and --ranks is not given, those are\n"
+    "listed too, and kept is the sum over layers and KV heads of (rank_k +\n"
+    "rank_v) / (2 d L Hkv).  Runs without mpirun.\n"
+    "\n"
+    "  --proj FILE         projections from kqsvd calibrate (required)\n"
+    "  --ranks POLICY      ranks to compute [those stored in PROJ.h5]:\n"
+    "                        eps:E     the paper's rule with tolerance E\n"
+    "                        fixed:R   rank R everywhere, 1 <= R <= d\n"
+    "                        budget:F  a fraction F of the full cache, spread over layers\n"
+    "                                  by each method's own spectra\n"
+    "  --json              print one JSON object instead of the table: proj, policy,\n"
+    "                      num_layers, num_kv_heads, head_dim, methods.M.rank_k and\n"
+    "                      .rank_v (one entry per layer; .rank_k_heads and\n"
+    "                      .rank_v_heads, [layer][KV head], where stored) and\n"
+    "                      cache_kept.M, for M in kqsvd, ksvd, eigen\n"
+    "  -v, --verbose       print a trace with errors\n"
+    "  -h, --help          this text\n";
+
+enum { O_PROJ = 256, O_RANKS, O_JSON };
+
+static const struct option longopts[] = {{"proj", required_argument, NULL, O_PROJ},
+                                         {"ranks", required_argument, NULL, O_RANKS},
+                                         {"json", no_argument, NULL, O_JSON},
+                                         {"verbose", no_argument, NULL, 'v'},
+                                         KQSVD_LONGOPTS_END};
+
+static kqsvd_status_t option(void *state, int o, const char *arg) {
+  kqsvd_status_t st = KQSVD_OK;
+  ranks_cmd_t *r = state;
+  switch (o) {
+  case O_PROJ: r->proj_path = arg; break;
+  case O_RANKS:
+    KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", arg, &r->policy));
+    r->policy_set = 1;
+    break;
+  case O_JSON: r->json = 1; break;
+  default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
+  }
+done:
+  return st;
 }
 
-static kqsvd_status_t parse(kqsvd_cli_t *cli, ranks_cmd_t *r, int argc, char **argv) {
+static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n, char **args) {
   kqsvd_status_t st = KQSVD_OK;
-  enum { O_PROJ = 256, O_RANKS, O_JSON };
-  static const struct option longopts[] = {
-      {"proj", required_argument, NULL, O_PROJ}, {"ranks", required_argument, NULL, O_RANKS},
-      {"json", no_argument, NULL, O_JSON},       {"verbose", no_argument, NULL, 'v'},
-      {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0}};
-  optind = 1;
-  for (;;) {
-    int o;
-    KQSVD_CALL(kqsvd_getopt(argc, argv, ":hv", longopts, &o));
-    if (o == -1) break;
-    switch (o) {
-    case O_PROJ: r->proj_path = optarg; break;
-    case O_RANKS:
-      KQSVD_CALL(kqsvd_rank_policy_parse("--ranks", optarg, &r->policy));
-      r->policy_set = 1;
-      break;
-    case O_JSON: r->json = 1; break;
-    case 'v': cli->verbose = 1; break;
-    case 'h':
-      if (cli->rank == 0) ranks_help();
-      r->help = 1;
-      return KQSVD_OK;
-    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", o);
-    }
-  }
-  KQSVD_CHECK(optind == argc, KQSVD_ERR_USAGE, "unexpected argument '%s'%s", argv[optind],
+  const ranks_cmd_t *r = state;
+  (void)opts;
+  KQSVD_CHECK(n == 0, KQSVD_ERR_USAGE, "unexpected argument '%s'%s", args[0],
               r->json ? " (--json prints to stdout and takes no file)" : "");
   KQSVD_CHECK(r->proj_path, KQSVD_ERR_USAGE, "--proj is required");
 done:
@@ -242,22 +242,17 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv) {
+static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  ranks_cmd_t r;
+  const ranks_cmd_t *r = state;
   kqsvd_proj_reader_t *proj = NULL;
   ranks_out_t out;
+  (void)opts;
   memset(&out, 0, sizeof out);
-  memset(&r, 0, sizeof r);
-  st = parse(cli, &r, argc, argv);
-  if (st == KQSVD_ERR_USAGE) kqsvd_usage_error(cli, "ranks", st);
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, st));
-  if (r.help) return KQSVD_OK;
-
   /* Every rank reads the (small) file alike, as evaluate does; rank 0 prints. */
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_proj_open(r.proj_path, &proj)));
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, kqsvd_proj_open(r->proj_path, &proj)));
   const kqsvd_dims_t dims = *kqsvd_proj_dims(proj);
-  local = choose(&r, proj, &out);
+  local = choose(r, proj, &out);
   out.head_groups = kqsvd_proj_head_groups(proj);
   if (local == KQSVD_ERR_USAGE) { /* found alike on every rank */
     st = kqsvd_usage_error(cli, "ranks", local);
@@ -266,13 +261,13 @@ kqsvd_status_t kqsvd_cmd_ranks(kqsvd_cli_t *cli, int argc, char **argv) {
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
   local = KQSVD_OK;
   if (cli->rank == 0) {
-    if (r.json)
-      print_json(&r, &dims, &out);
+    if (r->json)
+      print_json(r, &dims, &out);
     else
-      print_table(&r, &dims, &out);
+      print_table(r, &dims, &out);
     if (fflush(stdout) != 0 || ferror(stdout))
       local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__,
-                              "cannot write the ranks of %s to stdout", r.proj_path);
+                              "cannot write the ranks of %s to stdout", r->proj_path);
   }
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
 done:
@@ -283,3 +278,17 @@ done:
   free(out.head_v);
   return st;
 }
+
+const kqsvd_command_t kqsvd_command_ranks = {
+    .name = "ranks",
+    .about = "print the per-layer ranks a rank policy gives for projections",
+    .mpi = 0,
+    .h5 = 1,
+    .help = {help},
+    .shortopts = ":hv",
+    .longopts = longopts,
+    .size = sizeof(ranks_cmd_t),
+    .option = option,
+    .operands = operands,
+    .run = run,
+};

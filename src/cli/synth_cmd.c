@@ -20,126 +20,125 @@
 typedef struct {
   const char *out, *name;
   kqsvd_synth_config_t cfg;
-  int64_t seqs, shards, causal, skip;
+  int64_t seqs, shards, causal, skip, seed;
   kqsvd_dtype_t dtype;
-  int uneven, help, force;
-  kqsvd_progress_mode_t progress;
+  int uneven, force;
 } synth_opts_t;
 
-static void synth_help(void) {
-  printf("usage: [mpirun -np N] kqsvd synth --out DIR [OPTIONS]\n"
-         "\n"
-         "Writes DIR/model.h5 and DIR/shard-NNNN.h5: caches of a synthetic decoder with the\n"
-         "structure of real ones (decaying spectrum, outlier channels, RoPE, GQA).  The same\n"
-         "options give the same numbers, however many shards or ranks.\n"
-         "\n"
-         "  --layers L [4]  --heads Hq [8]  --kv-heads Hkv [2]  --head-dim d [64]\n"
-         "  --hidden D [Hq*d]  --seqs S [32]  --seq-len T [512]\n"
-         "  --min-seq-len M [T/2+1] (lengths vary uniformly in [M, T]; M = T fixes them)\n"
-         "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
-         "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
-         "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n"
-         "  --force (replace the set DIR holds: its model.h5 and every shard-NNNN.h5)\n"
-         "  --skip-seqs N [0] (start N sequences into the stream: with the same\n"
-         "                    options otherwise, a validation set disjoint from the\n"
-         "                    calibration set made with --seqs N; the offset follows\n"
-         "                    from --seq-len and --min-seq-len, so keep them equal)\n");
-}
+static const char help[] =
+    "usage: [mpirun -np N] kqsvd synth --out DIR [OPTIONS]\n"
+    "\n"
+    "Writes DIR/model.h5 and DIR/shard-NNNN.h5: caches of a synthetic decoder with the\n"
+    "structure of real ones (decaying spectrum, outlier channels, RoPE, GQA).  The same\n"
+    "options give the same numbers, however many shards or ranks.\n"
+    "\n"
+    "  --layers L [4]  --heads Hq [8]  --kv-heads Hkv [2]  --head-dim d [64]\n"
+    "  --hidden D [Hq*d]  --seqs S [32]  --seq-len T [512]\n"
+    "  --min-seq-len M [T/2+1] (lengths vary uniformly in [M, T]; M = T fixes them)\n"
+    "  --shards N [4]   --uneven (shard i gets a share proportional to i+1)\n"
+    "  --dtype f16|bf16|f32|f64 [bf16]  --beta B [1] (keys x B, queries / B)\n"
+    "  --causal 0|1 [1]  --seed N [0]  --model-name NAME  --progress MODE [auto]\n"
+    "  --force (replace the set DIR holds: its model.h5 and every shard-NNNN.h5)\n"
+    "  --skip-seqs N [0] (start N sequences into the stream: with the same\n"
+    "                    options otherwise, a validation set disjoint from the\n"
+    "                    calibration set made with --seqs N; the offset follows\n"
+    "                    from --seq-len and --min-seq-len, so keep them equal)\n";
 
-static kqsvd_status_t parse(synth_opts_t *o, int argc, char **argv) {
-  kqsvd_status_t st = KQSVD_OK;
-  enum {
-    O_OUT = 256,
-    O_LAYERS,
-    O_HEADS,
-    O_KV,
-    O_HD,
-    O_HIDDEN,
-    O_SEQS,
-    O_SEQLEN,
-    O_SHARDS,
-    O_DTYPE,
-    O_BETA,
-    O_CAUSAL,
-    O_SEED,
-    O_UNEVEN,
-    O_NAME,
-    O_PROGRESS,
-    O_MINLEN,
-    O_SKIP,
-    O_FORCE
-  };
-  static const struct option longopts[] = {{"out", required_argument, NULL, O_OUT},
-                                           {"layers", required_argument, NULL, O_LAYERS},
-                                           {"heads", required_argument, NULL, O_HEADS},
-                                           {"kv-heads", required_argument, NULL, O_KV},
-                                           {"head-dim", required_argument, NULL, O_HD},
-                                           {"hidden", required_argument, NULL, O_HIDDEN},
-                                           {"seqs", required_argument, NULL, O_SEQS},
-                                           {"seq-len", required_argument, NULL, O_SEQLEN},
-                                           {"shards", required_argument, NULL, O_SHARDS},
-                                           {"dtype", required_argument, NULL, O_DTYPE},
-                                           {"beta", required_argument, NULL, O_BETA},
-                                           {"causal", required_argument, NULL, O_CAUSAL},
-                                           {"seed", required_argument, NULL, O_SEED},
-                                           {"uneven", no_argument, NULL, O_UNEVEN},
-                                           {"model-name", required_argument, NULL, O_NAME},
-                                           {"min-seq-len", required_argument, NULL, O_MINLEN},
-                                           {"skip-seqs", required_argument, NULL, O_SKIP},
-                                           {"progress", required_argument, NULL, O_PROGRESS},
-                                           {"force", no_argument, NULL, O_FORCE},
-                                           {"help", no_argument, NULL, 'h'},
-                                           {NULL, 0, NULL, 0}};
+enum {
+  O_OUT = 256,
+  O_LAYERS,
+  O_HEADS,
+  O_KV,
+  O_HD,
+  O_HIDDEN,
+  O_SEQS,
+  O_SEQLEN,
+  O_SHARDS,
+  O_DTYPE,
+  O_BETA,
+  O_CAUSAL,
+  O_SEED,
+  O_UNEVEN,
+  O_NAME,
+  O_MINLEN,
+  O_SKIP,
+  O_FORCE
+};
+
+static const struct option longopts[] = {{"out", required_argument, NULL, O_OUT},
+                                         {"layers", required_argument, NULL, O_LAYERS},
+                                         {"heads", required_argument, NULL, O_HEADS},
+                                         {"kv-heads", required_argument, NULL, O_KV},
+                                         {"head-dim", required_argument, NULL, O_HD},
+                                         {"hidden", required_argument, NULL, O_HIDDEN},
+                                         {"seqs", required_argument, NULL, O_SEQS},
+                                         {"seq-len", required_argument, NULL, O_SEQLEN},
+                                         {"shards", required_argument, NULL, O_SHARDS},
+                                         {"dtype", required_argument, NULL, O_DTYPE},
+                                         {"beta", required_argument, NULL, O_BETA},
+                                         {"causal", required_argument, NULL, O_CAUSAL},
+                                         {"seed", required_argument, NULL, O_SEED},
+                                         {"uneven", no_argument, NULL, O_UNEVEN},
+                                         {"model-name", required_argument, NULL, O_NAME},
+                                         {"min-seq-len", required_argument, NULL, O_MINLEN},
+                                         {"skip-seqs", required_argument, NULL, O_SKIP},
+                                         {"progress", required_argument, NULL, KQSVD_OPT_PROGRESS},
+                                         {"force", no_argument, NULL, O_FORCE},
+                                         KQSVD_LONGOPTS_END};
+
+static void defaults(void *state) {
+  synth_opts_t *o = state;
   kqsvd_synth_config_t *c = &o->cfg;
   c->layers = 4, c->heads = 8, c->kv_heads = 2, c->head_dim = 64, c->hidden = 0;
   c->max_seq_len = 512, c->beta = 1.0, c->rope_theta = 10000.0;
   o->seqs = 32, o->shards = 4, o->causal = 1, o->dtype = KQSVD_BF16;
-  int64_t seed = 0;
+}
+
+static kqsvd_status_t option(void *state, int ch, const char *arg) {
+  kqsvd_status_t st = KQSVD_OK;
+  synth_opts_t *o = state;
+  kqsvd_synth_config_t *c = &o->cfg;
   const int64_t big = INT64_C(1) << 40;
-  optind = 1;
-  for (;;) {
-    int ch;
-    KQSVD_CALL(kqsvd_getopt(argc, argv, ":h", longopts, &ch));
-    if (ch == -1) break;
-    switch (ch) {
-    case O_OUT: o->out = optarg; break;
-    case O_LAYERS: KQSVD_CALL(kqsvd_opt_int("--layers", optarg, 1, 100000, &c->layers)); break;
-    case O_HEADS: KQSVD_CALL(kqsvd_opt_int("--heads", optarg, 1, 100000, &c->heads)); break;
-    case O_KV: KQSVD_CALL(kqsvd_opt_int("--kv-heads", optarg, 1, 100000, &c->kv_heads)); break;
-    case O_HD: KQSVD_CALL(kqsvd_opt_int("--head-dim", optarg, 2, 4096, &c->head_dim)); break;
-    case O_HIDDEN: KQSVD_CALL(kqsvd_opt_int("--hidden", optarg, 1, 1 << 20, &c->hidden)); break;
-    case O_SEQS: KQSVD_CALL(kqsvd_opt_int("--seqs", optarg, 1, big, &o->seqs)); break;
-    case O_SEQLEN:
-      KQSVD_CALL(kqsvd_opt_int("--seq-len", optarg, 1, 1 << 24, &c->max_seq_len));
-      break;
-    case O_SHARDS: KQSVD_CALL(kqsvd_opt_int("--shards", optarg, 1, 1000000, &o->shards)); break;
-    case O_DTYPE: KQSVD_CALL(kqsvd_dtype_parse(optarg, &o->dtype)); break;
-    case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", optarg, 0, 1e30, 1, 0, &c->beta)); break;
-    case O_CAUSAL: KQSVD_CALL(kqsvd_opt_int("--causal", optarg, 0, 1, &o->causal)); break;
-    case O_SEED: KQSVD_CALL(kqsvd_opt_int("--seed", optarg, 0, INT64_MAX, &seed)); break;
-    case O_UNEVEN: o->uneven = 1; break;
-    case O_FORCE: o->force = 1; break;
-    case O_NAME: o->name = optarg; break;
-    case O_MINLEN:
-      KQSVD_CALL(kqsvd_opt_int("--min-seq-len", optarg, 1, 1 << 24, &c->min_seq_len));
-      break;
-    case O_SKIP: KQSVD_CALL(kqsvd_opt_int("--skip-seqs", optarg, 0, big, &o->skip)); break;
-    case O_PROGRESS: KQSVD_CALL(kqsvd_progress_parse(optarg, &o->progress)); break;
-    case 'h':
-      synth_help();
-      o->help = 1;
-      return KQSVD_OK;
-    default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", ch);
-    }
+  switch (ch) {
+  case O_OUT: o->out = arg; break;
+  case O_LAYERS: KQSVD_CALL(kqsvd_opt_int("--layers", arg, 1, 100000, &c->layers)); break;
+  case O_HEADS: KQSVD_CALL(kqsvd_opt_int("--heads", arg, 1, 100000, &c->heads)); break;
+  case O_KV: KQSVD_CALL(kqsvd_opt_int("--kv-heads", arg, 1, 100000, &c->kv_heads)); break;
+  case O_HD: KQSVD_CALL(kqsvd_opt_int("--head-dim", arg, 2, 4096, &c->head_dim)); break;
+  case O_HIDDEN: KQSVD_CALL(kqsvd_opt_int("--hidden", arg, 1, 1 << 20, &c->hidden)); break;
+  case O_SEQS: KQSVD_CALL(kqsvd_opt_int("--seqs", arg, 1, big, &o->seqs)); break;
+  case O_SEQLEN: KQSVD_CALL(kqsvd_opt_int("--seq-len", arg, 1, 1 << 24, &c->max_seq_len)); break;
+  case O_SHARDS: KQSVD_CALL(kqsvd_opt_int("--shards", arg, 1, 1000000, &o->shards)); break;
+  case O_DTYPE: KQSVD_CALL(kqsvd_dtype_parse(arg, &o->dtype)); break;
+  case O_BETA: KQSVD_CALL(kqsvd_opt_double("--beta", arg, 0, 1e30, 1, 0, &c->beta)); break;
+  case O_CAUSAL: KQSVD_CALL(kqsvd_opt_int("--causal", arg, 0, 1, &o->causal)); break;
+  case O_SEED: KQSVD_CALL(kqsvd_opt_int("--seed", arg, 0, INT64_MAX, &o->seed)); break;
+  case O_UNEVEN: o->uneven = 1; break;
+  case O_FORCE: o->force = 1; break;
+  case O_NAME: o->name = arg; break;
+  case O_MINLEN:
+    KQSVD_CALL(kqsvd_opt_int("--min-seq-len", arg, 1, 1 << 24, &c->min_seq_len));
+    break;
+  case O_SKIP: KQSVD_CALL(kqsvd_opt_int("--skip-seqs", arg, 0, big, &o->skip)); break;
+  default: KQSVD_FAIL(KQSVD_ERR_BUG, "unhandled option %d", ch);
   }
-  KQSVD_CHECK(optind == argc, KQSVD_ERR_USAGE, "unexpected argument '%s'", argv[optind]);
+done:
+  return st;
+}
+
+static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n, char **args) {
+  kqsvd_status_t st = KQSVD_OK;
+  synth_opts_t *o = state;
+  kqsvd_synth_config_t *c = &o->cfg;
+  (void)opts;
+  KQSVD_CHECK(n == 0, KQSVD_ERR_USAGE, "unexpected argument '%s'", args[0]);
   KQSVD_CHECK(o->out, KQSVD_ERR_USAGE, "--out is required");
   KQSVD_CHECK(o->shards <= o->seqs, KQSVD_ERR_USAGE,
               "--shards (%lld) must not exceed --seqs (%lld): shards hold whole sequences",
               (long long)o->shards, (long long)o->seqs);
   if (c->hidden == 0) c->hidden = c->heads * c->head_dim;
   if (c->min_seq_len == 0) c->min_seq_len = c->max_seq_len / 2 + 1;
-  c->seed = (uint64_t)seed;
+  c->seed = (uint64_t)o->seed;
 done:
   return st;
 }
@@ -311,75 +310,91 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_cmd_synth(kqsvd_cli_t *cli, int argc, char **argv) {
+/* The model's dimensions and name, as the files record them. */
+static void set_dims(const synth_opts_t *o, kqsvd_dims_t *dims) {
+  memset(dims, 0, sizeof *dims);
+  if (o->name)
+    snprintf(dims->model, sizeof dims->model, "%s", o->name);
+  else
+    snprintf(dims->model, sizeof dims->model, "kqsvd-synth(seed=%llu)",
+             (unsigned long long)o->cfg.seed);
+  dims->layers = o->cfg.layers, dims->heads = o->cfg.heads, dims->kv_heads = o->cfg.kv_heads;
+  dims->head_dim = o->cfg.head_dim, dims->hidden = o->cfg.hidden, dims->causal = o->causal;
+}
+
+static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts) {
   kqsvd_status_t st = KQSVD_OK, local = KQSVD_OK;
-  synth_opts_t o;
+  const synth_opts_t *o = state;
   kqsvd_synth_t *gen = NULL;
   kqsvd_monitor_t *mon = NULL;
   kqsvd_progress_t prog;
   int64_t *lens = NULL, *first = NULL, done_rows = 0;
   char made[PATH_MAX] = ""; /* the outermost folder of --out the run makes */
-  memset(&o, 0, sizeof o);
-  st = parse(&o, argc, argv);
-  if (st == KQSVD_OK && !o.help) st = kqsvd_synth_init(&o.cfg, &gen);
+  st = kqsvd_synth_init(&o->cfg, &gen);
   if (st != KQSVD_OK) return kqsvd_usage_error(cli, "synth", st);
-  if (o.help) return KQSVD_OK;
-
   kqsvd_dims_t dims;
-  memset(&dims, 0, sizeof dims);
-  if (o.name)
-    snprintf(dims.model, sizeof dims.model, "%s", o.name);
-  else
-    snprintf(dims.model, sizeof dims.model, "kqsvd-synth(seed=%llu)",
-             (unsigned long long)o.cfg.seed);
-  dims.layers = o.cfg.layers, dims.heads = o.cfg.heads, dims.kv_heads = o.cfg.kv_heads;
-  dims.head_dim = o.cfg.head_dim, dims.hidden = o.cfg.hidden, dims.causal = o.causal;
+  set_dims(o, &dims);
 
   /* --out before any work, on rank 0: what is wrong with it, exit 2. */
-  if (cli->rank == 0) local = kqsvd_check_folder_output("--out", o.out);
-  if (cli->rank == 0 && local == KQSVD_OK) local = check_set(&o, 0);
+  if (cli->rank == 0) local = kqsvd_check_folder_output("--out", o->out);
+  if (cli->rank == 0 && local == KQSVD_OK) local = check_set(o, 0);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
-  if (cli->rank == 0) kqsvd_missing_top(o.out, made, sizeof made);
-  if (cli->rank == 0 && kqsvd_mkdir_p(o.out) != 0)
+  if (cli->rank == 0) kqsvd_missing_top(o->out, made, sizeof made);
+  if (cli->rank == 0 && kqsvd_mkdir_p(o->out) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
-                            o.out, strerror(errno));
-  if (cli->rank == 0 && local == KQSVD_OK && o.force) local = check_set(&o, 1);
+                            o->out, strerror(errno));
+  if (cli->rank == 0 && local == KQSVD_OK && o->force) local = check_set(o, 1);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
   /* Skipped sequences only move the start along the token stream, so the
    * set is disjoint from one made without skipping, from the same model. */
-  KQSVD_MALLOC(lens, o.skip + o.seqs, "sequence lengths");
-  KQSVD_MALLOC(first, o.shards + 1, "shard split");
-  kqsvd_synth_seq_lens(gen, o.skip + o.seqs, lens);
-  split_sequences(&o, first);
+  KQSVD_MALLOC(lens, o->skip + o->seqs, "sequence lengths");
+  KQSVD_MALLOC(first, o->shards + 1, "shard split");
+  kqsvd_synth_seq_lens(gen, o->skip + o->seqs, lens);
+  split_sequences(o, first);
   int64_t tokens = 0, base = 0;
-  for (int64_t q = 0; q < o.skip; q++) base += lens[q];
-  for (int64_t q = 0; q < o.seqs; q++) tokens += lens[o.skip + q];
+  for (int64_t q = 0; q < o->skip; q++) base += lens[q];
+  for (int64_t q = 0; q < o->seqs; q++) tokens += lens[o->skip + q];
 
-  kqsvd_progress_init(&prog, o.progress, "synth", tokens, 0);
-  KQSVD_CALL(kqsvd_monitor_init(cli->comm, tokens * o.cfg.layers, kqsvd_progress_show, &prog,
+  kqsvd_progress_init(&prog, opts->progress, "synth", tokens, 0);
+  KQSVD_CALL(kqsvd_monitor_init(cli->comm, tokens * o->cfg.layers, kqsvd_progress_show, &prog,
                                 kqsvd_progress_interval(&prog), &mon));
-  local = write_shards(cli, &o, gen, &dims, lens + o.skip, first, base, &done_rows, mon);
+  local = write_shards(cli, o, gen, &dims, lens + o->skip, first, base, &done_rows, mon);
   if (local != KQSVD_OK && local != KQSVD_ERR_REMOTE) KQSVD_CALL(kqsvd_monitor_raise(mon));
   KQSVD_CALL(kqsvd_monitor_finish(mon, done_rows, local));
   /* Last, as the exporter does: a set with model.h5 is a whole one. */
-  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, cli->rank == 0 ? write_model(&o, gen, &dims) : KQSVD_OK));
+  KQSVD_CALL(kqsvd_mpi_agree(cli->comm, cli->rank == 0 ? write_model(o, gen, &dims) : KQSVD_OK));
   if (cli->rank == 0) {
     char tok[32];
     printf("wrote %s/model.h5 and %lld %s shards (%s tokens in %lld sequences, %lld layers, "
            "%lld/%lld heads, d = %lld, beta = %g)\n",
-           o.out, (long long)o.shards, kqsvd_dtype_name(o.dtype),
-           kqsvd_fmt_count((double)tokens, tok, sizeof tok), (long long)o.seqs,
+           o->out, (long long)o->shards, kqsvd_dtype_name(o->dtype),
+           kqsvd_fmt_count((double)tokens, tok, sizeof tok), (long long)o->seqs,
            (long long)dims.layers, (long long)dims.heads, (long long)dims.kv_heads,
-           (long long)dims.head_dim, o.cfg.beta);
+           (long long)dims.head_dim, o->cfg.beta);
   }
 done:
   /* A set not written leaves no folder it made; once every rank knows,
    * so that none is writing there still. */
   if (st != KQSVD_OK && cli->rank == 0 && (cli->size == 1 || kqsvd_error_is_collective()))
-    kqsvd_rmdir_made(o.out, made);
+    kqsvd_rmdir_made(o->out, made);
   kqsvd_monitor_free(&mon);
   kqsvd_synth_free(&gen);
   free(lens);
   free(first);
   return st;
 }
+
+const kqsvd_command_t kqsvd_command_synth = {
+    .name = "synth",
+    .about = "write a synthetic cache set and model file",
+    .mpi = 1,
+    .h5 = 1,
+    .help = {help},
+    .shortopts = ":h",
+    .longopts = longopts,
+    .size = sizeof(synth_opts_t),
+    .defaults = defaults,
+    .option = option,
+    .operands = operands,
+    .run = run,
+};
