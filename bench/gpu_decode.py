@@ -197,10 +197,36 @@ def measure(model, proj, config, N, B, a, sync):
     return dict(tokens_per_s=rate, bytes=held, peak_bytes=peak, prefill_s=pre)
 
 
+class Report:
+    """--json, rewritten after every row so that a run cut short keeps what
+    it measured: the first write makes the file (one there then appeared
+    after parse() checked: refused without --force), each later one
+    replaces the file this run wrote, and no other."""
+
+    def __init__(self, path, force):
+        self.path, self.force, self.ours = path, force, None
+
+    def write(self, report):
+        from kqsvd.formats.files import json_writer, write_atomic
+        try:
+            st = os.lstat(self.path)
+            mine = self.ours == (st.st_dev, st.st_ino)
+        except OSError:  # nothing there; anything else is write_atomic's to say
+            mine = False
+        made = []
+
+        def write(tmp):  # renamed, never copied: the file keeps tmp's inode
+            json_writer(report)(tmp)
+            st = os.stat(tmp)
+            made.append((st.st_dev, st.st_ino))
+        write_atomic(self.path, write, force=self.force or mine)
+        self.ours = made[0]
+
+
 def main(argv=None):
     a = parse(argv)
     import torch
-    from kqsvd.formats.files import json_writer, write_atomic
+    from kqsvd.errors import KqsvdError
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_decode: PyTorch sees no CUDA device")
         return 77
@@ -214,6 +240,7 @@ def main(argv=None):
           "x full | bytes | peak memory | prefill |\n| ---: | ---: | --- | ---: | ---: | ---: "
           "| ---: | ---: |", flush=True)
     rows, t0, full = [], time.time(), {}
+    report = Report(a.json, a.force) if a.json else None
     # quanto last: its CUDA extension compiles (once) while the others run
     late = [c for c in a.configs if c.startswith("quanto:")]
     order = [(p, c) for p in a.points for c in a.configs if c not in late]
@@ -237,10 +264,14 @@ def main(argv=None):
                   f"{row['bytes_over_full'] or float('nan'):.3f} | "
                   f"{row['peak_bytes'] / 2**30:.1f} GiB | {row['prefill_s']:.1f} s |", flush=True)
         rows.append(row)
-        if a.json:  # after every row: a run cut short keeps what it measured
-            write_atomic(a.json, force=a.force or len(rows) > 1, write=json_writer(dict(
-                device=name, torch=torch.__version__, shape=a.shape, steps=a.steps,
-                warmup=a.warmup, rank=a.rank, bits=a.bits, rows=rows)))
+        if report:
+            try:
+                report.write(dict(device=name, torch=torch.__version__, shape=a.shape,
+                                  steps=a.steps, warmup=a.warmup, rank=a.rank, bits=a.bits,
+                                  rows=rows))
+            except KqsvdError as e:  # another run's file there, a full disk: one line
+                print(f"gpu_decode: error: {e}", file=sys.stderr)
+                return 1
     return 0
 
 
