@@ -26,10 +26,10 @@ they are read back changes.
 
 Not part of the tool: the shards' contract has no row weights, so this
 refits in numpy from the shards.  Prints one table; writes
-WORK/weighted.h5 (the weighted projections) and WORK/weighted.json."""
+WORK/unweighted.h5 (the check's refit), WORK/weighted.h5 (the weighted
+projections) and WORK/weighted.json, replacing them."""
 import argparse
 import glob
-import json
 import os
 import shutil
 import sys
@@ -38,7 +38,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
+from kqsvd.formats import h5io  # noqa: E402
+from kqsvd.formats.files import check_outputs, json_writer, write_atomic  # noqa: E402
+
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+OUTPUTS = ("unweighted.h5", "weighted.h5", "weighted.json")
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data",
                     "us-founding-documents.txt")
 
@@ -59,15 +64,33 @@ def attention_weights(model, seqs, L, H, g):
     return w
 
 
-def grams(train, weights, L, H, g):
+def work_files(work):
+    """The shards of --work, once its inputs have opened as the kqsvd files
+    they must be (h5io.open_file: a FIFO is refused, not waited on) and
+    its outputs are names a file may be written at (not a folder, device,
+    FIFO or an input), before the model loads.  KqsvdError or UsageError,
+    naming the file."""
+    inputs = [("the projections", os.path.join(work, "proj.h5"), "projections"),
+              ("the model file", os.path.join(work, "train", "model.h5"), "model")]
+    shards = sorted(glob.glob(os.path.join(work, "train", "shard-*.h5")))
+    if not shards:
+        raise KqsvdError(f"--work {work}: no train/shard-*.h5 (a folder of "
+                         "bench/rank_allocation.sh)")
+    inputs += [("a shard", s, "cache") for s in shards]
+    for _, path, kind in inputs:
+        h5io.open_file(path, kind).close()
+    check_outputs([("--work's", os.path.join(work, n)) for n in OUTPUTS],
+                  [(label, path) for label, path, _ in inputs], force=True)
+    return shards
+
+
+def grams(shards, weights, L, H, g):
     """Gram matrices of the weighted key and value rows and of the
     group's stacked queries, [L, H, d, d] each, over the shards in order."""
-    import h5py
-    from kqsvd.formats import h5io
     CK = CQ = CV = None
     off = 0
-    for path in sorted(glob.glob(os.path.join(train, "shard-*.h5"))):
-        with h5py.File(path) as f:
+    for path in shards:
+        with h5io.open_file(path, "cache") as f:
             n = int(f["seq_lens"][...].sum())
             for l in range(L):
                 k, q, v = (h5io.decode(f[x][l], h5io.is_bf16(f[x])).astype(np.float64)
@@ -98,14 +121,13 @@ def optimal_pair(CX, CY):
     return np.linalg.pinv(RX, rcond=1e-12) @ U, RX.T @ U, s
 
 
-def refit(work, weights, out, L, H, g):
+def refit(work, shards, weights, out, L, H, g):
     """WORK/proj.h5 with the kqsvd group refitted (weights None: unweighted).
     Returns the largest relative difference of the rank-16 maps from
     proj.h5's (the unweighted refit's check)."""
     import h5py
-    from kqsvd.formats import h5io
-    CK, CQ, CV = grams(os.path.join(work, "train"), weights, L, H, g)
-    with h5py.File(os.path.join(work, "train", "model.h5")) as f:
+    CK, CQ, CV = grams(shards, weights, L, H, g)
+    with h5io.open_file(os.path.join(work, "train", "model.h5"), "model") as f:
         O = h5io.decode(f["o_proj"][...], h5io.is_bf16(f["o_proj"])).astype(np.float64)
     d = CK.shape[-1]
     shutil.copy(os.path.join(work, "proj.h5"), out)
@@ -181,6 +203,11 @@ def main():
     a = ap.parse_args()
     if not 1 <= a.calib_seqs <= 24 - 4 * (a.tune > 0):
         ap.error("--calib-seqs: 1 to 24 of the demo's windows, and 4 left to check --tune")
+    try:
+        shards = work_files(a.work)
+    except (UsageError, KqsvdError) as e:  # an output, 2 as the commands; an input, 1
+        print(f"weighted_fit.py: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
     import torch
     from kqsvd import models
     from kqsvd.quality.allocate import allocate
@@ -190,7 +217,7 @@ def main():
     L, H = info.num_layers, info.num_kv_heads
     g = info.num_heads // H
     train = models.token_windows(tok, TEXT, 256, 24, "train", bos=True)[0]
-    check = refit(a.work, None, os.path.join(a.work, "unweighted.h5"), L, H, g)
+    check = refit(a.work, shards, None, os.path.join(a.work, "unweighted.h5"), L, H, g)
     if check > 1e-9:
         sys.exit(f"weighted_fit.py: the unweighted refit differs from proj.h5 by {check:.2e}: "
                  "not the demo's 24 windows?")
@@ -198,7 +225,7 @@ def main():
     print(f"weights: the first token of a window weighs {np.median(w[..., ::256] / w.mean(-1, keepdims=True)):.0f}"
           f" times the mean (median over layers and heads)", file=sys.stderr)
     weighted = os.path.join(a.work, "weighted.h5")
-    refit(a.work, w, weighted, L, H, g)
+    refit(a.work, shards, w, weighted, L, H, g)
     ev = models.token_windows(tok, TEXT, 256, 8, "validation", bos=True)[0]
     ref = full_logprobs(model, ev)
     cal = train[:a.calib_seqs]
@@ -218,10 +245,11 @@ def main():
     print("| fit | ranks | perplexity | KL / token | top-1 |\n| --- | --- | ---: | ---: | ---: |")
     for name, pol, r in rows:
         print(f"| {name} | {pol} | {r['perplexity']:.2f} | {r['kl']:.3f} | {100 * r['top1']:.1f}% |")
-    json.dump([dict(fit=n, ranks=p, **r) for n, p, r in rows],
-              open(os.path.join(a.work, "weighted.json"), "w"), indent=1)
+    write_atomic(os.path.join(a.work, "weighted.json"),
+                 json_writer([dict(fit=n, ranks=p, **r) for n, p, r in rows]), force=True)
     print(f"weighted_fit.py: done in {time.time() - t0:.0f} s", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
