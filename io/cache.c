@@ -201,33 +201,39 @@ kqsvd_status_t kqsvd_shard_read(kqsvd_shard_t *sh, kqsvd_tensor_t t, int64_t lay
   return tensor_read(&sh->t[t], sh->path, kqsvd_tensor_name(t), 4, start, count, buf);
 }
 
-static kqsvd_status_t shard_open_close(void *path) {
+static kqsvd_status_t shard_open_here(const char *path, void **out) {
   kqsvd_shard_t *sh = NULL;
   const kqsvd_status_t st = kqsvd_shard_open(path, MPI_COMM_NULL, &sh);
-  kqsvd_shard_close(&sh);
+  *out = sh;
   return st;
+}
+
+static void shard_drop(void *sh) {
+  kqsvd_shard_t *p = sh;
+  kqsvd_shard_close(&p);
 }
 
 kqsvd_status_t kqsvd_shard_check(const char *path) {
-  return kqsvd_h5_isolate(path, shard_open_close, (void *)path);
+  static const kqsvd_h5_opener_t opener = {shard_open_here, shard_drop};
+  return kqsvd_h5_isolated_open(path, &opener, NULL);
 }
 
-static kqsvd_status_t model_open_here(const char *path, kqsvd_model_t **out);
+static kqsvd_status_t model_open_here(const char *path, void **out);
 
-static kqsvd_status_t model_open_close(void *path) {
-  kqsvd_model_t *m = NULL;
-  const kqsvd_status_t st = model_open_here(path, &m);
-  kqsvd_model_close(&m);
-  return st;
+static void model_drop(void *m) {
+  kqsvd_model_t *p = m;
+  kqsvd_model_close(&p);
 }
 
 kqsvd_status_t kqsvd_model_open(const char *path, kqsvd_model_t **out) {
-  *out = NULL;
-  const kqsvd_status_t st = kqsvd_h5_isolate(path, model_open_close, (void *)path);
-  return st != KQSVD_OK ? st : model_open_here(path, out);
+  static const kqsvd_h5_opener_t opener = {model_open_here, model_drop};
+  void *m = NULL;
+  const kqsvd_status_t st = kqsvd_h5_isolated_open(path, &opener, &m);
+  *out = m;
+  return st;
 }
 
-static kqsvd_status_t model_open_here(const char *path, kqsvd_model_t **out) {
+static kqsvd_status_t model_open_here(const char *path, void **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_model_t *m = calloc(1, sizeof *m);
   *out = NULL;

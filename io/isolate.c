@@ -107,3 +107,27 @@ done:
   if (fds[1] >= 0) close(fds[1]);
   return st;
 }
+
+/* What the child opens: a path and how. */
+typedef struct {
+  const char *path;
+  const kqsvd_h5_opener_t *op;
+} trial_t;
+
+static kqsvd_status_t open_close(void *ctx) {
+  const trial_t *t = ctx;
+  void *handle = NULL;
+  const kqsvd_status_t st = t->op->open(t->path, &handle);
+  if (handle) t->op->close(handle);
+  return st;
+}
+
+kqsvd_status_t kqsvd_h5_isolated_open(const char *path, const kqsvd_h5_opener_t *op, void **out) {
+  kqsvd_status_t st = KQSVD_OK;
+  trial_t t = {path, op};
+  if (out) *out = NULL;
+  KQSVD_CALL(kqsvd_h5_isolate(path, open_close, &t));
+  if (out) KQSVD_CALL(op->open(path, out));
+done:
+  return st;
+}

@@ -54,6 +54,18 @@ kqsvd_status_t kqsvd_h5_open_read(const char *path, MPI_Comm comm, hid_t *file);
  * fork()).  Errors: _INPUT, _IO (no pipe or fork), or fn's. */
 kqsvd_status_t kqsvd_h5_isolate(const char *path, kqsvd_status_t (*fn)(void *), void *ctx);
 
+/* How to open and close one kind of reader of a file. */
+typedef struct kqsvd_h5_opener {
+  kqsvd_status_t (*open)(const char *path, void **handle); /* *handle NULL when it fails */
+  void (*close)(void *handle);
+} kqsvd_h5_opener_t;
+
+/* Not collective.  Opens `path` with op->open and closes it again in a
+ * child process first (kqsvd_h5_isolate), then, unless `out` is NULL,
+ * opens it here into *out (NULL on failure).  Errors: as
+ * kqsvd_h5_isolate, or op->open's. */
+kqsvd_status_t kqsvd_h5_isolated_open(const char *path, const kqsvd_h5_opener_t *op, void **out);
+
 /* Scalar attributes.  Readers fail with KQSVD_ERR_INPUT naming the file and
  * attribute when it is missing, of the wrong kind, unreadable or (strings)
  * longer than KQSVD_H5_STR_MAX bytes; a longer string than n - 1 bytes is

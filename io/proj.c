@@ -280,22 +280,22 @@ done:
   return st;
 }
 
-static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out);
+static kqsvd_status_t proj_open_here(const char *path, void **out);
 
-static kqsvd_status_t proj_open_close(void *path) {
-  kqsvd_proj_reader_t *r = NULL;
-  const kqsvd_status_t st = proj_open_here(path, &r);
-  kqsvd_proj_reader_free(&r);
-  return st;
+static void proj_drop(void *r) {
+  kqsvd_proj_reader_t *p = r;
+  kqsvd_proj_reader_free(&p);
 }
 
 kqsvd_status_t kqsvd_proj_open(const char *path, kqsvd_proj_reader_t **out) {
-  *out = NULL;
-  const kqsvd_status_t st = kqsvd_h5_isolate(path, proj_open_close, (void *)path);
-  return st != KQSVD_OK ? st : proj_open_here(path, out);
+  static const kqsvd_h5_opener_t opener = {proj_open_here, proj_drop};
+  void *r = NULL;
+  const kqsvd_status_t st = kqsvd_h5_isolated_open(path, &opener, &r);
+  *out = r;
+  return st;
 }
 
-static kqsvd_status_t proj_open_here(const char *path, kqsvd_proj_reader_t **out) {
+static kqsvd_status_t proj_open_here(const char *path, void **out) {
   kqsvd_status_t st = KQSVD_OK;
   kqsvd_proj_reader_t *r = calloc(1, sizeof *r);
   hid_t grp = -1;
