@@ -14,8 +14,9 @@ import unittest
 import numpy as np
 import torch
 
-from common import ROOT, TEXT, Calibrated, workdir
+from common import ROOT, TEXT, Calibrated, cache_kw, tiny_lm, workdir
 
+import kqsvd
 from kqsvd import models
 from kqsvd.attention.quant import room
 from kqsvd.formats.saving import save_ranks
@@ -278,6 +279,40 @@ class Frontier(unittest.TestCase):
         p = frontier(*base, "--proj", os.path.join(self.wd, "missing.h5"), "--ranks", "fixed:8",
                      expect=1)
         self.assertIn("missing.h5", p.stderr)
+
+
+class QuantizedCacheHeld(unittest.TestCase):
+    """kqsvd.cache_bytes(cache, 2, held=True) of transformers' QuantizedCache
+    (quanto) is the bytes of the tokens it holds, counted here as its
+    update keeps them: the prefill quantized; each later token held as it
+    came until the residual_length-th, when all are quantized again."""
+
+    def test_the_tokens_held(self):
+        from transformers import QuantizedCache
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64)
+        cfg = model.config
+        L, H, d, B = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2
+        group, residual, prompt = 16, 8, 20
+        ids = torch.randint(0, 97, (B, 40), generator=torch.Generator().manual_seed(1))
+
+        def side(quantized, rest, bits):  # codes, a scale and a zero of 2 bytes per group
+            n = B * H * quantized * d
+            return n * bits // 8 + n // group * 2 * 2 + B * H * rest * d * 2
+        for bits in (4, 2):
+            cache = QuantizedCache(backend="quanto", config=cfg, nbits=bits, q_group_size=group,
+                                   residual_length=residual)
+            quantized, rest = 0, 0
+            with torch.no_grad():
+                for t in range(prompt - 1, 40):  # the prompt, then a token at a time
+                    model(input_ids=ids[:, :prompt] if t < prompt else ids[:, t:t + 1],
+                          use_cache=True, **cache_kw(cache))
+                    quantized, rest = ((prompt, 0) if t < prompt else
+                                       (quantized + rest + 1, 0) if rest + 1 >= residual else
+                                       (quantized, rest + 1))
+                    self.assertEqual(kqsvd.cache_bytes(cache, 2, held=True),
+                                     L * 2 * side(quantized, rest, bits), f"int{bits}, {t + 1} tokens")
+            self.assertEqual(quantized + rest, 40)
+            self.assertGreater(quantized, prompt)  # quantized again on the way
 
 
 if __name__ == "__main__":
