@@ -1,6 +1,7 @@
 /* kqsvd calibrate: the command line (options and help); the run is the
  * pipeline's kqsvd_calibrate (src/pipeline/calibrate.c). */
 #include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 typedef struct calibrate_cmd {
   kqsvd_calib_config_t cfg;
   int policy_set;
+  char made[PATH_MAX]; /* the outermost folder of --checkpoint the run makes */
 } calibrate_cmd_t;
 
 static const char help_1[] =
@@ -176,6 +178,9 @@ static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n,
   c->nshards = n;
   c->shards = args;
   c->mem_mib = opts->mem_mib;
+  /* Before the check makes the folder; a rank that finds it made by
+   * another finds nothing, and leaves the removal to that one. */
+  if (c->ckpt_dir && !c->manifest_path) kqsvd_missing_top(c->ckpt_dir, cmd->made, sizeof cmd->made);
   KQSVD_CALL(kqsvd_calib_config_check(c));
 done:
   return st;
@@ -195,6 +200,15 @@ done:
   return st;
 }
 
+/* A run that fails leaves no --checkpoint folder it made, as long as it is
+ * empty (a stopped run keeps its checkpoints there); once every rank
+ * knows, so that none is writing there still. */
+static void end(kqsvd_cli_t *cli, void *state, kqsvd_status_t st) {
+  const calibrate_cmd_t *cmd = state;
+  if (st != KQSVD_OK && cmd->made[0] && (cli->size == 1 || kqsvd_error_is_collective()))
+    kqsvd_rmdir_made(cmd->cfg.ckpt_dir, cmd->made);
+}
+
 const kqsvd_command_t kqsvd_command_calibrate = {
     .name = "calibrate",
     .about = "compute kqsvd, ksvd and eigen projections from caches",
@@ -208,4 +222,5 @@ const kqsvd_command_t kqsvd_command_calibrate = {
     .option = option,
     .operands = operands,
     .run = run,
+    .end = end,
 };

@@ -87,6 +87,7 @@ kqsvd_status_t kqsvd_command_main(kqsvd_cli_t *cli, const kqsvd_command_t *c, in
   }
   KQSVD_CALL(c->run(cli, state, &run));
 done:
+  if (state && c->end) c->end(cli, state, st);
   free(state);
   return st;
 }

@@ -116,6 +116,9 @@ typedef struct kqsvd_command {
   kqsvd_status_t (*option)(void *state, int code, const char *arg);
   kqsvd_status_t (*operands)(void *state, const kqsvd_run_opts_t *opts, int n, char **args);
   kqsvd_status_t (*run)(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t *opts);
+  /* NULL, or called last with the outcome: after `run`, or after a parse
+   * that failed (on every rank, which agreed on it). */
+  void (*end)(kqsvd_cli_t *cli, void *state, kqsvd_status_t st);
 } kqsvd_command_t;
 
 extern const kqsvd_command_t kqsvd_command_calibrate, kqsvd_command_evaluate,

@@ -81,6 +81,7 @@ def options():
     refused(calibrate(model, os.path.join(ckpt, "rank-00000-of-00001.h5"), shards,
                       extra=["--checkpoint", ckpt], expect=None), "inside the --checkpoint",
             code=2)
+    check(not os.path.exists(ckpt), "a refused run left the --checkpoint folder it made")
     refused(calibrate(model, out, shards, extra=["--force", "--checkpoint", out], expect=None),
             "--checkpoint", code=2)
     under_file = os.path.join(shards[0], "ckpt")
