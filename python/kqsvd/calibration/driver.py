@@ -19,11 +19,17 @@ import os
 import re
 import time
 
+from .. import models
 from ..errors import KqsvdError, UsageError
 from ..formats.files import (Staged, check_folder_output, check_outputs, missing_top, rmdir_made,
                              said_of, write_all)
+from ..progress import Progress
+from ..version import __version__
 from . import faults
+from .calibrator import Calibrator, check_policy
+from .capture import attention_out_proj, rope_of
 from .checkpoints import Checkpoint, Share, file_identity
+from .insitu import TorchFold, fold_sequences
 from .ranks import Group, Signals, Stopped
 
 __all__ = ["Stopped", "run"]
@@ -52,7 +58,6 @@ class Job:
     locked: bool = False  # the folder taken for this run (rank 0's flock)
 
     def new_cal(self):
-        from .calibrator import Calibrator
         i, a = self.info, self.args
         return Calibrator(i.num_layers, i.num_kv_heads, i.num_heads // i.num_kv_heads,
                           i.head_dim, i.hidden_size, block_rows=a.qr_block,
@@ -88,7 +93,6 @@ def prepare(args, group):
     """Job, or None when --skip-done finds the output made from these
     inputs.  Checks before the load whatever the model's header can tell;
     makes the checkpoint folder only once everything has passed."""
-    from .. import models
     made_from = group.each(lambda: inputs_hash(args, models.resolve(args.model)))
     skip = group.bcast(group.rank == 0 and args.skip_done and up_to_date(args.out, made_from))
     if skip:
@@ -103,10 +107,6 @@ def prepare(args, group):
 
 def _check_and_load(job):
     import torch
-    from .. import models
-    from .calibrator import check_policy
-    from .capture import rope_of
-    from .insitu import TorchFold
     a = job.args
     inputs = [("--model", models.resolve(a.model)), ("--text", a.text)]
     if job.group.rank == 0:
@@ -146,7 +146,6 @@ def _check_and_load(job):
 def resume(job):
     """Takes the checkpoint folder (rank 0, for the run) and loads this
     rank's checkpoint, when the run was cut short before."""
-    from .. import models
     a, group = job.args, job.group
     if not a.checkpoint:
         return
@@ -181,8 +180,6 @@ def fold(job, signals):
     """Folds this rank's windows not done yet, checkpointing every
     --checkpoint-every seconds, at the last window and at a signal; every
     rank then agrees on failures and on signals (Stopped)."""
-    from ..progress import Progress
-    from .insitu import fold_sequences
     a, group = job.args, job.group
     total = group.sum(job.last - job.first - job.done)
     bar = Progress("calibrate_hf", max(total, 1) * a.seq_len, "tok") if group.rank == 0 else None
@@ -250,7 +247,6 @@ def finish(job, signals):
 
 
 def _solve(job, staged):
-    from .capture import attention_out_proj
     a, info = job.args, job.info
     for l, w in enumerate(attention_out_proj(job.model, info.model_type)):
         job.cal.absorb_oproj(l, w.detach().cpu())  # the C library reads host memory
@@ -278,7 +274,6 @@ def inputs_hash(args, model_path):
     that changes a number), stored as its `inputs_hash`: --skip-done skips
     an output whose hash matches.  The rank count is left out: 1 and N ranks
     agree to round-off."""
-    from ..version import __version__
     return hashlib.sha256(json.dumps(
         [file_identity(model_path), file_identity(args.text), args.seq_len, args.num_seqs,
          args.dtype, args.qr_block, args.ranks, args.beta, args.model_name or args.model,

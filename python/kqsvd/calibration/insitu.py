@@ -8,8 +8,8 @@ measured slower on the CPU (SmolLM2, 2 cores: +3 to +8% over the bare
 forward pass against +2.1 to +2.2% in line): the fold's thread preempts
 PyTorch's OpenMP threads, which then wait for each other."""
 
-
 from ..errors import KqsvdError, UsageError
+from .capture import Capture
 
 _NAMES = {"q": "queries", "k": "keys", "v": "values"}
 
@@ -38,7 +38,6 @@ def fold_sequences(model, info, seqs, cal, device, on_sequence=None, rope="post"
     made with), or a TorchFold (on the model's device).  on_sequence(i)
     after each sequence."""
     import torch
-    from .capture import Capture
     group = info.num_heads // info.num_kv_heads
     if isinstance(cal, TorchFold):
         fold = cal.absorb
