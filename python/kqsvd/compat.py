@@ -4,6 +4,9 @@ an AttributeError from inside transformers.  pyproject.toml declares the
 same range (python/tests check that they agree).  What the package reads
 or writes of transformers beyond its public calls is here too: the one
 place to look when a release changes it."""
+import dataclasses
+import weakref
+
 from .errors import KqsvdError
 
 # Inclusive floor, exclusive bound.  Tested at both ends: the floor
@@ -119,3 +122,62 @@ def output_cache(out):
         if name in keys:
             return out[name]
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Places:
+    """Where a cache layer's new tokens stand, as transformers hands them to
+    its update(): up to 5.23 the attention passes cache_kwargs (the cos and
+    sin that rotated the keys, and cache_position), 5.24 its own keyword
+    arguments instead (kwargs=, with the tokens' position_ids).  Each is
+    None where it was not handed."""
+    cos: object = None
+    sin: object = None
+    position_ids: object = None
+    cache_position: object = None
+
+    def positions(self):
+        """The new tokens' positions [1 or b, T], int64: position_ids, else
+        cache_position; None where neither was handed."""
+        for p in (self.position_ids, self.cache_position):
+            if p is not None:
+                return p.view(-1, p.shape[-1]).long()
+        return None
+
+
+def update_places(cache_kwargs, kwargs):
+    """The Places a cache layer's update(keys, values, cache_kwargs,
+    kwargs=) was handed: the one reading of what each release passes."""
+    given, extra = cache_kwargs or {}, kwargs or {}
+    rotated = given if given.get("cos") is not None else extra
+    return Places(rotated.get("cos"), rotated.get("sin"),
+                  extra.get("position_ids", given.get("position_ids")),
+                  given.get("cache_position"))
+
+
+# attention module -> {name of a registered attention function: what that
+# function reads for the module (a compressed.Site, a capture's record)}.
+# transformers calls an attention function with the module alone, so this
+# is the one place a function finds its own state for a module; weak keys,
+# so nothing is attached to the model and nothing outlives it.
+_ATTACHED = weakref.WeakKeyDictionary()
+
+
+def attach(module, name, what):
+    """The attention function `name` reads `what` for `module`."""
+    _ATTACHED.setdefault(module, {})[name] = what
+
+
+def detach(module, name, what):
+    """`what` is no longer attached to module under `name` (another's stays)."""
+    held = _ATTACHED.get(module)
+    if held is not None and held.get(name) is what:
+        del held[name]
+        if not held:
+            del _ATTACHED[module]
+
+
+def attached(module, name):
+    """What is attached to module under `name`, or None."""
+    held = _ATTACHED.get(module)
+    return None if held is None else held.get(name)

@@ -21,12 +21,14 @@ import dataclasses
 import threading
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 
+from ..compat import update_places
 from ..errors import KqsvdError, UsageError
 from . import kernel
 from .footprint import referenced_bytes
 from .handoff import hand
+from .layer import FixedLayer, KqsvdLayer
 from .quant import Rows, store
 
 
@@ -49,25 +51,22 @@ def codes_block():
         _BLOCKS.depth -= 1
 
 
-def rotation(site, values, cache_kwargs, kwargs, past):
+def rotation(site, values, places, past):
     """The cos and sin that rotated new keys, for projections taken before
-    RoPE (None, None otherwise).  Up to transformers 5.23 the attention
-    hands them to update() (cache_kwargs); 5.24 hands its own keyword
-    arguments instead (kwargs=), with the tokens' position_ids, from which
-    the model's rotary embedding makes them again; without either, the
-    tokens follow the `past` ones."""
+    RoPE (None, None otherwise): as update() was handed them (compat.Places),
+    else made again by the model's rotary embedding at the tokens'
+    position_ids; without either, the tokens follow the `past` ones."""
     if not site.P.pre:
         return None, None
-    kw = cache_kwargs if cache_kwargs is not None else kwargs or {}
-    if kw.get("cos") is not None:
-        return kw["cos"], kw["sin"]
-    pos = kw.get("position_ids")
+    if places.cos is not None:
+        return places.cos, places.sin
+    pos = places.position_ids
     if pos is None:
         pos = torch.arange(past, past + values.shape[-2], device=values.device)[None]
     return site.rotary(values, pos)
 
 
-def row_pads(cache_kwargs, kwargs, T):
+def row_pads(places, T):
     """Each row's padding at a cache's first T tokens: the tokens before its
     last one at position 0, as generate() numbers a left-padded batch
     (cumsum of the mask, the padding at 1) and as key_positions reads
@@ -75,11 +74,11 @@ def row_pads(cache_kwargs, kwargs, T):
     update(), else the RoPE sines older ones do (zero exactly at position
     0, and only there).  None when no row has padding, or neither is
     given (positions shared by the rows: none is padded)."""
-    pos = (kwargs or {}).get("position_ids")
+    pos = places.position_ids
     if pos is not None:
         zero = pos.reshape(-1, pos.shape[-1]) == 0
     else:
-        sin = (cache_kwargs or {}).get("sin")
+        sin = places.sin
         if sin is None or sin.dim() != 3:
             return None
         zero = (sin == 0).all(-1)
@@ -99,40 +98,18 @@ def row_pads(cache_kwargs, kwargs, T):
     return pads if any(pads) else None
 
 
-def _installed(site):
-    """site, still installed in its model; else KqsvdError: the cache's
-    columns are latents of projections that are gone, which no attention
-    can read (it was a raw torch error)."""
-    if not site.live:
-        raise KqsvdError("this latent cache belongs to a compressed model that no longer is: its "
-                         "projections were removed (compress(model, None), or the end of a "
-                         "compressed() block); start a new cache")
-    return site
-
-
-class LatentLayer(DynamicLayer):
+class LatentLayer(KqsvdLayer):
     """A cache layer of one attention module; `site` is that module's
     installation (compressed.Site): its projections.  What update()
     returns is handed as this layer's (handoff.py), so the attention
     function knows the tensors it receives are latent."""
 
-    def __init__(self, site):
-        super().__init__()
-        self.site = site
-
-    # 4.56 calls lazy_initialization(keys) and has no is_initialized flag
-    # (keys is None until the first update); 4.57 and 5.x pass values too.
-    def lazy_initialization(self, key_states, value_states=None):
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.is_initialized = True
-
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
         past = self.keys.shape[-2] if self.keys.dim() > 1 else 0  # empty until the first update
-        cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs, past)
+        cos, sin = rotation(self.installed(), value_states, update_places(cache_kwargs, kwargs),
+                            past)
         kc, vc = self.site.P.project(key_states, value_states, cos, sin)
         self.keys = torch.cat([self.keys, kc], dim=-2)
         self.values = torch.cat([self.values, vc], dim=-2)
@@ -201,7 +178,7 @@ def latent_columns(P, residual=None):
     return Columns(P.quant_slices(), scheme, -1 if P.ragged else 1)
 
 
-class QuantLayer(DynamicLayer):
+class QuantLayer(FixedLayer):
     """A cache layer holding quantized columns (Columns): `site` a
     compressed.Site whose projections carry bits (the latent's columns,
     per slice of columns of its own bits and ranks), or None with
@@ -209,8 +186,8 @@ class QuantLayer(DynamicLayer):
     values."""
 
     def __init__(self, site=None, scheme=None, bits=None):
-        super().__init__()
-        self.site, self.cols = site, None
+        super().__init__(site)
+        self.cols = None
         self.scheme, self.bits = scheme, bits
 
     def lazy_initialization(self, key_states, value_states=None):
@@ -222,25 +199,19 @@ class QuantLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
+        places = update_places(cache_kwargs, kwargs)
         if self.cols is None:
             self.lazy_initialization(key_states, value_states)
-            pads = row_pads(cache_kwargs, kwargs, key_states.shape[-2])
+            pads = row_pads(places, key_states.shape[-2])
             if pads is not None:
                 self.cols.pad(pads)
         if self.site is not None:
-            cos, sin = rotation(_installed(self.site), value_states, cache_kwargs, kwargs,
-                                self.get_seq_length())
+            cos, sin = rotation(self.installed(), value_states, places, self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
         codes = reads_codes(self.site, key_states)
         self.cols.append(key_states, value_states)
         if codes:
-            # Shapes without data (the attention function reads the stores):
-            # a float copy of the cache is what reading codes avoids.
-            none = key_states.new_zeros(())
-            n = self.get_seq_length()
-            keys = none.expand(*key_states.shape[:2], n, key_states.shape[-1])
-            values = none.expand(*value_states.shape[:2], n, value_states.shape[-1])
-            return hand(keys, self, codes=True), hand(values, self, codes=True)
+            return self.hand_shapes(key_states, value_states, self.get_seq_length())
         keys, values = self.cols.read(key_states.dtype)
         if self.site is not None:  # the latent's columns, dequantized
             return hand(keys, self), hand(values, self)
@@ -257,11 +228,6 @@ class QuantLayer(DynamicLayer):
 
     def nbytes(self, float_bytes=None):
         return 0 if self.cols is None else self.cols.nbytes(float_bytes)
-
-    def _refuse(self, *args, **kwargs):
-        raise KqsvdError("a quantized cache cannot be cropped, reordered or repeated")
-
-    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _refuse
 
 
 class LatentCache(Cache):

@@ -37,6 +37,7 @@ installation out from under its forward passes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import weakref
@@ -45,23 +46,32 @@ from typing import Iterator
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..compat import cache_kwarg, check_transformers, restore_attention, switch_attention
+from ..compat import (attach, cache_kwarg, check_transformers, detach, restore_attention,
+                      switch_attention)
 from ..errors import KqsvdError, UsageError
 from ..formats.projections import Projections, check_sizes
+from ..formats.tiers import TierLayout
 from ..models import COMPRESSIBLE
 from .cache import LatentCache, LatentLayer, QuantLayer, codes_block
-from .function import NAME, attach, detach
+from .function import NAME
 from .projection import LayerProjection
 from .tiers import TierLayer
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteTiers:
+    """A tiered cache's layout at one attention module, and each tier's
+    projections there (None for a tier that drops its tokens)."""
+    layout: TierLayout
+    projections: tuple
 
 
 class Site:
     """One attention module's installation: its projections P, the model's
     rotary embedding (keys before RoPE), probe mode's records, the
     original o_proj while a folded one stands in, a tiered layout's
-    (layout, [LayerProjection or None per tier]) or None, and whether it is
-    installed now (`live`: a cache of a removed installation must not be
-    used)."""
+    SiteTiers or None, and whether it is installed now (`live`: a cache of
+    a removed installation must not be used)."""
 
     def __init__(self, attn, P, rotary, probe, folded, tiers=None):
         self.attn, self.P, self.rotary, self.tiers = attn, P, rotary, tiers
@@ -97,7 +107,7 @@ class _Install:
     def apply(self):
         _acquire(self.model, self)
         for s in self.sites:
-            attach(s.attn, s)
+            attach(s.attn, NAME, s)
             s.live = True
             if s.folded is not None:
                 s.o_original = s.attn.o_proj
@@ -114,7 +124,7 @@ class _Install:
         _release(self.model, self)
         for s in self.sites:
             s.live = False
-            detach(s.attn, s)
+            detach(s.attn, NAME, s)
             if s.o_original is not None:
                 s.attn.o_proj, s.o_original = s.o_original, None
 
@@ -239,9 +249,9 @@ def _build(model, proj, fold, probe, call="compress"):
         o = attn.o_proj
         w = o.weight  # each layer's own device: a model may be spread over GPUs
         P = LayerProjection(proj, l, hq, w.dtype, w.device, w.detach(), fold)
-        tiers = None if proj.tiers is None else (proj.tiers[0], [
+        tiers = None if proj.tiers is None else SiteTiers(proj.tiers[0], tuple(
             None if p is None else LayerProjection(p, l, hq, w.dtype, w.device)
-            for p in proj.tiers[1]])
+            for p in proj.tiers[1]))
         folded = None
         if fold:
             folded = torch.nn.Linear(P.o_folded.shape[1], P.o_folded.shape[0],

@@ -16,36 +16,22 @@ exact and the compressed scores and outputs eagerly, records their
 relative squared errors per sequence (err_kq and err_out as `kqsvd
 evaluate` defines them: scores after RoPE, W^O without its bias), and
 returns the exact output, so every layer sees the full model's inputs."""
-import weakref
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..compat import attached
 from ..errors import KqsvdError
 from .handoff import received
 from .projection import key_positions, rope
 from .tiers import TierLayer
 
+# The function's name, and the key of what it reads for an attention
+# module (compat.attached): the module's compressed.Site while its model
+# is compressed, attached and detached by compressed.py alone.
 NAME = "kqsvd"
-
-# attention module -> compressed.Site while the module's model is compressed,
-# kept up by attach() and detach() alone; weak keys, so nothing is attached
-# to the model and nothing outlives it.
-_SITES = weakref.WeakKeyDictionary()
-
-
-def attach(attn, site):
-    """The attention module `attn` attends through `site` (compressed.Site)."""
-    _SITES[attn] = site
-
-
-def detach(attn, site):
-    """attn no longer attends through `site` (another's stays)."""
-    if _SITES.get(attn) is site:
-        del _SITES[attn]
 
 
 def latent_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -53,7 +39,7 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     # dropout sixth, as transformers' SDPA function has it: kvpress wraps
     # every registered attention function and passes it by position.
     layer, codes, key, value = received(key, value)
-    site = _SITES.get(module)
+    site = attached(module, NAME)
     if isinstance(layer, TierLayer):
         return _tiered(module, site, layer, query, key, value, attention_mask, dropout, scaling,
                        kwargs)

@@ -11,10 +11,9 @@ importance (formats/tiers.py writes the layout; docs/formats.md 5.4.1).
   each is rotated back at its own position, gaps and all.
 
 The prefill attends exactly, as the model does; its last queries then
-score every token (formats.tiers.OBSERVED of them, SnapKV's observation
-window: the attention they pay each token, summed over the layer's heads
-and pooled over 5 neighbours) and the layer settles its tokens into the
-tiers.  Later tokens enter the window; those that leave it enter the
+score every token (scorers.py: scorers.OBSERVED of them, SnapKV's
+observation window, by the scorer the layout names) and the layer settles
+its tokens into the tiers.  Later tokens enter the window; those that leave it enter the
 first tier.  A decode step takes every score (tiers in their latent
 space, window and sinks exactly), one softmax over all of them, and the
 values' sum per tier, brought up by that tier's B_v.
@@ -27,30 +26,16 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import DynamicLayer
 
+from ..compat import update_places
 from ..errors import KqsvdError
-from ..formats.tiers import OBSERVED
 from . import kernel
 from .cache import latent_columns
+from .decode import gqa_scores, gqa_weigh
 from .handoff import hand
+from .layer import FixedLayer
 from .projection import rope
-
-
-def gqa_scores(q, k):
-    """q [b, Hq, T, w] against k [b, Hk, N, w], Hq a multiple of Hk:
-    [b, Hq, T, N].  A KV head's queries are stacked as rows of one product
-    (a broadcast batch dimension would copy k for each)."""
-    b, hq, T, w = q.shape
-    hk = k.shape[1]
-    return (q.reshape(b, hk, hq // hk * T, w) @ k.transpose(-1, -2)).view(b, hq, T, -1)
-
-
-def gqa_weigh(p, v):
-    """Weights p [b, Hq, T, N] times values v [b, Hk, N, r]: [b, Hq, T, r]."""
-    b, hq, T, N = p.shape
-    hk = v.shape[1]
-    return (p.reshape(b, hk, hq // hk * T, N) @ v).view(b, hq, T, -1)
+from .scorers import SCORERS
 
 
 class Tier:
@@ -140,8 +125,8 @@ class Held:
 
     def __init__(self, site, hidden=0):
         self.site, self.hidden = site, hidden
-        self.layout, Ps = site.tiers
-        self.tiers = [None if P is None else Tier(P) for P in Ps]
+        self.layout = site.tiers.layout
+        self.tiers = [None if P is None else Tier(P) for P in site.tiers.projections]
         self.full = None       # keys, values [b, Hkv, n, d]: the sinks, then the window
         self.held_sinks = 0    # of full's first tokens, the sinks
         self.full_pos = None   # int32 [b, n]: their positions, before RoPE (None after)
@@ -174,11 +159,8 @@ class Held:
         W = min(self.layout.window, N - S)
         middle = N - S - W
         if middle:
-            if self.layout.scorer == "expected":
-                share = expected(query, keys, values, scaling, self.site.rotary)[:, S:S + middle]
-            else:
-                share = importance(query, keys, scaling, values if self.layout.scorer == "snapv"
-                                   else None)[:, S:S + middle]
+            share = SCORERS[self.layout.scorer](query, keys, values, scaling,
+                                                self.site.rotary)[:, S:S + middle]
             order = share.argsort(dim=-1, descending=True, stable=True)
             at = 0
             for tier, n in zip(self.tiers, self.layout.counts(middle)):
@@ -233,29 +215,26 @@ _UNMASKED = ("a tiered cache holds the tokens its prefill's attention mask showe
              "by ones), not hide or show others")
 
 
-class TierLayer(DynamicLayer):
+class TierLayer(FixedLayer):
     """A cache layer of one attention module whose site (compressed.Site)
-    carries a tier layout (site.tiers: (layout, [LayerProjection or None
-    per tier])).  It holds what its prefill's attention mask showed to the
+    carries a tier layout (site.tiers: compressed.SiteTiers, the layout and
+    a LayerProjection or None per tier).  It holds what its prefill's attention mask showed to the
     prefill's last query: a batch without padding as one Held, a padded
     batch (or one whose mask hid any token) a Held per row, each holding
     its own tokens by the layout's counts of them (a shorter row holds
     fewer) and ranking them by its own queries; padding is never held."""
 
+    KIND = "tiered"
+    GONE = ("this tiered cache belongs to a compressed model that no longer is: start a new "
+            "cache")
+
     def __init__(self, site):
-        super().__init__()
-        self.site = site
+        super().__init__(site)
         self.held = [Held(site)]  # the batch's, or a Held per row
         self.shown = None         # bool [b, N]: what the prefill's mask showed (None: all)
         self.shown_key = None     # its bytes: the same for every layer of a cache
         self.seen = 0
         self.prefill = None       # the prefill's keys, values, positions until settled
-
-    def lazy_initialization(self, key_states, value_states=None):
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
-        self.is_initialized = True
 
     def get_seq_length(self, *args):
         return self.seen
@@ -263,17 +242,15 @@ class TierLayer(DynamicLayer):
     def update(self, key_states, value_states, cache_kwargs=None, *args, kwargs=None, **extra):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        if not self.site.live:
-            raise KqsvdError("this tiered cache belongs to a compressed model that no longer is: "
-                             "start a new cache")
+        self.installed()
         T = key_states.shape[-2]
+        places = update_places(cache_kwargs, kwargs)
         if self.seen == 0:  # attended exactly, then settled (settle)
-            self.prefill = (key_states, value_states,
-                            positions(cache_kwargs, kwargs, 0, key_states))
+            self.prefill = (key_states, value_states, positions(places, 0, key_states))
             self.seen = T
             return hand(key_states, self), hand(value_states, self)
-        given = (kwargs or {}).get("position_ids")
-        at = positions(cache_kwargs, None, self.seen, key_states)  # the cache's own
+        given = places.position_ids
+        at = positions(update_places(cache_kwargs, None), self.seen, key_states)  # the cache's own
         self.seen += T
         for i, h in enumerate(self.held):
             rows = slice(None) if len(self.held) == 1 else slice(i, i + 1)
@@ -283,10 +260,7 @@ class TierLayer(DynamicLayer):
                 pos = given.reshape(-1, T)
                 pos = pos[rows] if pos.shape[0] > 1 else pos
             h.enter(key_states[rows], value_states[rows], pos)
-        none = key_states.new_zeros(())
-        shape = (*key_states.shape[:2], self.seen, key_states.shape[-1])
-        return hand(none.expand(shape), self, codes=True), hand(none.expand(shape), self,
-                                                                 codes=True)
+        return self.hand_shapes(key_states, value_states, self.seen)
 
     def settle(self, query, scaling, mask=None, position_ids=None):
         """Places the prefill's tokens, scored by the attention of its last
@@ -347,11 +321,6 @@ class TierLayer(DynamicLayer):
                     for x in (self.prefill[:2] if self.prefill else ()))
         return held + (0 if self.shown is None else self.shown.numel())
 
-    def _refuse(self, *args, **kwargs):
-        raise KqsvdError("a tiered cache cannot be cropped, reordered or repeated")
-
-    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _refuse
-
 
 def shown(mask, b, N, none_if_all=True):
     """bool [b, N]: the tokens an attention mask [b or 1, 1, T, >= N]
@@ -365,64 +334,9 @@ def shown(mask, b, N, none_if_all=True):
     return None if none_if_all and bool(m.all()) else m.clone()
 
 
-def positions(cache_kwargs, kwargs, seen, x):
-    """The new tokens' positions [1 or b, T]: transformers 5.24 hands the
-    attention's keyword arguments (position_ids), older ones cache_kwargs
-    (cache_position); else they follow the tokens seen."""
-    for kw, name in ((kwargs, "position_ids"), (cache_kwargs, "cache_position")):
-        p = (kw or {}).get(name)
-        if p is not None:
-            return p.view(-1, p.shape[-1]).long()
-    return torch.arange(seen, seen + x.shape[-2], device=x.device)[None]
+def positions(places, seen, x):
+    """The new tokens' positions [1 or b, T] as update() was handed them
+    (compat.Places); else they follow the tokens seen."""
+    p = places.positions()
+    return torch.arange(seen, seen + x.shape[-2], device=x.device)[None] if p is None else p
 
-
-def importance(query, keys, scaling, values=None):
-    """Each token's share of the attention of the last OBSERVED queries
-    [b, Hq, T, d] (causal among them), summed over queries and heads (each
-    head's share times the norm of the token's value there, with values:
-    its weight in the output) and averaged over 5 neighbours: [b, N], in
-    float32 at least."""
-    acc = torch.promote_types(query.dtype, torch.float32)
-    q = query[:, :, -OBSERVED:].to(acc)
-    w, N = q.shape[2], keys.shape[2]
-    s = gqa_scores(q, keys.to(acc)) * scaling
-    late = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
-    s[..., N - w:] = s[..., N - w:].masked_fill(~late, float("-inf"))
-    share = torch.softmax(s, -1).sum(2)                                   # [b, Hq, N]
-    if values is not None:
-        b, hq = share.shape[:2]
-        norm = values.to(acc).norm(dim=-1)                                # [b, Hkv, N]
-        share = (share.view(b, norm.shape[1], -1, N) * norm[:, :, None]).view(b, hq, N)
-    return F.avg_pool1d(share.sum(1)[:, None], 5, 1, 2, count_include_pad=False)[:, 0]
-
-
-def expected(query, keys, values, scaling, rotary, ahead=256):
-    """Each token's expected weight in the output of the next `ahead`
-    queries: the last OBSERVED queries [b, Hq, T, d] (after RoPE) moved to
-    the positions ahead (each rotated by the mean of the rotations that
-    take it there), taken as Gaussian (their mean and covariance per
-    head), so that a key's expected logit is s mu.k + s^2 k'Ck / 2; the
-    softmax of those over the tokens, times the norm of each token's
-    value, summed over the heads: [b, N], in float32 at least."""
-    acc = torch.promote_types(query.dtype, torch.float32)
-    b, hq, T, d = query.shape
-    N = keys.shape[2]
-    q = query[:, :, -OBSERVED:].to(acc)
-    w = q.shape[2]
-    # the rotation from position N - w + i to N + u, averaged over u < ahead
-    shift = torch.arange(w, 0, -1, device=q.device)[:, None] + torch.arange(ahead,
-                                                                             device=q.device)
-    cos, sin = rotary(q, shift.reshape(1, -1))
-    cos, sin = (x.to(acc).view(w, ahead, -1).mean(1) for x in (cos, sin))   # [w, d]
-    moved = rope(q, cos[None], sin[None])                                   # [b, Hq, w, d]
-    mu = moved.mean(2, keepdim=True)                                        # [b, Hq, 1, d]
-    dev = moved - mu
-    cov = dev.transpose(-1, -2) @ dev / max(w - 1, 1)                       # [b, Hq, d, d]
-    k = keys.to(acc)
-    hk = k.shape[1]
-    kk = k[:, :, None].expand(b, hk, hq // hk, N, d).reshape(b, hq, N, d)
-    logit = scaling * (kk @ mu.transpose(-1, -2))[..., 0] + \
-        0.5 * scaling ** 2 * ((kk @ cov) * kk).sum(-1)                    # [b, Hq, N]
-    weight = torch.softmax(logit, -1)
-    norm = values.to(acc).norm(dim=-1)                                      # [b, Hkv, N]
-    return (weight.view(b, hk, -1, N) * norm[:, :, None]).sum((1, 2))

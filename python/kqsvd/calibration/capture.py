@@ -5,9 +5,9 @@ projection.  One implementation for examples/export_hf.py (which writes
 them as cache shards) and python -m kqsvd.calibrate_hf (which folds them
 into R factors at once)."""
 import sys
-import weakref
 
-from ..compat import attention_implementation, restore_attention, switch_attention
+from ..compat import (attach, attached, attention_implementation, detach, restore_attention,
+                      switch_attention)
 from ..errors import UsageError
 from ..models import ENCODERS, head_dim
 
@@ -57,7 +57,7 @@ class Capture:
         if compute not in ("own", "sdpa"):
             raise UsageError(f"Capture: compute must be 'own' or 'sdpa', not {compute!r}")
         self.sink, self.handles, self.rope, self.cfg = sink, [], rope, cfg
-        self.saved = None
+        self.saved, self.sites = None, []
         self.hq = cfg.num_attention_heads
         self.hkv = getattr(cfg, "num_key_value_heads", None) or self.hq
         self.d = head_dim(getattr(cfg, "name_or_path", "") or "model", cfg)
@@ -75,7 +75,8 @@ class Capture:
         name = CAPTURE + (own if own in ("eager", "sdpa") and compute == "own" else "sdpa")
         for l, lay in enumerate(self.layers):
             att = lay.self_attn
-            SITES[att] = (self, l)
+            self.sites.append((att, (self, l)))
+            attach(att, CAPTURE, self.sites[-1][1])
             if rope == "pre":
                 self._pre_hooks(l, att)
         self.saved = switch_attention(cfg, name)
@@ -141,10 +142,9 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles = []
-        for lay in self.layers:
-            att = getattr(lay, "self_attn", None)
-            if att is not None and SITES.get(att, (None,))[0] is self:
-                del SITES[att]
+        for att, site in self.sites:
+            detach(att, CAPTURE, site)
+        self.sites = []
         if self.saved is not None:
             restore_attention(self.saved)
             self.saved = None
@@ -156,9 +156,9 @@ class Capture:
         self.close()
 
 
+# The capture functions' names' prefix; what they read for an attention
+# module, (Capture, layer) while a capture runs, is attached under it.
 CAPTURE = "kqsvd_capture_"
-# attention module -> (Capture, layer) while a capture runs
-SITES = weakref.WeakKeyDictionary()
 _REGISTERED = []
 
 
@@ -169,7 +169,7 @@ def _capture_with(own):
     def capture_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
         # dropout sixth, as transformers' SDPA function has it: kvpress wraps
         # every registered attention function and passes it by position.
-        site = SITES.get(module)
+        site = attached(module, CAPTURE)
         if site is not None:
             site[0].seen(site[1], query, key, value)
         if own == "sdpa":

@@ -33,7 +33,6 @@ from .quant import read_scheme, split_bits, with_bits
 PREFIX = "tiers:"
 DROP, STORED = "drop", "stored"
 SCORERS = ("snap", "snapv", "expected")
-OBSERVED = 64  # queries whose attention scores the prefill's tokens (snap)
 
 
 @dataclasses.dataclass(frozen=True)
