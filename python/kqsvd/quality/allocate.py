@@ -37,11 +37,14 @@ import dataclasses
 
 import numpy as np
 
+from .. import models
+from ..calibration.capture import Capture
 from ..errors import KqsvdError, UsageError
-
 from ..formats.policy import QUALITY_BUDGET
+from ..formats.projections import METHODS, check_sizes, file_sizes, load_projections
+from ..formats.saving import save_ranks
 from .kl import full_logprobs, kl_to_full, weights_frozen
-from ..formats.projections import METHODS
+from .tune import tuned_file
 
 def budget_ranks(fraction, units, d, prefix=QUALITY_BUDGET):
     """The whole number of rank columns a fraction of the cache buys;
@@ -170,7 +173,6 @@ def measure_costs(model, info, seqs, projs, batch=4, draws=0, seed=0, sensitivit
     order) without bias.  sensitivity: what accumulates the costs
     (Sensitivity by default)."""
     import torch
-    from ..calibration.capture import Capture
     sens = sensitivity or Sensitivity(projs, info)
     live = []
 
@@ -229,7 +231,7 @@ class Gates:
 
     def __init__(self, model, proj_full, info):
         import torch
-        from ..attention import compress, layer_projections
+        from ..attention import compress, layer_projections  # torch at its top
         compress(model, proj_full)
         self.layers = layer_projections(model)
         self.A = [P.A.detach().clone() for P in self.layers]
@@ -260,8 +262,7 @@ def refine(model, info, proj_path, method, ranks, seqs, full_logp, iters=6, log=
     # The Fisher costs are a second-order guess made at the full model; at
     # half the cache the model is far from it, and the gates' gradients
     # measured where the allocation stands say better where a column pays.
-    from ..attention import compress
-    from ..formats.projections import load_projections
+    from ..attention import compress  # torch at its top
     d = info.head_dim
     gates = Gates(model, load_projections(proj_path, method, d), info)
     ranks = np.array(ranks, dtype=np.int64)
@@ -325,8 +326,7 @@ def allocate(model, info, proj_path, fraction, seqs, methods, draws=2, rounds=6,
     sampled passes per batch for the Fisher costs; rounds: refinement
     rounds (see refine).  Not collective.  Raises UsageError for an
     impossible fraction, KqsvdError for a bad projections file or model."""
-    from ..attention import compress
-    from ..formats.projections import file_sizes, load_projections
+    from ..attention import compress  # torch at its top
     # Units are (layer, group) for head groups.
     info = group_view(info, file_sizes(proj_path, methods)["head_groups"])
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
@@ -373,9 +373,6 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
     id.  Returns out.  Not collective.  Raises UsageError for an impossible
     argument, KqsvdError for a bad file or model."""
     import torch
-    from .. import models
-    from ..formats.projections import check_sizes, file_sizes
-    from ..formats.saving import save_ranks
     models.check_device(device)
     psizes = file_sizes(proj, methods)  # a bad file fails before the model loads
     loaded, tok, info = models.load(model, dtype=torch.float32, device=device)
@@ -390,7 +387,6 @@ def fit(model, text, proj, budget, out, methods=METHODS, seq_len=256, num_seqs=4
     got = allocate(loaded, info, proj, budget, seqs[:num_seqs], methods, rounds=rounds, log=log)
     ranks = {m: (g["rank_k"], g["rank_v"]) for m, g in got.items()}
     if tune:
-        from .tune import tuned_file
         return tuned_file(loaded, proj, ranks, seqs[:num_seqs], seqs[num_seqs:], out, budget,
                           tune, lr, log, force=force)
     return save_ranks(proj, out, ranks, f"{QUALITY_BUDGET}{budget:g}", force=force)

@@ -31,7 +31,8 @@ import numpy as np
 
 from ..errors import UsageError
 from ..formats.policy import QUALITY_BITS
-from ..formats.quant import DROPPED, UNQUANTIZED, option_bits
+from ..formats.projections import file_sizes, load_projections
+from ..formats.quant import DROPPED, UNQUANTIZED, option_bits, with_bits
 from .allocate import Sensitivity, group_view, measure_costs
 from .columns import allocate_columns, read_spectra, spectrum_costs
 from .kl import full_logprobs, kl_to_full
@@ -61,7 +62,7 @@ class QuantSensitivity(Sensitivity):
 
     def add(self, layer, kind, x, g, joint):
         import torch
-        from ..attention.quant import Store
+        from ..attention.quant import Store  # torch at its top
         x, g = self.view(x), self.view(g)
         side = 0 if kind == "k" else 1
         axis = self.scheme.key_axis if kind == "k" else self.scheme.value_axis
@@ -137,9 +138,7 @@ def allocate_bits(model, info, proj_path, fraction, seqs, methods, scheme, draws
     bits_v (each [L, H] per unit, or [L, H, d] per column), start, kl,
     kls)}.  Not collective.  Raises UsageError for an impossible
     fraction."""
-    from ..attention import compress
-    from ..formats.projections import file_sizes, load_projections
-    from ..formats.quant import with_bits
+    from ..attention import compress  # torch at its top
     info = group_view(info, file_sizes(proj_path, methods)["head_groups"])
     L, H, d = info.num_layers, info.num_kv_heads, info.head_dim
     check_fraction(fraction, d, scheme)

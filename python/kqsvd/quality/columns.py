@@ -28,6 +28,7 @@ unit_bits) fit; a uniform choice (one rank, one width everywhere) that
 fits and costs less is kept instead."""
 import numpy as np
 
+from ..formats import h5io
 from ..formats.quant import DROPPED, UNQUANTIZED, unit_bits
 from .knapsack import knapsack, uniform_choices
 
@@ -54,7 +55,6 @@ def spectrum_costs(sigma, dist, energy):
 def read_spectra(path, method):
     """(sigma of K Q^T, sigma of V W^O) [L, H, d] for kqsvd's own basis, or
     None: the spectra describe kqsvd's columns only."""
-    from ..formats import h5io
     if method != "kqsvd":
         return None
     with h5io.open_file(path, "projections") as f:

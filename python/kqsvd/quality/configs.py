@@ -42,7 +42,7 @@ class Config:
 
     def nbytes(self, cache):
         """The cache's bytes, values held unquantized counted at 2 (bf16)."""
-        from ..attention import cache_bytes
+        from ..attention import cache_bytes  # torch at its top
         return cache_bytes(cache, 2)
 
 
@@ -56,7 +56,7 @@ class PlainQuant(Config):
         self.bits, self.scheme = bits, scheme
 
     def cache(self, model):
-        from ..attention.cache import QuantCache
+        from ..attention.cache import QuantCache  # torch at its top
         return QuantCache(model.config.num_hidden_layers, self.scheme, (self.bits, self.bits))
 
 
@@ -78,10 +78,10 @@ class Latent(Config):
 
     @contextlib.contextmanager
     def window(self, model):
-        from ..attention import compressed
+        from ..attention import compressed  # torch at its top
         with compressed(model, self.proj):
             yield
 
     def cache(self, model):
-        from ..attention import latent_cache
+        from ..attention import latent_cache  # torch at its top
         return latent_cache(model)

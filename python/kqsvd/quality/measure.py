@@ -3,10 +3,15 @@ compressed model against the full one, per rank policy and method, every
 pair scored on the same windows as the full model (which runs once per
 window).  The command is kqsvd.commands.quality (python -m kqsvd.quality)."""
 
+from ..compat import cache_kwarg, output_cache
 from ..errors import KqsvdError, UsageError
 from ..formats import policy as policies_
 from ..formats.projections import load_projections, policy_ranks
-from ..formats.quant import with_bits
+from ..formats.quant import QuantScheme, with_bits
+from ..formats.tiers import attach as attach_tiers
+from ..progress import Progress
+from .allocate import budget_ranks
+from .bits import check_fraction
 from .tally import Tally
 
 
@@ -17,8 +22,6 @@ def resolve_policies(proj, policies, methods, L, scheme=None):
     '@bits' quantizing the latent under `scheme` (a QuantScheme; its
     defaults when None); UsageError on a bad policy, and on one fitted to
     the model (quality-budget:F, ...), which the quality command fits."""
-    from ..formats.quant import QuantScheme
-    from ..formats.tiers import attach as attach_tiers
     pairs = []
     for text in policies:
         pol = policies_.parse(text)
@@ -54,8 +57,6 @@ def check_fitted(policy, sizes, scheme):
     quality-bits:F whose F no fit can meet in a file of these sizes
     (formats.projections.file_sizes), before the model is loaded; scheme:
     the quantized cache's, for quality-bits."""
-    from .allocate import budget_ranks
-    from .bits import check_fraction
     frac = policies_.fitted_fraction(policy)
     G = sizes["head_groups"]  # units are (layer, group) of G d columns
     H, d = sizes["num_kv_heads"] // G, sizes["head_dim"] * G
@@ -78,7 +79,6 @@ def window_logprobs(model, ids, key, stepwise=False):
     token reads it).  key: the model's cache keyword (compat.cache_kwarg)."""
     import torch
     from transformers import DynamicCache
-    from ..compat import output_cache
     if not stepwise:
         out = model(input_ids=ids, use_cache=True, **{key: DynamicCache()})
         return torch.log_softmax(out.logits[0, :-1].double(), dim=-1), output_cache(out)
@@ -106,10 +106,8 @@ def measure(model, seqs, pairs, fold=False, score_errors=False):
     per pair]) as the report holds them.  Not collective; leaves the model
     with its full attention."""
     import torch
-    from ..attention import cache_bytes, compress, probe_errors
-    from ..compat import cache_kwarg
-    from ..progress import Progress
-    from .tiers import tiered_logprobs
+    from ..attention import cache_bytes, compress, probe_errors  # torch at its top
+    from .tiers import tiered_logprobs  # torch at its top
     key = cache_kwarg(model)  # past_key_values, or cache from transformers 5.24 on
     full, tallies = Tally(), [Tally() for _ in pairs]
     tails = [Tally() for _ in pairs]  # the full model on a tiered pair's tokens

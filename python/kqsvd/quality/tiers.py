@@ -15,10 +15,13 @@ KL to the full model on the calibration windows, at the served length,
 and the best is kept."""
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..formats.quant import UNQUANTIZED
 from ..attention.quant import packed_width, room
-from ..formats.tiers import DROP, PREFIX, SCORERS, Tier, TierLayout
+from ..errors import UsageError
+from ..formats.projections import load_projections
+from ..formats.quant import UNQUANTIZED
+from ..formats.tiers import DROP, PREFIX, SCORERS, Tier, TierLayout, attach, parse
+from .configs import Config, Latent
+from .frontier import continue_window
 
 CHUNK = 8        # continuation tokens per step, as the frontier's benches run
 SINKS = 4        # sink tokens of every fitted layout
@@ -124,8 +127,6 @@ def tiered_logprobs(model, ids):
     the latent cache of what is installed), after a prefill of the rest,
     in chunks of CHUNK (quality.frontier's protocol), with the bytes after
     the prefill and at the end (continue_window)."""
-    from .configs import Config
-    from .frontier import continue_window
     T = ids.shape[1]
     return continue_window(model, ids, T - tail(T), Config(), CHUNK)
 
@@ -138,10 +139,6 @@ def fit_tiers(model, info, path, method, frac, cal, scheme, log=print):
     its KL to the full model on the calibration windows cal (int64 [n,
     T]) at their length.  Returns (layout text, KL)."""
     import torch
-    from ..formats.projections import load_projections
-    from ..formats.tiers import attach, parse
-    from .configs import Config, Latent
-    from .frontier import continue_window
     base = load_projections(path, method)
     dev = next(model.parameters()).device
     T = cal.shape[1]

@@ -17,9 +17,12 @@ the closed form, included: the result is never worse than the untuned
 projections on the check windows)."""
 import copy
 
-from ..formats.policy import QUALITY_TUNED
-from .kl import full_logprobs, kl_to_full, weights_frozen
 from ..errors import KqsvdError, UsageError
+from ..formats.files import check_outputs
+from ..formats.policy import QUALITY_TUNED
+from ..formats.projections import load_projections
+from ..formats.saving import save_ranks
+from .kl import full_logprobs, kl_to_full, weights_frozen
 
 
 class _Trainable:
@@ -28,7 +31,7 @@ class _Trainable:
 
     def __init__(self, model, proj):
         import torch
-        from ..attention import compress, layer_projections
+        from ..attention import compress, layer_projections  # torch at its top
         compress(model, proj)
         p = next(model.parameters())
         self.layers = layer_projections(model)
@@ -63,7 +66,7 @@ def tune(model, proj, fit, check, steps=30, lr=3e-3, log=None):
     full attention.  Deterministic for the same inputs and threads."""
     import math
     import torch
-    from ..attention import compress
+    from ..attention import compress  # torch at its top
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise UsageError(f"tune: steps = {steps!r} must be a whole number, 0 or more")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
@@ -137,9 +140,6 @@ def tuned_file(model, proj_path, ranks, fit, check, out, fraction, steps=30, lr=
     as the policy quality-tuned:F (kqsvd.formats.saving.save_ranks).  Returns
     out.  Not collective.  out is checked as save_ranks checks it (force to
     replace a file) before any training."""
-    from ..formats.files import check_outputs
-    from ..formats.projections import load_projections
-    from ..formats.saving import save_ranks
     check_outputs([("out", out)], [("proj_path", proj_path)], force)
     tuned = {}
     for m, r in ranks.items():
