@@ -11,7 +11,9 @@
 numpy and h5py suffice for load_projections and kqsvd.Calibrator (the C
 library's accumulator: docs/guide/c-library.md); compress and
 export_safetensors need torch (and transformers' models)."""
+from .calibration.calibrator import Calibrator
 from .errors import KqsvdError, UsageError
+from .formats.h5io import read as read_dataset
 from .formats.projections import METHODS, Projections, load_projections, policy_ranks
 from .formats.saving import save_ranks
 from .version import __version__ as __version__
@@ -22,18 +24,12 @@ __all__ = ["KqsvdError", "UsageError", "METHODS", "Projections", "load_projectio
            "Calibrator"]
 
 
-def __getattr__(name):  # torch-dependent parts load on first use
+def __getattr__(name):  # the parts that need torch load on first use
     if name in ("compress", "compressed", "fold_o_proj", "cache_bytes", "probe_errors",
                 "latent_cache", "reading_codes"):
-        from . import attention
+        from . import attention  # torch at its top
         return getattr(attention, name)
     if name == "export_safetensors":
-        from .attention.export import export_safetensors
+        from .attention.export import export_safetensors  # torch at kqsvd.attention's top
         return export_safetensors
-    if name == "Calibrator":  # ctypes over libkqsvd.so, loaded at its first use
-        from .calibration.calibrator import Calibrator
-        return Calibrator
-    if name == "read_dataset":
-        from .formats.h5io import read
-        return read
     raise AttributeError(name)
