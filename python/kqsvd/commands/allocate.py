@@ -5,23 +5,22 @@ is kqsvd.quality.allocate.fit; this module parses and prints."""
 import argparse
 import sys
 
+from .. import models
 from ..errors import UsageError
+from ..formats.files import check_input_file, check_outputs
+from ..formats.policy import QUALITY_BUDGET, QUALITY_TUNED
 from ..formats.projections import METHODS
 from ..quality.allocate import fit
-from ..formats.policy import QUALITY_BUDGET, QUALITY_TUNED
+from .cli import ArgumentParser, count, fraction, positive, run_command
 
 PROG = "python -m kqsvd.allocate"
 
 
 def main(argv=None):
-    from .cli import run_command
     return run_command(PROG, lambda: _run(parse(argv)))
 
 
 def parse(argv):
-    from .. import models
-    from .cli import ArgumentParser, count, fraction, positive
-    from ..formats.files import check_input_file, check_outputs
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="model folder, GGUF file or id (offline)")

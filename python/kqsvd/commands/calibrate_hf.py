@@ -18,8 +18,12 @@ import sys
 
 from ..calibration import faults
 from ..calibration.capture import KEYS
+from ..calibration.driver import Stopped
+from ..calibration.driver import run as calibrate
 from ..errors import UsageError
 from ..formats.files import check_input_file
+from .cli import (ArgumentParser, count, finite, launched_rank, nonnegative, positive,
+                  run_command, window_options)
 
 HELP = __doc__.split("\n\n")[0] + """
 
@@ -43,9 +47,6 @@ def log(msg):
 
 def run(args):
     """The calibration (kqsvd.calibration.driver) and its one line."""
-    from ..calibration.driver import Stopped
-    from ..calibration.driver import run as calibrate
-    from .cli import launched_rank
     try:
         got = calibrate(args, log)
     except Stopped as e:  # raised on every rank alike: said once
@@ -64,7 +65,6 @@ def run(args):
 
 
 def parse(argv):
-    from .cli import ArgumentParser, count, finite, nonnegative, positive, window_options
     ap = ArgumentParser(prog=PROG, description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     window_options(ap)
@@ -127,7 +127,6 @@ def parse(argv):
 
 
 def main(argv=None):
-    from .cli import run_command
     got = {}
     # Options are read alike on every rank: rank 0 alone reports them.  In
     # run(), agree() has only the rank that failed first raise.

@@ -15,6 +15,7 @@ import sys
 import threading
 
 from ..errors import KqsvdError, UsageError
+from ..formats.files import json_writer, write_all
 from ..formats.numbers import integer, number, whole
 
 # What pyproject.toml's [torch] extra brings: the model commands need them.
@@ -184,7 +185,6 @@ def write_report(report, json_path, plot_path, plot, table, staged=None, force=F
     files `staged` holds (files.Staged: fitted files the run measured), so
     that a failure leaves none, then the table printed and where they went.
     force: the command's --force (files.write_all)."""
-    from ..formats.files import json_writer, write_all
     staged_paths = list(staged.tmps) if staged is not None else []
     write_all([(json_path, json_writer(report))] + ([(plot_path, plot(report))] if plot_path else []),
               staged, force)

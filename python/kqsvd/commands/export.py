@@ -7,8 +7,12 @@ import argparse
 import sys
 import time
 
-from ..calibration.capture import KEYS
+from .. import models
+from ..calibration.cache_export import Exporter, check_names, request, survey
+from ..calibration.capture import KEYS, rope_of
 from ..errors import KqsvdError, UsageError
+from ..formats.files import check_folder_output, check_input_file
+from ..models.load import DEVICES, check_device
 from .cli import ArgumentParser, count, run_command, window_options
 
 HELP = """Exports a Hugging Face model's attention caches in the kqsvd data contract
@@ -59,9 +63,6 @@ def export(args, name):
     except ImportError as e:
         raise KqsvdError(f"{e.name} is missing; scripts/hf-env.sh prepares .venv with "
                          "everything the exporter needs") from None
-    from .. import models
-    from ..calibration.cache_export import Exporter, check_names, request, survey
-    from ..calibration.capture import rope_of
     t0 = time.time()
     check_names(args.out)
     # f64 caches come from a float64 forward pass, so they are exact to float64.
@@ -111,8 +112,6 @@ def run(args, name):
 
 
 def parse(argv, prog):
-    from ..formats.files import check_folder_output, check_input_file
-    from ..models.load import DEVICES, check_device
     ap = ArgumentParser(prog=prog, description=HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     window_options(ap)

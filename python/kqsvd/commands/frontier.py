@@ -40,13 +40,21 @@ import os
 import sys
 import time
 
+from .. import models
 from ..errors import KqsvdError, UsageError
 from ..formats.files import check_input_file, check_outputs
 from ..formats.numbers import number, whole
-from ..formats.projections import METHODS
 from ..formats.policy import parse as parse_policy
-from ..formats.quant import AXES, BITS, QuantScheme
-from ..quality.peers import QuantizedCachePeer
+from ..formats.projections import METHODS, check_sizes, file_sizes, policy_ranks, window_warning
+from ..formats.quant import AXES, BITS, GROUP_MAX, QuantScheme
+from ..formats.tiers import check_width
+from ..progress import Progress
+from ..quality.configs import Latent, PlainQuant
+from ..quality.frontier import pareto, score
+from ..quality.measure import resolve_policies
+from ..quality.peers import BACKENDS, PRESSES, PressOverQuantized, PressPeer, QuantizedCachePeer
+from .cli import (ArgumentParser, between, check_plot, count, figure_writer, run_command,
+                  write_report)
 
 PROG = "python -m kqsvd.frontier"
 
@@ -72,9 +80,6 @@ def _once(opt, items, key=str):
 
 
 def _options():
-    from .cli import ArgumentParser, between, count
-    from ..formats.quant import GROUP_MAX
-    from ..quality.peers import PRESSES
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="The JSON report is described in docs/quantized-cache.md.")
@@ -126,10 +131,6 @@ def _options():
 def parse(argv):
     """The options, each checked before the model loads (the files, each
     policy as `kqsvd ranks` reads it, the peers, the outputs)."""
-    from .cli import check_plot
-    from ..formats.projections import file_sizes
-    from ..models import describe, resolve
-    from ..quality.peers import BACKENDS, PRESSES
     a = _options().parse_args(argv)
     T = a.context + a.continuation
     a.stored_residual, a.residual = a.residual, a.residual or 0
@@ -160,7 +161,7 @@ def parse(argv):
                          "--presses")
     for c in a.configs:
         c.check()
-    info = functools.cache(lambda: describe(a.model)[0])  # the header, once, if a peer asks
+    info = functools.cache(lambda: models.describe(a.model)[0])  # the header, once, if a peer asks
     for c in a.configs:
         c.check_model(info)
     check_plot(a.plot)
@@ -173,7 +174,7 @@ def parse(argv):
                         a.methods)
     check_outputs([("--json", a.json), ("--plot", a.plot)],
                   [("--proj", p) for p in files] +
-                  [("--text", a.text), ("--model", resolve(a.model))], a.force)
+                  [("--text", a.text), ("--model", models.resolve(a.model))], a.force)
     return a
 
 
@@ -196,7 +197,6 @@ def _check_policies(opt, path, policies, methods):
     `kqsvd ranks` or the bits' syntax refuse, one fitted to the model, and
     one configuration named twice (fixed:8 and kqsvd/fixed:08 among the
     methods kqsvd and ksvd)."""
-    from ..formats.projections import policy_ranks
     seen = {}
     for pol in policies:
         try:
@@ -223,8 +223,6 @@ def _check_policies(opt, path, policies, methods):
 def _check_tiers(opt, path, layout):
     """Refuses a tier's columns beyond the file's units (UsageError naming
     opt and the policy)."""
-    from ..formats.projections import file_sizes
-    from ..formats.tiers import check_width
     sizes = file_sizes(path, ())
     try:
         check_width(layout, sizes["head_dim"] * sizes["head_groups"])
@@ -233,8 +231,6 @@ def _check_tiers(opt, path, layout):
 
 
 def _peer_configs(a, backends, presses):
-    from ..quality.configs import PlainQuant
-    from ..quality.peers import PressPeer
     configs = []
     for b in _once("--plain", _list(a.plain), lambda b: whole(b) if whole(b) is not None else b):
         if whole(b) not in BITS:
@@ -283,7 +279,6 @@ def _composites(a, names, backends):
     """Each press of --presses over each --press-quantized cache, at each
     fraction of the bf16 bytes of --press-bytes.  A budget the cache alone
     reaches keeping every token is no composite: said on stderr, skipped."""
-    from ..quality.peers import PressOverQuantized
     caches = _quantized_caches("--press-quantized", a.press_quantized, backends, a.group)
     budgets = _fractions("--press-bytes", a.press_bytes)
     if caches and not (names and budgets):
@@ -302,8 +297,6 @@ def _composites(a, names, backends):
 
 
 def _latent_configs(a, L):
-    from ..quality.configs import Latent
-    from ..quality.measure import resolve_policies
     out = []
     for path, policies in a.proj:
         # several files: each configuration names its file's stem
@@ -366,7 +359,6 @@ def plot(report):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from ..quality.frontier import pareto
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     full = report["full"]["perplexity"]
     res = report["results"]
@@ -402,7 +394,6 @@ def plot(report):
     axes[0].yaxis.set_minor_formatter(times)
     axes[0].tick_params(axis="y", which="minor", labelsize=7)
     axes[0].legend(fontsize=6, ncol=2)
-    from .cli import figure_writer
     return figure_writer(fig, axes, ("perplexity / the full model's",
                                      "KL(full || configuration) per token"),
                          "KV cache bytes kept (% of bf16)",
@@ -413,10 +404,6 @@ def plot(report):
 
 def run(a):
     import torch
-    from .. import models
-    from ..formats.projections import check_sizes, window_warning
-    from ..progress import Progress
-    from ..quality.frontier import pareto, score
     t0 = time.time()
     # said once every check has passed: a refusal stays one line
     shorts = [window_warning(path, a.context + a.continuation) for path, _ in a.proj]
@@ -447,11 +434,9 @@ def run(a):
         report["results"].append(dict(label=c.label, family=c.family, front=i in front,
                                       front_kl=i in front_kl, **r))
     report["elapsed_s"] = time.time() - t0
-    from .cli import write_report
     write_report(report, a.json, a.plot, plot, table, force=a.force)
     return report
 
 
 def main(argv=None):
-    from .cli import run_command
     return run_command(PROG, lambda: run(parse(argv)))

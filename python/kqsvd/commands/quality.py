@@ -32,21 +32,27 @@ import os
 import sys
 import time
 
+from .. import models, native
 from ..errors import KqsvdError, UsageError
-from ..formats.files import check_input_file, check_outputs, said_of
-from ..formats.projections import METHODS, load_projections
-from ..formats.saving import save_ranks
+from ..formats.files import Staged, check_input_file, check_outputs, said_of
 from ..formats.policy import (QUALITY_BITS, QUALITY_BUDGET, QUALITY_TIERS, QUALITY_TUNED,
                               fitted_fraction)
 from ..formats.policy import parse as parse_policy
-from ..quality.measure import measure, resolve_policies
+from ..formats.projections import (METHODS, check_sizes, file_sizes, load_projections,
+                                   window_warning)
+from ..formats.quant import QuantScheme
+from ..formats.saving import save_ranks
+from ..quality.allocate import allocate
+from ..quality.bits import allocate_bits
+from ..quality.measure import check_fitted, measure, resolve_policies
+from ..quality.tune import tuned_file
+from .cli import (ArgumentParser, check_plot, count, figure_writer, positive, run_command,
+                  write_report)
 
 PROG = "python -m kqsvd.quality"
 
 
 def parse(argv):
-    from .cli import ArgumentParser, check_plot, count, positive
-    from ..models import resolve
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="The JSON report is described in docs/formats.md, section 8.")
@@ -107,12 +113,11 @@ def parse(argv):
         if n < 1 and uses:
             raise UsageError(f"{opt} {n}: --ranks {uses[0]} needs 1 or more")
     if any(p not in a.fitted for p in a.policies):
-        from .. import native
         native.tool()  # `kqsvd ranks` resolves them: a missing library is found before the load
     check_input_file("--text", a.text)
     check_outputs([("--json", a.json), ("--plot", a.plot)] +
                   [(f"the {pol} file", path) for pol, path in a.fitted.items()],
-                  [("--proj", a.proj), ("--text", a.text), ("--model", resolve(a.model))], a.force)
+                  [("--proj", a.proj), ("--text", a.text), ("--model", models.resolve(a.model))], a.force)
     return a
 
 
@@ -178,7 +183,6 @@ def plot(report):
     axes[0].set_yscale("log")
     for ax in axes:
         ax.legend(fontsize=7)
-    from .cli import figure_writer
     return figure_writer(fig, axes, ("mean KL(full || compressed) per token", "perplexity"),
                          "KV cache kept (%)", f"{report['model']}: {report['num_seqs']} x "
                          f"{report['seq_len']} tokens ({report['split']})")
@@ -201,11 +205,6 @@ def table(report):
 
 def run(a):
     import torch
-    from .. import models
-    from ..formats.files import Staged
-    from ..formats.projections import check_sizes, file_sizes, window_warning
-    from ..formats.quant import QuantScheme
-    from ..quality.measure import check_fitted
     t0 = time.time()
     psizes = file_sizes(a.proj, a.methods)
     short = window_warning(a.proj, a.seq_len)  # said once every check has passed
@@ -264,7 +263,6 @@ def run(a):
         full, results = measure(model, seqs, pairs, a.fold, a.score_errors)
         report = _report(a, pairs, full, results, seqs, start, bos, info, psizes["head_groups"])
         report["elapsed_s"] = time.time() - t0
-        from .cli import write_report
         write_report(report, a.json, a.plot, plot, table, staged, a.force)
     return report
 
@@ -276,11 +274,9 @@ def _fit(a, pol, out, model, info, cal, scheme, fitted, log):
     (kqsvd evaluate, compress) uses exactly what was measured.  fitted:
     the ranks fitted so far by fraction, which quality-budget:F and
     quality-tuned:F of one F share."""
-    from ..quality.allocate import allocate
-    from ..quality.tune import tuned_file
     frac = fitted_fraction(pol)
     if pol.startswith(QUALITY_TIERS):  # a tiered cache's layout, at the windows' length
-        from ..quality.tiers import fit_tiers
+        from ..quality.tiers import fit_tiers  # torch at its top
         layouts, ranks = {}, {}
         for m in a.methods:
             layouts[m] = fit_tiers(model, info, a.proj, m, frac, cal[:a.calib_seqs], scheme,
@@ -290,7 +286,6 @@ def _fit(a, pol, out, model, info, cal, scheme, fitted, log):
         return save_ranks(a.proj, out, ranks, f"{QUALITY_TIERS}{frac:g}", force=True,
                           scheme=scheme, tiers=layouts)
     if pol.startswith(QUALITY_BITS):  # ranks and bits of a quantized latent, chosen together
-        from ..quality.bits import allocate_bits
         got = allocate_bits(model, info, a.proj, frac, cal[:a.calib_seqs], a.methods, scheme,
                             log=log)
         return save_ranks(a.proj, out, {m: (g["rank_k"], g["rank_v"]) for m, g in
@@ -333,7 +328,6 @@ def _report(a, pairs, full, results, seqs, start, bos, info, head_groups):
 
 
 def main(argv=None):
-    from .cli import run_command
     return run_command(PROG, lambda: run(parse(argv)))
 
 
