@@ -1,9 +1,13 @@
 """The attention path's structure (issue 57), read from the package itself:
+one decode attention over parts, its softmax in decode.py alone;
 one table of the tiered cache's scorers, by the names a layout writes;
 one map from attention modules to what each registered function reads
 for them; a site's tiers one frozen record; the cache layers' shared
 base."""
+import ast
 import dataclasses
+import inspect
+import os
 import unittest
 
 import torch
@@ -11,7 +15,7 @@ import torch
 from common import orthonormal_projections, tiny_lm
 
 from kqsvd import compat
-from kqsvd.attention import cache, compressed, function, layer, scorers, tiers
+from kqsvd.attention import cache, compressed, decode, function, layer, scorers, tiers
 from kqsvd.attention.compressed import Site, SiteTiers
 from kqsvd.calibration import capture
 from kqsvd.errors import KqsvdError
@@ -78,3 +82,44 @@ class OneOfEach(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class OneAttention(unittest.TestCase):
+    """decode.attend over parts side by side is the attention over their
+    tokens together: one softmax, the sum of the weighted sums; and a
+    decode step's softmax is written in decode.py alone."""
+
+    def test_parts_side_by_side_are_one_attention(self):
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, 2, 11, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        whole = decode.attend(q, [decode.Exact(k, v)], 0.3, causal=True)
+        parts = [decode.Exact(k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 4), (4, 5), (5, 11))]
+        torch.testing.assert_close(decode.attend(q, parts, 0.3, causal=True), whole,
+                                   rtol=0, atol=1e-12)
+        s = (q.reshape(2, 2, 6, 8) @ k.transpose(-1, -2)).view(2, 4, 3, 11) * 0.3
+        s[..., -3:] = s[..., -3:].masked_fill(~torch.ones(3, 3, dtype=torch.bool).tril(),
+                                              float("-inf"))
+        want = (torch.softmax(s, -1).reshape(2, 2, 6, 11) @ v).view(2, 4, 3, 8)
+        torch.testing.assert_close(whole, want, rtol=0, atol=1e-12)
+
+    def test_one_softmax_for_a_decode_step(self):
+        folder = os.path.dirname(decode.__file__)
+        calls = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".py"):
+                tree = ast.parse(open(os.path.join(folder, f)).read())
+                tops = [n for n in tree.body if isinstance(n, ast.FunctionDef)] + [
+                    m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body
+                    if isinstance(m, ast.FunctionDef)]
+                for fn in tops:  # a function or method, what it defines inside included
+                    if any(isinstance(c, ast.Call) and "softmax" in ast.unparse(c.func)
+                           for c in ast.walk(fn)):
+                        calls.setdefault(f, set()).add(fn.name)
+        # the prefill's scorers and probe mode's eager measurement are no decode step
+        self.assertEqual(calls, {"decode.py": {"attend"}, "function.py": {"_probe"},
+                                 "scorers.py": {"_share", "expected"}})
+
+    def test_latent_attention_fits(self):
+        src = inspect.getsource(function.latent_attention)
+        self.assertLessEqual(len(src.splitlines()), 80)

@@ -12,8 +12,8 @@ QuantLayer holds its columns quantized (quant.py): the latent's with
 quantized projections, or the model's own keys and values (QuantCache, a
 plain quantized cache to compare with), dequantized whenever they are
 returned, except for a decode step the attention function reads as codes
-(function._codes_attention): the latent's after RoPE, or QuantCache's
-inside compressed.reading_codes()."""
+(a decode.Reading of the layer's Columns): the latent's after RoPE, or
+QuantCache's inside compressed.reading_codes()."""
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +26,11 @@ from transformers.cache_utils import Cache
 from ..compat import update_places
 from ..errors import KqsvdError, UsageError
 from . import kernel
+from .decode import Codes, Reading
 from .footprint import referenced_bytes
 from .handoff import hand
 from .layer import FixedLayer, KqsvdLayer
+from .projection import Identity
 from .quant import Rows, store
 
 
@@ -211,7 +213,10 @@ class QuantLayer(FixedLayer):
         codes = reads_codes(self.site, key_states)
         self.cols.append(key_states, value_states)
         if codes:
-            return self.hand_shapes(key_states, value_states, self.get_seq_length())
+            P = Identity(key_states.shape[1]) if self.site is None else self.site.P
+            n = self.get_seq_length()
+            reading = Reading(((slice(None), (Codes(P, self.cols, scale_queries=True),)),), n)
+            return self.hand_shapes(key_states, value_states, n, reading)
         keys, values = self.cols.read(key_states.dtype)
         if self.site is not None:  # the latent's columns, dequantized
             return hand(keys, self), hand(values, self)

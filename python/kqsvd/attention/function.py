@@ -11,6 +11,11 @@ never 1/sqrt(r)), the weights multiply V A_v, and B_v^T (or the folded
 o_proj) takes the result back; all through
 torch.nn.functional.scaled_dot_product_attention.
 
+A decode step over a layer that reads its own stores (a quantized latent
+read as codes, a plain quantized cache inside reading_codes(), a tiered
+cache) is the attention over what the layer's update() said it holds,
+in parts (decode.step).
+
 Probe mode (compress(..., probe=True)) measures instead: it computes the
 exact and the compressed scores and outputs eagerly, records their
 relative squared errors per sequence (err_kq and err_out as `kqsvd
@@ -24,6 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..compat import attached
 from ..errors import KqsvdError
+from .decode import step
 from .handoff import received
 from .projection import key_positions, rope
 from .tiers import TierLayer
@@ -38,18 +44,14 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                      **kwargs):
     # dropout sixth, as transformers' SDPA function has it: kvpress wraps
     # every registered attention function and passes it by position.
-    layer, codes, key, value = received(key, value)
+    layer, reading, key, value = received(key, value)
     site = attached(module, NAME)
-    if isinstance(layer, TierLayer):
-        return _tiered(module, site, layer, query, key, value, attention_mask, dropout, scaling,
-                       kwargs)
-    if layer is not None and layer.site is None:  # a plain quantized cache's layer
-        if site is None:  # the model's own keys and values, read as codes
-            return _codes_attention(None, layer, query, attention_mask, scaling,
-                                    dropout if module.training else 0.0, key.shape[1])
-        key, value = layer.read(query.dtype)  # a compressed model given a plain cache
-        layer, codes = None, False  # full keys and values from here
-    if site is None or site.tiers is not None and layer is None:
+    if layer is not None and layer.site is None and site is not None:
+        # a compressed model given a plain quantized cache: its stores read
+        # whole, full keys and values from here
+        key, value = layer.read(query.dtype)
+        layer = reading = None
+    if layer is None and (site is None or site.tiers is not None):
         # a module of a model not (or no longer) compressed; or a tiered
         # one without its cache, which attends as at a prefill: exactly
         return sdpa_attention_forward(module, query, key, value, attention_mask,
@@ -59,20 +61,45 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if layer is not None and layer.site is not site:
         raise KqsvdError("this cache was filled under other projections: start a new one "
                          "(kqsvd.latent_cache) after each compress()")
-    P = site.P
-    T, N = query.shape[2], key.shape[2]
-    latent = layer is not None  # the latent's columns, from this module's cache layer
-    if codes:  # a quantized layer's stores, read as codes
-        return _codes_attention(P, layer, query, attention_mask, scaling,
-                                dropout if module.training else 0.0)
-    pos = kwargs.get("position_ids")
-    if pos is None:
-        pos = torch.arange(N - T, N, device=query.device)[None]
+    drop = dropout if module.training else 0.0
+    if reading is not None:  # a decode step over what the layer holds (decode.py)
+        return step(reading, query, attention_mask, scaling, drop), None
     if site.probe is not None:
-        if latent or N != T:
+        if layer is not None or key.shape[2] != query.shape[2]:
             raise KqsvdError("probe mode measures whole sequences: call the model with "
                              "use_cache=False")
-        return _probe(module, site, query, key, value, attention_mask, scaling, pos)
+        return _probe(module, site, query, key, value, attention_mask, scaling,
+                      _positions(kwargs, query, key))
+    if isinstance(layer, TierLayer):
+        # a tiered cache's prefill attends exactly, as the model does, and
+        # then settles the tokens its mask shows (each row's own, in a
+        # padded batch) into the tiers
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        out = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                     scaling=scaling, dropout=dropout, **kwargs)
+        layer.settle(query, scaling, attention_mask, kwargs.get("position_ids"))
+        return out
+    return _through(module, site, layer is not None, query, key, value, attention_mask,
+                    scaling, drop, _positions(kwargs, query, key))
+
+
+def _positions(kwargs, query, key):
+    """The current tokens' positions [b or 1, T]: the model's, else the
+    last T of the N keys'."""
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        T, N = query.shape[2], key.shape[2]
+        pos = torch.arange(N - T, N, device=query.device)[None]
+    return pos
+
+
+def _through(module, site, latent, query, key, value, mask, scaling, drop, pos):
+    """Attention through the site's projections by PyTorch's SDPA: over
+    the latent's columns (latent: key and value are a cache layer's), or
+    over full keys and values, projected here."""
+    P = site.P
+    T, N = query.shape[2], key.shape[2]
     # One table of every key's cos and sin per call, for undoing RoPE on
     # full keys and redoing it on the rebuilt ones alike.
     cos, sin = site.rotary(value, key_positions(pos, T, N)) if P.pre else (None, None)
@@ -83,11 +110,9 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
             raise KqsvdError("this cache was filled under other projections: start a new one "
                              "(kqsvd.latent_cache) after each compress()")
         kc, vc = P.project(key, value, cos, sin)
-    mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, :N]
     causal = mask is None and T > 1 and getattr(module, "is_causal", True)
-    drop = dropout if module.training else 0.0
 
     def attend(q, k, v):
         # PyTorch's fused kernels want one width for queries, keys and
@@ -114,62 +139,6 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     heads, folded, _ = P.attend(attend, query, kc, vc, lambda x: rope(x, cos, sin))
     if folded is not None:
         return folded.unsqueeze(2), None
-    return heads.transpose(1, 2).contiguous(), None
-
-
-def _tiered(module, site, layer, query, key, value, mask, dropout, scaling, kwargs):
-    """A step over a tiered cache layer (tiers.py): the prefill attends
-    exactly, as the model does, and then settles the tokens its mask shows
-    (each row's own, in a padded batch) into the tiers; later steps attend
-    over all the layer holds, their mask checked against it."""
-    if layer.site is not site:
-        raise KqsvdError("this cache was filled under other projections: start a new one "
-                         "(kqsvd.latent_cache) after each compress()")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if layer.prefill is None:
-        return layer.attend(query, scaling, dropout if module.training else 0.0, mask)
-    out = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling,
-                                 dropout=dropout, **kwargs)
-    layer.settle(query, scaling, mask, kwargs.get("position_ids"))
-    return out
-
-
-def _codes_attention(P, layer, q, mask, scaling, drop, hkv=None):
-    """A decode step (q [b, Hq, 1, d], keys after RoPE) over a QuantLayer's
-    stores, read through the kernels (kernel.py): per slice of columns of
-    its own stores, scores (q B)(codes)^T, softmax, and the weighted sum of
-    the value codes; then B_v^T or the folded o_proj, as P.attend.  P None:
-    the model's own keys and values of hkv heads (B the identity)."""
-    b, Hq = q.shape[:2]
-    g = Hq // hkv if P is None else P.q_per_kv  # query heads per KV head
-    N = layer.get_seq_length()
-    if P is None:
-        qs = [q.reshape(b, hkv, g, -1)]
-    else:
-        qs = P.slice_queries(q, layer.cols.slices[0][0] is not None)
-    outs = []
-    for qq, (sk, sv) in zip(qs, layer.cols.stores):
-        qq = qq.float() * scaling  # the module's scaling on the r-wide queries, not on N scores
-        s = sk.scores(qq, torch.zeros(*qq.shape[:3], N, dtype=torch.float32, device=q.device))
-        if mask is not None:
-            m = mask[..., -1:, :N]
-            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-        p = torch.softmax(s, -1)
-        if drop:
-            p = F.dropout(p, drop)
-        outs.append(sv.weigh(p).to(q.dtype))                  # [b, H, g, rv]
-    if P is None:
-        return outs[0].reshape(b, Hq, 1, -1).transpose(1, 2).contiguous(), None
-    if P.ragged:
-        if P.o_folded is not None:
-            return torch.cat([o.reshape(b, 1, -1) for o in outs], -1).unsqueeze(2), None
-        heads = torch.cat([o.transpose(1, 2) @ bvT for o, bvT in zip(outs, P.BvT)], 1)
-    else:
-        o = torch.cat(outs, 1).reshape(b, Hq, 1, -1)
-        if P.o_folded is not None:
-            return o.reshape(b, 1, -1).unsqueeze(2), None
-        heads = o @ P.BvT
     return heads.transpose(1, 2).contiguous(), None
 
 

@@ -19,25 +19,27 @@ import torch
 
 class Handed(torch.Tensor):
     """A tensor from a cache layer: `layer` (cache.LatentLayer or
-    cache.QuantLayer) and `codes` (whether the attention reads the layer's
-    stores, this tensor holding only their shape).  What torch computes
+    cache.QuantLayer), `codes` (whether the attention reads the layer's
+    stores, this tensor holding only their shape) and then `reading`
+    (decode.Reading: what the layer holds, in parts).  What torch computes
     from it is a Handed without them: the note belongs to what the layer
     returned, not to what is computed from it."""
 
 
-def hand(t, layer, codes=False):
+def hand(t, layer, codes=False, reading=None):
     """t as a Handed tensor from `layer` (same data, no copy)."""
     out = t.as_subclass(Handed)
-    out.layer, out.codes = layer, codes
+    out.layer, out.codes, out.reading = layer, codes, reading
     return out
 
 
 def received(key, value):
-    """(layer, codes, key, value): what a cache layer of this package
-    handed with key and value, and the two as plain tensors (the kqsvd
-    attention computes on them at torch's own speed); (None, False, key,
-    value) for tensors of any other origin."""
+    """(layer, reading, key, value): what a cache layer of this package
+    handed with key and value (reading None unless the attention reads the
+    layer's stores), and the two as plain tensors (the kqsvd attention
+    computes on them at torch's own speed); (None, None, key, value) for
+    tensors of any other origin."""
     layer = getattr(key, "layer", None) if isinstance(key, Handed) else None
     if layer is None:
-        return None, False, key, value
-    return layer, key.codes, key.as_subclass(torch.Tensor), value.as_subclass(torch.Tensor)
+        return None, None, key, value
+    return layer, key.reading, key.as_subclass(torch.Tensor), value.as_subclass(torch.Tensor)

@@ -39,12 +39,13 @@ class KqsvdLayer(DynamicLayer):
             raise KqsvdError(self.GONE)
         return self.site
 
-    def hand_shapes(self, key_states, value_states, n):
+    def hand_shapes(self, key_states, value_states, n, reading):
         """Keys and values of n tokens shaped as these new ones, with no
-        data (zero strides), handed as codes: the attention reads the
-        layer's stores, and a float copy of the cache is what that avoids."""
+        data (zero strides), handed with `reading` (decode.Reading): the
+        attention reads the layer's stores, and a float copy of the cache
+        is what that avoids."""
         none = key_states.new_zeros(())
-        return tuple(hand(none.expand(*x.shape[:2], n, x.shape[-1]), self, codes=True)
+        return tuple(hand(none.expand(*x.shape[:2], n, x.shape[-1]), self, True, reading)
                      for x in (key_states, value_states))
 
 

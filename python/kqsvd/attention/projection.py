@@ -244,6 +244,20 @@ class LayerProjection:
         qv = (q @ self.Bq).reshape(b, Hq // g, g * T, -1)
         return [qv[:, j:j + 1] for j in range(qv.shape[1])] if per_unit else [qv]
 
+    def bring_up(self, outs):
+        """Each slice's outputs in the latent, [b, heads, T, rv] in
+        slice_queries' order, brought up: the heads' output [b, Hq, T, d]
+        through B_v, or the folded o_proj's input [b, T, Hq rv]."""
+        if self.ragged:
+            if self.o_folded is not None:
+                return torch.cat([o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+                                  for o in outs], -1)
+            return torch.cat([o @ bvT for o, bvT in zip(outs, self.BvT)], 1)
+        o = torch.cat(outs, 1)
+        if self.o_folded is not None:
+            return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+        return o @ self.BvT
+
     def set_up(self, qd, vu):
         """Sets the up-projections from one layer's B and B_v as the file
         has them, [Hkv, d, r] (tuning passes tensors that carry gradients):
@@ -333,3 +347,22 @@ class LayerProjection:
         if self.o_folded is not None:
             return None, torch.cat(folded, -1), extras
         return torch.cat(heads, 1), None, extras
+
+
+class Identity:
+    """The model's own keys and values of hkv KV heads as a projection, B
+    and B_v the identity: a plain quantized cache read as codes
+    (decode.Codes) as a latent is."""
+
+    def __init__(self, hkv):
+        self.hkv = hkv
+
+    def slice_queries(self, q, per_unit):
+        """The queries [b, Hq, T, d] as one slice, a KV head's query heads
+        stacked as rows: [b, Hkv, Hq / Hkv T, d]."""
+        b, Hq, T, d = q.shape
+        return [q.reshape(b, self.hkv, Hq // self.hkv * T, d)]
+
+    def bring_up(self, outs):
+        """The one slice's outputs [b, Hq, T, d]: the heads' output."""
+        return torch.cat(outs, 1)

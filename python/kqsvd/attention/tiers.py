@@ -14,9 +14,11 @@ The prefill attends exactly, as the model does; its last queries then
 score every token (scorers.py: scorers.OBSERVED of them, SnapKV's
 observation window, by the scorer the layout names) and the layer settles
 its tokens into the tiers.  Later tokens enter the window; those that leave it enter the
-first tier.  A decode step takes every score (tiers in their latent
-space, window and sinks exactly), one softmax over all of them, and the
-values' sum per tier, brought up by that tier's B_v.
+first tier.  A decode step's update() hands what the layer holds as a
+decode.Reading, a part per tier and one for the window and sinks: one
+softmax over all their scores (tiers in their latent space, window and
+sinks exactly), and the values' sum per tier, brought up by that tier's
+B_v.
 
 get_seq_length() is the tokens seen, not those held, so that positions
 count on from it (generate() takes them from there)."""
@@ -24,14 +26,15 @@ from __future__ import annotations
 
 import weakref
 
+import dataclasses
+
 import torch
-import torch.nn.functional as F
 
 from ..compat import update_places
 from ..errors import KqsvdError
 from . import kernel
 from .cache import latent_columns
-from .decode import gqa_scores, gqa_weigh
+from .decode import Codes, Exact, Floats, Reading
 from .handoff import hand
 from .layer import FixedLayer
 from .projection import rope
@@ -64,50 +67,20 @@ class Tier:
             self.pos = p if self.pos is None else torch.cat([self.pos, p], -1)
         self.n += keys.shape[-2]
 
-    def reads_codes(self, q):
+    def reads_codes(self, x):
         """Whether a step reads this tier's codes through the decode kernels
-        (kernel.py): quantized keys after RoPE, and the kernels serve q."""
-        return self.cols is not None and not self.P.pre and kernel.available(q)
+        (kernel.py): quantized keys after RoPE, and the kernels serve
+        tensors like x."""
+        return self.cols is not None and not self.P.pre and kernel.available(x)
 
-    def scores(self, q, rotary):
-        """Queries q [b, Hq, T, d] against every token held: [b, Hq, T, n]
-        unscaled, and weigh(p) taking weights p [b, Hq, T, n] to the
-        heads' outputs [b, Hq, T, d]."""
-        if self.reads_codes(q):
-            return self._coded(q)
-        kc, vc = self.cols.read(q.dtype) if self.cols is not None else (self.kc, self.vc)
+    def part(self, x, rotary):
+        """The tier's tokens as a part of a step over tensors like x
+        (decode.py): its codes, or its columns in floating point."""
+        if self.reads_codes(x):
+            return Codes(self.P, self.cols)
+        kc, vc = self.cols.read(x.dtype) if self.cols is not None else (self.kc, self.vc)
         pos = self.pos
-        sp = list(self.P.spaces(q, kc, vc, lambda x: rope(x, *rotary(x, pos.long()))))
-
-        def weigh(p):
-            out, h = [], 0
-            for qq, _, vv, bvT in sp:
-                out.append(gqa_weigh(p[:, h:h + qq.shape[1]], vv) @ bvT)
-                h += qq.shape[1]
-            return torch.cat(out, 1)
-        return torch.cat([gqa_scores(qq, kk) for qq, kk, _, _ in sp], 1), weigh
-
-    def _coded(self, q):
-        """scores() read from the codes, slice by slice of stores."""
-        b, Hq, T, _ = q.shape
-        P, stores = self.P, self.cols.stores
-        qs = P.slice_queries(q, self.cols.slices[0][0] is not None)
-        parts = [sk.scores(qq.float(), torch.zeros(*qq.shape[:3], self.n, dtype=torch.float32,
-                                                    device=q.device))
-                 for qq, (sk, _) in zip(qs, stores)]
-        heads = [s.shape[1] * s.shape[2] // T for s in parts]
-
-        def weigh(p):
-            out, h = [], 0
-            for (_, sv), n, j in zip(stores, heads, range(len(heads))):
-                pj = p[:, h:h + n].reshape(b, n // P.q_per_kv, P.q_per_kv * T, self.n)
-                o = sv.weigh(pj).to(q.dtype).reshape(b, n, T, -1)
-                bvT = P.BvT[j] if P.ragged else P.BvT[h:h + n]
-                out.append(o @ bvT)
-                h += n
-            return torch.cat(out, 1)
-        return torch.cat([s.reshape(b, n, T, self.n) for s, n in zip(parts, heads)], 1).to(
-            q.dtype), weigh
+        return Floats(self.P, kc, vc, lambda y: rope(y, *rotary(y, pos.long())))
 
     def nbytes(self, float_bytes=None):
         held = self.cols.nbytes(float_bytes) if self.cols is not None else sum(
@@ -177,26 +150,12 @@ class Held:
             t is not None and t.P.pre for t in self.tiers) else None
         self.held_sinks = S
 
-    def attend(self, query, scaling, drop):
-        """A step of T new tokens' queries [b, Hq, T, d] over everything
-        held: one softmax (in float32 at least) over the tiers' scores and
-        the sinks' and window's, the last T of the window causal."""
-        acc = torch.promote_types(query.dtype, torch.float32)
-        tiers = [t.scores(query, self.site.rotary) for t in self.tiers if t is not None and t.n]
-        fk, fv = self.full
-        s = torch.cat([sc for sc, _ in tiers] + [gqa_scores(query, fk)], -1).to(acc) * scaling
-        T, n = query.shape[2], fk.shape[-2]
-        causal = torch.ones(T, T, dtype=torch.bool, device=query.device).tril()
-        s[..., s.shape[-1] - T:] = s[..., s.shape[-1] - T:].masked_fill(~causal, float("-inf"))
-        p = torch.softmax(s, -1).to(query.dtype)
-        if drop:
-            p = F.dropout(p, drop)
-        out = gqa_weigh(p[..., p.shape[-1] - n:], fv)
-        at = 0
-        for sc, weigh in tiers:
-            out = out + weigh(p[..., at:at + sc.shape[-1]])
-            at += sc.shape[-1]
-        return out.transpose(1, 2).contiguous()
+    def parts(self, x):
+        """Everything held as the parts of a step over tensors like x
+        (decode.py): each tier that holds tokens, then the sinks and the
+        window in full, the step's own tokens last."""
+        return tuple([t.part(x, self.site.rotary) for t in self.tiers if t is not None and t.n] +
+                     [Exact(*self.full)])
 
     def nbytes(self, float_bytes=None):
         held = sum(t.nbytes(float_bytes) for t in self.tiers if t is not None)
@@ -205,7 +164,7 @@ class Held:
 
 
 # (id(mask), what the prefill's mask showed) -> mask: the masks decode steps
-# have checked (TierLayer.check_mask), each once and not at every layer (on
+# have checked (Shown), each once and not at every layer (on
 # a GPU each check waits for the device).  Weak: a mask's record goes with it.
 _CHECKED = weakref.WeakValueDictionary()
 
@@ -260,7 +219,11 @@ class TierLayer(FixedLayer):
                 pos = given.reshape(-1, T)
                 pos = pos[rows] if pos.shape[0] > 1 else pos
             h.enter(key_states[rows], value_states[rows], pos)
-        return self.hand_shapes(key_states, value_states, self.seen)
+        rows = [(slice(None) if len(self.held) == 1 else slice(i, i + 1), h.parts(key_states))
+                for i, h in enumerate(self.held)]
+        reading = Reading(tuple(rows), self.seen, selects=True,
+                          check=Shown(self.shown, self.shown_key, self.seen))
+        return self.hand_shapes(key_states, value_states, self.seen, reading)
 
     def settle(self, query, scaling, mask=None, position_ids=None):
         """Places the prefill's tokens, scored by the attention of its last
@@ -287,25 +250,32 @@ class TierLayer(FixedLayer):
                      pos[i:i + 1, idx], scaling)
             self.held.append(h)
 
-    def attend(self, query, scaling, drop, mask=None):
-        """A step of new tokens' queries [b, Hq, T, d] over everything held
-        (Held.attend, row by row for a padded batch); the mask checked."""
-        self.check_mask(mask, query.shape[0])
-        if len(self.held) == 1:
-            return self.held[0].attend(query, scaling, drop), None
-        return torch.cat([h.attend(query[i:i + 1], scaling, drop)
-                          for i, h in enumerate(self.held)]), None
+    def nbytes(self, float_bytes=None):
+        held = sum(h.nbytes(float_bytes) for h in self.held)
+        held += sum(x.numel() * (float_bytes or x.element_size())
+                    for x in (self.prefill[:2] if self.prefill else ()))
+        return held + (0 if self.shown is None else self.shown.numel())
 
-    def check_mask(self, mask, b):
-        """KqsvdError unless a decode step's mask [b, 1, T, N] shows its
-        last query what the prefill's showed and every later token: a
-        tiered cache holds only what its prefill showed, and cannot honour
-        a mask that hides a token it holds or shows one it never held."""
+
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """What a tiered layer's prefill mask showed its last query (bool [b,
+    N], None: every token), those bytes (the same for every layer of a
+    cache), and the tokens the layer has seen: called as a decode.Reading's
+    check(mask, b), KqsvdError unless a decode step's mask [b, 1, T, seen]
+    shows its last query what the prefill's showed and every later token:
+    a tiered cache holds only what its prefill showed, and cannot honour a
+    mask that hides a token it holds or shows one it never held."""
+    shown: object
+    key: object
+    seen: int
+
+    def __call__(self, mask, b):
         if mask is None:  # every token shown: as the prefill's, or not honoured
             if self.shown is not None:
                 raise KqsvdError(_UNMASKED)
             return
-        key = (id(mask), self.shown_key)  # every layer of a cache is given the same mask
+        key = (id(mask), self.key)  # every layer of a cache is given the same mask
         if mask.dim() != 4 or _CHECKED.get(key) is mask:
             return
         want = torch.ones(b, self.seen, dtype=torch.bool, device=mask.device)
@@ -314,12 +284,6 @@ class TierLayer(FixedLayer):
         if not torch.equal(shown(mask, b, self.seen, False), want):
             raise KqsvdError(_UNMASKED)
         _CHECKED[key] = mask
-
-    def nbytes(self, float_bytes=None):
-        held = sum(h.nbytes(float_bytes) for h in self.held)
-        held += sum(x.numel() * (float_bytes or x.element_size())
-                    for x in (self.prefill[:2] if self.prefill else ()))
-        return held + (0 if self.shown is None else self.shown.numel())
 
 
 def shown(mask, b, N, none_if_all=True):
