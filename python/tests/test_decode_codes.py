@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 
 from kqsvd.attention import compress, compressed, function, kernel, latent_cache, reading_codes
 from kqsvd.attention.cache import QuantCache
-from kqsvd.attention.handoff import hand, received
+from kqsvd.attention.handoff import Note, hand, received
 from kqsvd.attention.quant import RunStore, Store, dequantize, quantize
 from kqsvd.errors import KqsvdError
 from kqsvd.formats.projections import Projections
@@ -69,12 +69,14 @@ class Steps(unittest.TestCase):
         errs = []
 
         def both(module, query, key, value, mask, *args, **kwargs):
-            layer, codes, _, _ = received(key, value)
+            note, _, _ = received(key, value)
             out = function.latent_attention(module, query, key, value, mask, *args, **kwargs)
-            if codes:  # the same step over the layer's stores dequantized
-                kc, vc = layer.read(query.dtype)
-                want = function.latent_attention(module, query, hand(kc, layer),
-                                                 hand(vc, layer), mask, *args, **kwargs)
+            if note is not None and note.reading is not None:
+                # the same step over the layer's stores dequantized
+                kc, vc = note.read(query.dtype)
+                latent = Note(note.site)
+                want = function.latent_attention(module, query, hand(kc, latent),
+                                                 hand(vc, latent), mask, *args, **kwargs)
                 errs.append(float((out[0] - want[0]).abs().max() / want[0].abs().max()))
             return out
 
@@ -172,10 +174,10 @@ class Plain(unittest.TestCase):
         errs = []
 
         def both(module, query, key, value, mask, *args, **kwargs):
-            layer, codes, _, _ = received(key, value)
+            note, _, _ = received(key, value)
             out = function.latent_attention(module, query, key, value, mask, *args, **kwargs)
-            if codes:
-                kc, vc = layer.read(query.dtype)
+            if note is not None and note.reading is not None:
+                kc, vc = note.read(query.dtype)
                 want = function.sdpa_attention_forward(module, query, kc, vc, mask, *args,
                                                        **kwargs)
                 errs.append(float((out[0] - want[0]).abs().max() / want[0].abs().max()))

@@ -9,12 +9,14 @@ import dataclasses
 import inspect
 import os
 import unittest
+import unittest.mock
 
 import torch
 
 from common import orthonormal_projections, tiny_lm
 
 from kqsvd import compat
+from kqsvd.compat import output_cache
 from kqsvd.attention import cache, compressed, decode, function, layer, scorers, tiers
 from kqsvd.attention.compressed import Site, SiteTiers
 from kqsvd.calibration import capture
@@ -123,3 +125,38 @@ class OneAttention(unittest.TestCase):
     def test_latent_attention_fits(self):
         src = inspect.getsource(function.latent_attention)
         self.assertLessEqual(len(src.splitlines()), 80)
+
+
+class WhatALayerHolds(unittest.TestCase):
+    """The attention function knows no cache class: what a layer holds
+    comes in its note (handoff.Note), a tiered prefill's queries go back
+    through it."""
+
+    def test_function_names_no_cache_class(self):
+        tree = ast.parse(open(function.__file__).read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        self.assertFalse(imported & {"cache", "tiers", "layer", "quant", "compressed"}, imported)
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        classes = {n for m in (cache, tiers, layer) for n, v in vars(m).items()
+                   if isinstance(v, type) and v.__module__ == m.__name__}
+        self.assertFalse(names & (classes | {"settle", "layer"}), names & (classes | {"settle"}))
+
+    def test_a_tiered_prefill_settles_through_its_note(self):
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64)
+        proj = orthonormal_projections(model, 6, seed=1)
+        lay = formats_tiers.parse("tiers:w4+s1+1xdrop")
+        proj = dataclasses.replace(proj, tiers=(lay, (None,)))
+        ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+        seen = []
+        real = tiers.TierLayer.settle
+
+        def settle(self, *args):
+            seen.append(type(args[0]).__name__)
+            return real(self, *args)
+        with torch.no_grad(), compressed(model, proj), \
+                unittest.mock.patch.object(tiers.TierLayer, "settle", settle):
+            cache = output_cache(model(input_ids=ids, use_cache=True))
+        self.assertEqual(seen, ["Tensor"] * model.config.num_hidden_layers)
+        self.assertEqual([layer_.prefill for layer_ in cache.layers],
+                         [None] * model.config.num_hidden_layers)

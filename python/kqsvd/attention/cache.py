@@ -28,7 +28,6 @@ from ..errors import KqsvdError, UsageError
 from . import kernel
 from .decode import Codes, Reading
 from .footprint import referenced_bytes
-from .handoff import hand
 from .layer import FixedLayer, KqsvdLayer
 from .projection import Identity
 from .quant import Rows, store
@@ -115,7 +114,7 @@ class LatentLayer(KqsvdLayer):
         kc, vc = self.site.P.project(key_states, value_states, cos, sin)
         self.keys = torch.cat([self.keys, kc], dim=-2)
         self.values = torch.cat([self.values, vc], dim=-2)
-        return hand(self.keys, self), hand(self.values, self)
+        return self.hand(self.keys, self.values)
 
 
 
@@ -216,10 +215,10 @@ class QuantLayer(FixedLayer):
             P = Identity(key_states.shape[1]) if self.site is None else self.site.P
             n = self.get_seq_length()
             reading = Reading(((slice(None), (Codes(P, self.cols, scale_queries=True),)),), n)
-            return self.hand_shapes(key_states, value_states, n, reading)
+            return self.hand_shapes(key_states, value_states, n, reading, self.cols.read)
         keys, values = self.cols.read(key_states.dtype)
         if self.site is not None:  # the latent's columns, dequantized
-            return hand(keys, self), hand(values, self)
+            return self.hand(keys, values)
         return keys, values
 
     def read(self, dtype):

@@ -3,9 +3,11 @@ with AttentionInterface (and AttentionMaskInterface: a name unknown there
 makes transformers drop the mask, and left padding with it) under NAME.
 
 transformers calls it from each attention module with the queries after
-RoPE and with what the cache's update returned: the latent columns from a
-LatentLayer, or full keys and values (no cache, or a cache of another
-kind), which it projects itself, so the result is the same either way.
+RoPE and with what the cache's update returned: the latent columns of a
+cache layer of this package, with a note of what it holds (handoff.py),
+or full keys and values (no cache, or a cache of another kind), which it
+projects itself, so the result is the same either way.  It knows no
+cache class: what a layer holds is in its note.
 Scores are (q B)(K A)^T scaled by the module's own scaling (1/sqrt(d),
 never 1/sqrt(r)), the weights multiply V A_v, and B_v^T (or the folded
 o_proj) takes the result back; all through
@@ -32,7 +34,6 @@ from ..errors import KqsvdError
 from .decode import step
 from .handoff import received
 from .projection import key_positions, rope
-from .tiers import TierLayer
 
 # The function's name, and the key of what it reads for an attention
 # module (compat.attached): the module's compressed.Site while its model
@@ -44,43 +45,42 @@ def latent_attention(module, query, key, value, attention_mask, dropout=0.0, sca
                      **kwargs):
     # dropout sixth, as transformers' SDPA function has it: kvpress wraps
     # every registered attention function and passes it by position.
-    layer, reading, key, value = received(key, value)
+    note, key, value = received(key, value)
     site = attached(module, NAME)
-    if layer is not None and layer.site is None and site is not None:
+    if note is not None and note.site is None and site is not None:
         # a compressed model given a plain quantized cache: its stores read
         # whole, full keys and values from here
-        key, value = layer.read(query.dtype)
-        layer = reading = None
-    if layer is None and (site is None or site.tiers is not None):
+        key, value = note.read(query.dtype)
+        note = None
+    if note is None and (site is None or site.tiers is not None):
         # a module of a model not (or no longer) compressed; or a tiered
         # one without its cache, which attends as at a prefill: exactly
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("softcap") is not None:
         raise KqsvdError("compressed attention does not support logit soft-capping")
-    if layer is not None and layer.site is not site:
+    if note is not None and note.site is not site:
         raise KqsvdError("this cache was filled under other projections: start a new one "
                          "(kqsvd.latent_cache) after each compress()")
     drop = dropout if module.training else 0.0
-    if reading is not None:  # a decode step over what the layer holds (decode.py)
-        return step(reading, query, attention_mask, scaling, drop), None
+    if note is not None and note.reading is not None:  # a decode step over what the layer holds
+        return step(note.reading, query, attention_mask, scaling, drop), None
     if site.probe is not None:
-        if layer is not None or key.shape[2] != query.shape[2]:
+        if note is not None or key.shape[2] != query.shape[2]:
             raise KqsvdError("probe mode measures whole sequences: call the model with "
                              "use_cache=False")
         return _probe(module, site, query, key, value, attention_mask, scaling,
                       _positions(kwargs, query, key))
-    if isinstance(layer, TierLayer):
-        # a tiered cache's prefill attends exactly, as the model does, and
-        # then settles the tokens its mask shows (each row's own, in a
-        # padded batch) into the tiers
+    if note is not None and note.prefill is not None:
+        # a prefill the layer settles once attended (a tiered cache's): it
+        # attends exactly, as the model does, and hands the layer its queries
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         out = sdpa_attention_forward(module, query, key, value, attention_mask,
                                      scaling=scaling, dropout=dropout, **kwargs)
-        layer.settle(query, scaling, attention_mask, kwargs.get("position_ids"))
+        note.prefill(query, scaling, attention_mask, kwargs.get("position_ids"))
         return out
-    return _through(module, site, layer is not None, query, key, value, attention_mask,
+    return _through(module, site, note is not None, query, key, value, attention_mask,
                     scaling, drop, _positions(kwargs, query, key))
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..errors import KqsvdError
-from .handoff import hand
+from .handoff import Note, hand
 
 
 class KqsvdLayer(DynamicLayer):
@@ -39,14 +39,20 @@ class KqsvdLayer(DynamicLayer):
             raise KqsvdError(self.GONE)
         return self.site
 
-    def hand_shapes(self, key_states, value_states, n, reading):
+    def hand(self, keys, values, **note):
+        """keys and values handed as this layer's, with a Note of its site
+        and `note`'s fields (handoff.py)."""
+        note = Note(self.site, **note)
+        return hand(keys, note), hand(values, note)
+
+    def hand_shapes(self, key_states, value_states, n, reading, read):
         """Keys and values of n tokens shaped as these new ones, with no
-        data (zero strides), handed with `reading` (decode.Reading): the
-        attention reads the layer's stores, and a float copy of the cache
-        is what that avoids."""
+        data (zero strides), handed with `reading` (decode.Reading) and
+        `read`: the attention reads the layer's stores, and a float copy
+        of the cache is what that avoids."""
         none = key_states.new_zeros(())
-        return tuple(hand(none.expand(*x.shape[:2], n, x.shape[-1]), self, True, reading)
-                     for x in (key_states, value_states))
+        return self.hand(*(none.expand(*x.shape[:2], n, x.shape[-1])
+                           for x in (key_states, value_states)), reading=reading, read=read)
 
 
 class FixedLayer(KqsvdLayer):

@@ -24,9 +24,8 @@ get_seq_length() is the tokens seen, not those held, so that positions
 count on from it (generate() takes them from there)."""
 from __future__ import annotations
 
-import weakref
-
 import dataclasses
+import weakref
 
 import torch
 
@@ -35,7 +34,6 @@ from ..errors import KqsvdError
 from . import kernel
 from .cache import latent_columns
 from .decode import Codes, Exact, Floats, Reading
-from .handoff import hand
 from .layer import FixedLayer
 from .projection import rope
 from .scorers import SCORERS
@@ -177,11 +175,12 @@ _UNMASKED = ("a tiered cache holds the tokens its prefill's attention mask showe
 class TierLayer(FixedLayer):
     """A cache layer of one attention module whose site (compressed.Site)
     carries a tier layout (site.tiers: compressed.SiteTiers, the layout and
-    a LayerProjection or None per tier).  It holds what its prefill's attention mask showed to the
-    prefill's last query: a batch without padding as one Held, a padded
-    batch (or one whose mask hid any token) a Held per row, each holding
-    its own tokens by the layout's counts of them (a shorter row holds
-    fewer) and ranking them by its own queries; padding is never held."""
+    a LayerProjection or None per tier).  It holds what its prefill's
+    attention mask showed to the prefill's last query: a batch without
+    padding as one Held, a padded batch (or one whose mask hid any token)
+    a Held per row, each holding its own tokens by the layout's counts of
+    them (a shorter row holds fewer) and ranking them by its own queries;
+    padding is never held."""
 
     KIND = "tiered"
     GONE = ("this tiered cache belongs to a compressed model that no longer is: start a new "
@@ -207,7 +206,7 @@ class TierLayer(FixedLayer):
         if self.seen == 0:  # attended exactly, then settled (settle)
             self.prefill = (key_states, value_states, positions(places, 0, key_states))
             self.seen = T
-            return hand(key_states, self), hand(value_states, self)
+            return self.hand(key_states, value_states, prefill=self.settle)
         given = places.position_ids
         at = positions(update_places(cache_kwargs, None), self.seen, key_states)  # the cache's own
         self.seen += T
@@ -223,13 +222,15 @@ class TierLayer(FixedLayer):
                 for i, h in enumerate(self.held)]
         reading = Reading(tuple(rows), self.seen, selects=True,
                           check=Shown(self.shown, self.shown_key, self.seen))
-        return self.hand_shapes(key_states, value_states, self.seen, reading)
+        return self.hand_shapes(key_states, value_states, self.seen, reading, None)
 
     def settle(self, query, scaling, mask=None, position_ids=None):
         """Places the prefill's tokens, scored by the attention of its last
         queries [b, Hq, N, d] (after RoPE): those the mask [b, 1, N, N]
         (or None) shows to its last query, at position_ids [b or 1, N]
-        (the model's; else those update() was given)."""
+        (the model's; else those update() was given).  The prefill's
+        hand-off (handoff.Note.prefill): the attention function hands it
+        the queries once it has attended exactly."""
         keys, values, pos = self.prefill
         self.prefill = None
         b, N = keys.shape[0], keys.shape[2]
