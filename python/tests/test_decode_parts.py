@@ -3,7 +3,7 @@ one decode attention over parts, its softmax in decode.py alone;
 one table of the tiered cache's scorers, by the names a layout writes;
 one map from attention modules to what each registered function reads
 for them; a site's tiers one frozen record; the cache layers' shared
-base."""
+base; a reader chosen once per store, handed the store's layout."""
 import ast
 import dataclasses
 import inspect
@@ -13,15 +13,17 @@ import unittest.mock
 
 import torch
 
-from common import orthonormal_projections, tiny_lm
+from common import cache_kw, orthonormal_projections, tiny_lm
 
 from kqsvd import compat
 from kqsvd.compat import output_cache
-from kqsvd.attention import cache, compressed, decode, function, layer, scorers, tiers
+from kqsvd.attention import (cache, compressed, decode, function, kernel, layer, scorers,
+                             tiers)
 from kqsvd.attention.compressed import Site, SiteTiers
 from kqsvd.calibration import capture
 from kqsvd.errors import KqsvdError
 from kqsvd.formats import tiers as formats_tiers
+from kqsvd.formats.quant import QuantScheme, with_bits
 
 
 class OneOfEach(unittest.TestCase):
@@ -160,3 +162,50 @@ class WhatALayerHolds(unittest.TestCase):
         self.assertEqual(seen, ["Tensor"] * model.config.num_hidden_layers)
         self.assertEqual([layer_.prefill for layer_ in cache.layers],
                          [None] * model.config.num_hidden_layers)
+
+
+class AReaderPerStore(unittest.TestCase):
+    """What reads a store's codes is chosen once per store, when its first
+    tokens show their device and dtype (kernel.reader, the one place
+    KQSVD_DECODE is read), and the kernels are handed the store's Layout."""
+
+    def test_the_environment_read_where_the_reader_is_chosen(self):
+        for mod, allowed in ((kernel, {"library", "reader"}), (triton_source(), set())):
+            tree = ast.parse(open(mod.__file__).read()) if hasattr(mod, "__file__") else mod
+            readers = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
+                       and "os.environ" in ast.unparse(fn)}
+            self.assertEqual(readers, allowed)
+
+    def test_chosen_once_per_store(self):
+        if not kernel.available(torch.zeros(1)):
+            self.skipTest("libkqsvd's decode kernels are not there")
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64)
+        proj = with_bits(orthonormal_projections(model, 8, seed=1), (4, 2),
+                         QuantScheme(group=8, residual=2))
+        ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+        chosen, handed = [], set()
+        real, call = kernel.reader, kernel.Native._call
+
+        def reader(x):
+            chosen.append(x.device)
+            return real(x)
+
+        def native(self, name, lays, *args):
+            handed.update(type(lay).__name__ for lay in lays)
+            return call(self, name, lays, *args)
+        with torch.no_grad(), compressed(model, proj), \
+                unittest.mock.patch.object(kernel, "reader", reader), \
+                unittest.mock.patch.object(kernel.Native, "_call", native):
+            cache = output_cache(model(input_ids=ids[:, :30], use_cache=True))
+            after = len(chosen)
+            for t in range(30, 40):
+                model(input_ids=ids[:, t:t + 1], **cache_kw(cache), use_cache=True)
+        stores = sum(2 * len(layer_.cols.stores) for layer_ in cache.layers)
+        self.assertEqual((after, len(chosen)), (stores, stores))
+        self.assertEqual(handed, {"Layout"})
+
+
+def triton_source():
+    """triton_decode.py's tree (read, not imported: Triton may be missing)."""
+    return ast.parse(open(os.path.join(os.path.dirname(kernel.__file__),
+                                       "triton_decode.py")).read())

@@ -56,6 +56,7 @@ class AgainstTheLibrary(unittest.TestCase):
         for mode in ("triton", ""):
             with mock.patch.dict(os.environ, {"KQSVD_DECODE": mode}):
                 self.assertEqual(kernel.backend(q), mode or "native")
+                st.reader = kernel.reader(q)  # chosen once per store: here, for each kernel
                 got.append((st.scores(q, torch.zeros(*q.shape[:3], N)), st.weigh(p)))
         return got
 
@@ -166,21 +167,21 @@ class Arguments(unittest.TestCase):
     def test_scores(self):
         st, q, td = self.st, self.q, self.td
         out, past = self.inside((1, 2, 3, 10), 200)
-        self.refused(td.scores, st, q, out, says="scores: out torch.float32 [1, 2, 3, 10]")
+        self.refused(td.scores, st.layout, q, out, says="scores: out torch.float32 [1, 2, 3, 10]")
         self.assertEqual(int(past.count_nonzero()), 0, "written past out")
         for bad, says in ((q[..., :10].contiguous(), "q torch.float32 [1, 2, 3, 10]"),
                           (q.double(), "q torch.float64"), (q.half(), "q torch.float16"),
                           (q[:, :1].contiguous(), "q torch.float32 [1, 1, 3, 20]"),
                           ("q", "q str")):
-            self.refused(td.scores, st, bad, torch.zeros(1, 2, 3, 40), says=says)
+            self.refused(td.scores, st.layout, bad, torch.zeros(1, 2, 3, 40), says=says)
         for bad, says in ((torch.zeros(1, 2, 3, 40, dtype=torch.float64), "out torch.float64"),
                           (torch.zeros(1, 2, 2, 40), "q's query rows"),
                           (torch.zeros(1, 2, 40, 3).transpose(-1, -2), "contiguous")):
-            self.refused(td.scores, st, q, bad, says=says)
+            self.refused(td.scores, st.layout, q, bad, says=says)
         # a q whose rows are not adjacent: read through its strides
         qn = torch.randn(1, 2, 20, 3).transpose(-1, -2)
         out = torch.zeros(1, 2, 3, 41)
-        td.scores(st, qn, out)
+        td.scores(st.layout, qn, out)
         want = qn @ st.values(torch.float32).transpose(-1, -2)
         torch.testing.assert_close(out[..., :40], want, rtol=1e-5, atol=1e-4)
         self.assertEqual(int(out[..., 40:].count_nonzero()), 0)
@@ -189,13 +190,13 @@ class Arguments(unittest.TestCase):
         st, td = self.st, self.td
         p, _ = self.inside((1, 2, 3, 10), 200)
         p.fill_(1.0)
-        self.refused(td.weigh, st, p, says="weigh: p torch.float32 [1, 2, 3, 10]")
+        self.refused(td.weigh, st.layout, p, says="weigh: p torch.float32 [1, 2, 3, 10]")
         for bad, says in ((torch.zeros(1, 2, 3, 40, dtype=torch.float16), "p torch.float16"),
                           (torch.zeros(1, 2, 3, 40, dtype=torch.float64), "p torch.float64"),
                           (torch.zeros(2, 2, 3, 40), "p torch.float32 [2, 2, 3, 40]")):
-            self.refused(td.weigh, st, bad, says=says)
+            self.refused(td.weigh, st.layout, bad, says=says)
         pn = torch.softmax(torch.randn(1, 2, 40, 3), -2).transpose(-1, -2)
-        torch.testing.assert_close(td.weigh(st, pn), pn @ st.values(torch.float32),
+        torch.testing.assert_close(td.weigh(st.layout, pn), pn @ st.values(torch.float32),
                                    rtol=1e-5, atol=1e-5)
 
     def test_stores(self):
@@ -203,30 +204,30 @@ class Arguments(unittest.TestCase):
         for call, arg in ((td.scores, (q, torch.zeros(1, 2, 3, 40))),
                           (td.weigh, (torch.zeros(1, 2, 3, 40),))):
             empty = Store(4, 8, "token", residual=4)
-            self.refused(call, empty, *arg, says="holding quantized tokens")
+            self.refused(call, empty.layout, *arg, says="holding quantized tokens")
             empty.append(torch.randn(1, 2, 3, 20), read=False)  # held as they came
-            self.refused(call, empty, *arg, says="holding quantized tokens")
+            self.refused(call, empty.layout, *arg, says="holding quantized tokens")
             self.refused(call, None, *arg, says="store NoneType")
             self.st.bits = 5
-            self.refused(call, self.st, *arg, says="bits 5: expected one of 2, 3, 4, 8")
+            self.refused(call, self.st.layout, *arg, says="bits 5: expected one of 2, 3, 4, 8")
             self.st.bits = 4
             self.st.done = 10 ** 6
-            self.refused(call, self.st, *arg, says="in room for")
+            self.refused(call, self.st.layout, *arg, says="in room for")
             self.st.done = 40
             self.st.group = 4  # its scales laid out for groups of 8
-            self.refused(call, self.st, *arg, says="store scale torch.float16 [1, 2,")
+            self.refused(call, self.st.layout, *arg, says="store scale torch.float16 [1, 2,")
             self.st.group = 8
 
     def test_empty_operands(self):
         st, td = self.st, self.td
         out = torch.zeros(1, 2, 0, 40)
-        td.scores(st, self.q[:, :, :0], out)
-        got = td.weigh(st, torch.zeros(1, 2, 0, 40))
+        td.scores(st.layout, self.q[:, :, :0], out)
+        got = td.weigh(st.layout, torch.zeros(1, 2, 0, 40))
         self.assertEqual(got.shape, (1, 2, 0, 20))
         st0 = Store(4, 8, "token")  # a batch of no sequences
         st0.append(torch.randn(0, 2, 9, 20), read=False)
-        td.scores(st0, torch.zeros(0, 2, 3, 20), torch.zeros(0, 2, 3, 9))
-        self.assertEqual(td.weigh(st0, torch.zeros(0, 2, 3, 9)).shape, (0, 2, 3, 20))
+        td.scores(st0.layout, torch.zeros(0, 2, 3, 20), torch.zeros(0, 2, 3, 9))
+        self.assertEqual(td.weigh(st0.layout, torch.zeros(0, 2, 3, 9)).shape, (0, 2, 3, 20))
         for x in (torch.randn(2, 3, 0), torch.randn(0, 3, 37)):
             dest = [torch.zeros(*x.shape[:-1], w, dtype=dt) for w, dt in (
                 ((x.shape[-1] + 7) // 8 * 4, torch.uint8), (-(-x.shape[-1] // 8), torch.half),

@@ -25,7 +25,6 @@ from transformers.cache_utils import Cache
 
 from ..compat import update_places
 from ..errors import KqsvdError, UsageError
-from . import kernel
 from .decode import Codes, Reading
 from .footprint import referenced_bytes
 from .layer import FixedLayer, KqsvdLayer
@@ -118,14 +117,15 @@ class LatentLayer(KqsvdLayer):
 
 
 
-def reads_codes(site, x):
+def reads_codes(site, x, cols):
     """Whether a step of new keys x [b, H, T, d] at `site` attends over the
-    codes directly (function.py): one new token, keys after RoPE (before
-    RoPE every key is rebuilt and rotated, which needs its floats), and
-    the kernel available for x's device (kernel.py).  site None: a plain
-    quantized cache, which reads codes inside a codes_block()."""
+    codes of `cols` directly (decode.Codes): one new token, keys after
+    RoPE (before RoPE every key is rebuilt and rotated, which needs its
+    floats), and a decode kernel reading the stores (their kernel.Reader).
+    site None: a plain quantized cache, which reads codes inside a
+    codes_block()."""
     here = _BLOCKS.depth > 0 if site is None else not site.P.pre and site.probe is None
-    return x.shape[-2] == 1 and here and kernel.available(x)
+    return x.shape[-2] == 1 and here and cols.reader.reads
 
 
 class Columns:
@@ -168,6 +168,12 @@ class Columns:
     def __len__(self):
         return len(self.stores[0][0])
 
+    @property
+    def reader(self):
+        """The stores' kernel.Reader, chosen by the first tokens' device and
+        dtype (the same for every store); None before them."""
+        return self.stores[0][0].reader
+
     def nbytes(self, float_bytes=None):
         return sum(s.nbytes(float_bytes) for pair in self.stores for s in pair)
 
@@ -209,9 +215,8 @@ class QuantLayer(FixedLayer):
         if self.site is not None:
             cos, sin = rotation(self.installed(), value_states, places, self.get_seq_length())
             key_states, value_states = self.site.P.project(key_states, value_states, cos, sin)
-        codes = reads_codes(self.site, key_states)
         self.cols.append(key_states, value_states)
-        if codes:
+        if reads_codes(self.site, key_states, self.cols):
             P = Identity(key_states.shape[1]) if self.site is None else self.site.P
             n = self.get_seq_length()
             reading = Reading(((slice(None), (Codes(P, self.cols, scale_queries=True),)),), n)

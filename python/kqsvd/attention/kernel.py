@@ -13,8 +13,15 @@ float32 round-off).  KQSVD_DECODE=triton runs the Triton kernels on CPU
 tensors too, under Triton's interpreter (TRITON_INTERPRET=1): how they are
 tested without a GPU.
 
-`scores(stores, cuts, q, out)` and `weigh(stores, cuts, p)` take the
-quant.Stores of one side's runs of columns: the tokens they hold
+Which of them serves a store is chosen once, when its first tokens come
+and their device and dtype are known (reader(): the one place the
+environment is read): a Reader, Native, Triton or the base Reader (the
+codes dequantized), which also quantizes the store's tokens (libkqsvd on
+the CPU, Triton on a GPU, else quant.quantize).  A store keeps its state
+in a Layout, the one record the kernels read.
+
+A Reader's `scores(layouts, cuts, q, out)` and `weigh(layouts, cuts, p)`
+take the Layouts of one side's runs of columns: the tokens they hold
 quantized through one kernel call, the rest (residual, a channel block
 not yet complete, columns kept unquantized) by float32 products."""
 import ctypes
@@ -45,6 +52,11 @@ def library():
     there, is older than they are, or KQSVD_DECODE=torch."""
     if os.environ.get("KQSVD_DECODE", "").lower() == "torch":
         return None
+    return _library()
+
+
+def _library():
+    """library(), whatever KQSVD_DECODE says."""
     if not _LIB:
         lib = native.load_library(required=False)
         if lib is not None and hasattr(lib, "kqsvd_codes_quantize_runs"):
@@ -72,13 +84,31 @@ def _check(lib, status, what=""):
         raise KqsvdError(what + msg)
 
 
+class Layout:
+    """One quant.Store's tokens as the decode kernels read them, the
+    store's own state (docs/quantized-cache.md): its scheme (bits, group,
+    axis); `buffers` (codes, scale, zero), None before the first quantized
+    token, laid out for `capacity` tokens of which the first `done` are
+    quantized, replaced when they grow (and `generation` then changes, so
+    that a reader may keep what it derives from them, pointers, until it
+    does); `rest`, the tokens after them as they came [b, H, t, n]."""
+
+    _as_stored = ("buffers",)  # codes, float16 scales and zeros: as stored (footprint.py)
+
+    def __init__(self, bits, group, axis):
+        self.bits, self.group, self.axis = bits, group, axis
+        self.buffers, self.capacity, self.done, self.generation = None, 0, 0, 0
+        self.rest = None
+
+
 _MODES = ("", "torch", "triton")
 _TRITON = []  # [triton_decode or None], once imported
 
 
 def _triton_decode():
     """triton_decode, or None where Triton is not installed; imported when
-    first asked, since TRITON_INTERPRET is read as its kernels are made."""
+    first asked, since TRITON_INTERPRET is read as its kernels are made
+    (and Triton is not wanted where no store asks for it)."""
     if not _TRITON:
         try:
             from . import triton_decode
@@ -88,104 +118,182 @@ def _triton_decode():
     return _TRITON[0]
 
 
-def backend(x):
-    """What reads codes in a step over tensors like x: "native" (libkqsvd,
-    CPU tensors), "triton" (GPU tensors, or any under KQSVD_DECODE=triton),
-    or None (dequantized values: float64 runs keep their precision that
-    way).  Raises KqsvdError for a KQSVD_DECODE the kernels cannot honour."""
+def reader(x):
+    """The Reader of a store of tensors like x (their device and dtype):
+    Native (libkqsvd, CPU tensors), Triton (GPU tensors, or any under
+    KQSVD_DECODE=triton), or the base Reader (dequantized values: float64
+    runs keep their precision that way).  The one place KQSVD_DECODE is
+    read; raises KqsvdError for a value the kernels cannot honour."""
     mode = os.environ.get("KQSVD_DECODE", "").lower()
     if mode not in _MODES:
         raise KqsvdError(f"KQSVD_DECODE={mode}: expected one of {', '.join(_MODES[1:])}")
+    cpu = x.device.type == "cpu"
+    lib = None if mode == "torch" else _library()
+    # libkqsvd quantizes CPU tensors below float64: the same codes as
+    # quant.quantize, faster
+    quantizer = lib if cpu and x.dtype != torch.float64 else None
     if mode == "torch" or x.dtype == torch.float64:
-        return None
+        return Reader(quantizer)
     if mode == "triton" or x.device.type == "cuda":
-        if mode == "triton" and x.device.type == "cpu" and \
-                os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if mode == "triton" and cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise KqsvdError("KQSVD_DECODE=triton on CPU tensors needs TRITON_INTERPRET=1 "
                              "(Triton's interpreter)")
-        if _triton_decode() is None and mode == "triton":
+        td = _triton_decode()
+        if td is None and mode == "triton":
             raise KqsvdError("KQSVD_DECODE=triton: Triton is not installed")
-        return "triton" if _triton_decode() is not None else None
-    return "native" if x.device.type == "cpu" and library() is not None else None
+        return Reader(quantizer) if td is None else Triton(quantizer, td)
+    return Native(quantizer) if cpu and lib is not None else Reader(quantizer)
+
+
+def backend(x):
+    """What reads codes in a step over tensors like x (reader()): "native",
+    "triton", or None (dequantized values)."""
+    return reader(x).name
 
 
 def available(x):
     """Whether a step over tensors like x reads codes through the kernels
     (backend())."""
-    return backend(x) is not None
+    return reader(x).reads
 
 
 def quantizes(x):
     """Whether libkqsvd quantizes tensors like x (CPU, float32 or narrower):
     the same codes as quant.quantize, faster."""
-    return x.device.type == "cpu" and x.dtype != torch.float64 and library() is not None
-
-
-def _call(name, stores, a, out, ld):
-    """One kernel call on the quantized tokens of stores (runs of columns
-    side by side, all holding the same tokens); a and out float32,
-    contiguous, [b, H, nq, .]; the caller has checked available()."""
-    if backend(a) == "triton":  # a launch per run: each has its own bits
-        td, at = _triton_decode(), 0
-        for st in stores:
-            n = st.rest.shape[-1]
-            if name == "kqsvd_codes_scores":
-                td.scores(st, a[..., at:at + n].contiguous(), out)
-            else:
-                out[..., at:at + n] += td.weigh(st, a)
-            at += n
-        return
-    lib = _LIB[0]
-    descs = (_Codes * len(stores))(*[_desc(st) for st in stores])
-    st = getattr(lib, name)(descs, len(stores), a.shape[2], a.data_ptr(), ld, out.data_ptr(),
-                            torch.get_num_threads())
-    _check(lib, st, "the decode kernel failed: ")
-
-
-# quant.Store -> (its generation, the descriptor of its buffers): a decode
-# step calls the kernels twice per layer, and ctypes structures cost more
-# to build than to update.  Weak: a store's descriptor goes with it.
-_DESCS = weakref.WeakKeyDictionary()
-
-
-def _desc(st):
-    """The descriptor of a quant.Store's quantized tokens (its public
-    buffers), made again only when they are (st.generation)."""
-    kept = _DESCS.get(st)
-    if kept is None or kept[0] != st.generation:
-        bufs = st.buffers
-        b, H = bufs[0].shape[:2]
-        kept = (st.generation, _Codes(b * H, 0, st.rest.shape[-1], st.capacity(), st.bits,
-                                      st.group, _AXES[st.axis], *(t.data_ptr() for t in bufs)))
-        _DESCS[st] = kept
-    kept[1].tokens = st.done
-    return kept[1]
+    return reader(x).quantizes(x)
 
 
 def quantize_into(x, bits, group, dest):
     """quant.quantize(x, bits, group) written into dest = (codes, scale,
-    zero) by libkqsvd (the same codes, scales and zeros to the bit),
-    straight into them when they are contiguous; False (nothing written)
-    where neither Triton (triton_decode.quantize_into, for CUDA tensors:
-    one launch where quant.quantize takes some twenty, at every layer of
-    every step) nor the library (quantizes()) serves x."""
-    if x.is_cuda and backend(x) == "triton" and \
-            _triton_decode().quantize_into(x, bits, group, dest):
+    zero) by the reader of tensors like x (Reader.quantize_into); False
+    (nothing written) where none of the kernels serves x."""
+    return reader(x).quantize_into(x, bits, group, dest)
+
+
+class Reader:
+    """How a store's codes are read in a decode step and its tokens
+    quantized, chosen once per store (reader()).  This base reads none
+    (name None: the step dequantizes the stores) and quantizes through
+    `lib` (libkqsvd) where it is given."""
+
+    name = None
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @property
+    def reads(self):
+        """Whether decode steps read the store's codes through kernels."""
+        return self.name is not None
+
+    def quantizes(self, x):
+        """Whether libkqsvd quantizes x: the same codes as quant.quantize,
+        faster."""
+        return self.lib is not None
+
+    def quantize_into(self, x, bits, group, dest):
+        """quant.quantize(x, bits, group) written into dest = (codes, scale,
+        zero), the same codes, scales and zeros to the bit, straight into
+        them when they are contiguous; False (nothing written) where no
+        kernel here serves x."""
+        if self.lib is None:
+            return False
+        self.quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
         return True
-    if quantizes(x):
-        quantize_runs(x, [x.shape[-1]], [bits], group, [dest])
-        return True
-    return False
+
+    def quantize_runs(self, x, cols, bits, group, dests):
+        """quantize_into for runs of columns side by side in x [...,
+        sum(cols)], run k at bits[k] into dests[k] = (codes, scale, zero),
+        in one call (kqsvd_codes_quantize_runs); the caller has checked
+        quantizes(x)."""
+        _quantize_runs(self.lib, x, cols, bits, group, dests)
+
+    def _call(self, name, lays, a, out, ld):
+        raise KqsvdError("these quantized columns are read as codes by no decode kernel "
+                         "(float64, KQSVD_DECODE=torch, or neither libkqsvd nor Triton): "
+                         "read their values instead")
+
+    def scores(self, lays, cuts, q, out):
+        """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns
+        (N >= the tokens held), the columns cuts[i]:cuts[i + 1] held by
+        the store of Layout lays[i].  out float32, contiguous."""
+        return _scores(self, lays, cuts, q, out)
+
+    def weigh(self, lays, cuts, p):
+        """p [b, H, nq, N] (N >= the tokens held) times every token's
+        columns: [b, H, nq, n] float32, the columns cuts[i]:cuts[i + 1]
+        held by the store of Layout lays[i]."""
+        return _weigh(self, lays, cuts, p)
+
+
+class Native(Reader):
+    """libkqsvd's kernels, for CPU tensors."""
+
+    name = "native"
+
+    def _call(self, name, lays, a, out, ld):
+        """One kernel call on the quantized tokens of lays (runs of columns
+        side by side, all holding the same tokens); a and out float32,
+        contiguous, [b, H, nq, .]."""
+        descs = (_Codes * len(lays))(*[_desc(lay) for lay in lays])
+        st = getattr(self.lib, name)(descs, len(lays), a.shape[2], a.data_ptr(), ld,
+                                     out.data_ptr(), torch.get_num_threads())
+        _check(self.lib, st, "the decode kernel failed: ")
+
+
+class Triton(Reader):
+    """Triton's kernels (triton_decode.py), for GPU tensors (or any under
+    KQSVD_DECODE=triton); libkqsvd, where given, quantizes CPU tensors."""
+
+    name = "triton"
+
+    def __init__(self, lib, td):
+        super().__init__(lib)
+        self.td = td
+
+    def quantize_into(self, x, bits, group, dest):
+        # one launch where quant.quantize takes some twenty, at every layer
+        # of every step
+        if x.is_cuda and self.td.quantize_into(x, bits, group, dest):
+            return True
+        return super().quantize_into(x, bits, group, dest)
+
+    def _call(self, name, lays, a, out, ld):
+        at = 0
+        for lay in lays:  # a launch per run: each has its own bits
+            n = lay.rest.shape[-1]
+            if name == "kqsvd_codes_scores":
+                self.td.scores(lay, a[..., at:at + n].contiguous(), out)
+            else:
+                out[..., at:at + n] += self.td.weigh(lay, a)
+            at += n
+
+
+# Layout -> (its generation, the descriptor of its buffers): a decode step
+# calls the kernels twice per layer, and ctypes structures cost more to
+# build than to update.  Weak: a store's descriptor goes with it.
+_DESCS = weakref.WeakKeyDictionary()
+
+
+def _desc(lay):
+    """The descriptor of a store's quantized tokens (its Layout), made
+    again only when its buffers are (generation)."""
+    kept = _DESCS.get(lay)
+    if kept is None or kept[0] != lay.generation:
+        bufs = lay.buffers
+        b, H = bufs[0].shape[:2]
+        kept = (lay.generation, _Codes(b * H, 0, lay.rest.shape[-1], lay.capacity, lay.bits,
+                                       lay.group, _AXES[lay.axis], *(t.data_ptr() for t in bufs)))
+        _DESCS[lay] = kept
+    kept[1].tokens = lay.done
+    return kept[1]
 
 
 _RUNS = {}  # (cols, bits) -> their ctypes arrays
 
 
-def quantize_runs(x, cols, bits, group, dests):
-    """quantize_into for runs of columns side by side in x [..., sum(cols)],
-    run k at bits[k] into dests[k] = (codes, scale, zero), in one call
-    (kqsvd_codes_quantize_runs); the caller has checked quantizes(x)."""
-    lib = _LIB[0]
+def _quantize_runs(lib, x, cols, bits, group, dests):
+    """Reader.quantize_runs through libkqsvd `lib`."""
     x = x.float().contiguous()
     outs = [[d if d.is_contiguous() else torch.empty_like(d) for d in dest] for dest in dests]
     ptrs = [(ctypes.c_void_p * len(outs))(*(o[i].data_ptr() for o in outs)) for i in range(3)]
@@ -211,30 +319,28 @@ def quantize(x, bits, group):
     return got if quantize_into(x, bits, group, got) else None
 
 
-def _coded(stores, cuts):
-    """The stores holding codes (bits 0 holds every token as it came) with
+def _coded(lays, cuts):
+    """The Layouts holding codes (bits 0 holds every token as it came) with
     their column ranges, and whether that is all of them."""
-    got = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:]) if st.done]
-    return got, len(got) == len(stores)
+    got = [(lay, a, b) for lay, a, b in zip(lays, cuts, cuts[1:]) if lay.done]
+    return got, len(got) == len(lays)
 
 
-def scores(stores, cuts, q, out):
-    """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns
-    (N >= the tokens held), the columns cuts[i]:cuts[i + 1] held by
-    stores[i] (quant.Store).  out float32, contiguous."""
+def _scores(rd, lays, cuts, q, out):
+    """Reader.scores through rd's kernel calls."""
     q = q.float()
-    coded, every = _coded(stores, cuts)
+    coded, every = _coded(lays, cuts)
     if coded:
         qc = q if every else torch.cat([q[..., a:b] for _, a, b in coded], -1)
-        _call("kqsvd_codes_scores", [st for st, _, _ in coded], qc.contiguous(), out,
-              out.shape[-1])
-    rest = [(st, a, b) for st, a, b in zip(stores, cuts, cuts[1:])
+        rd._call("kqsvd_codes_scores", [st for st, _, _ in coded], qc.contiguous(), out,
+                 out.shape[-1])
+    rest = [(st, a, b) for st, a, b in zip(lays, cuts, cuts[1:])
             if st.rest is not None and st.rest.shape[-2]]
     if rest and all(st.done == rest[0][0].done for st, _, _ in rest):
         # runs in lockstep (a channel block filling up): one product
         st = rest[0][0]
         held = rest[0][0].rest if len(rest) == 1 else torch.cat([s.rest for s, _, _ in rest], -1)
-        qr = q if len(rest) == len(stores) else torch.cat([q[..., a:b] for _, a, b in rest], -1)
+        qr = q if len(rest) == len(lays) else torch.cat([q[..., a:b] for _, a, b in rest], -1)
         out[..., st.done:st.done + held.shape[-2]] += qr @ held.float().transpose(-1, -2)
     else:
         for st, a, b in rest:
@@ -243,24 +349,22 @@ def scores(stores, cuts, q, out):
     return out
 
 
-def weigh(stores, cuts, p):
-    """p [b, H, nq, N] (N >= the tokens held) times every token's columns:
-    [b, H, nq, n] float32, the columns cuts[i]:cuts[i + 1] held by
-    stores[i]."""
+def _weigh(rd, lays, cuts, p):
+    """Reader.weigh through rd's kernel calls."""
     p = p.float().contiguous()
     b, H, nq, N = p.shape
-    coded, every = _coded(stores, cuts)
+    coded, every = _coded(lays, cuts)
     out = torch.zeros(b, H, nq, cuts[-1], dtype=torch.float32, device=p.device)
     if coded:
         got = out if every else torch.zeros(b, H, nq, sum(b_ - a for _, a, b_ in coded),
                                             dtype=torch.float32, device=p.device)
-        _call("kqsvd_codes_weigh", [st for st, _, _ in coded], p, got, N)
+        rd._call("kqsvd_codes_weigh", [st for st, _, _ in coded], p, got, N)
         if not every:
             at = 0
             for _, a, b_ in coded:
                 out[..., a:b_] = got[..., at:at + b_ - a]
                 at += b_ - a
-    for st, a, b_ in zip(stores, cuts, cuts[1:]):
+    for st, a, b_ in zip(lays, cuts, cuts[1:]):
         if st.rest is not None and st.rest.shape[-2]:
             out[..., a:b_] += p[..., st.done:st.done + st.rest.shape[-2]] @ st.rest.float()
     return out

@@ -139,6 +139,13 @@ def room(used, need, unit):
     return max(used // 8, min(64 // unit, need // 8))
 
 
+def _of_layout(name, doc):
+    """A store's property that is its Layout's field `name`: the store
+    keeps its state in the record the kernels read."""
+    return property(lambda self: getattr(self.layout, name),
+                    lambda self, v: setattr(self.layout, name, v), doc=doc)
+
+
 class Store:
     """One side (keys or values) of one cache layer: rows [b, H, T, n]
     appended token by token, quantized as the scheme says (bits UNQUANTIZED:
@@ -147,34 +154,42 @@ class Store:
     complete) held as they came.  values() is everything held, quantized
     tokens dequantized."""
 
-    _as_stored = ("_buf",)  # codes, float16 scales and zeros: as stored (footprint.py)
-
     def __init__(self, bits, group, axis, residual=0):
         if bits not in BITS + (UNQUANTIZED,) or axis not in AXES or group < 1 or residual < 0:
             raise KqsvdError(f"quantized cache: bits {bits}, group {group}, axis {axis}, "
                              f"residual {residual} is not a scheme (bits {BITS}, axes {AXES})")
-        self.bits, self.group, self.axis, self.residual = bits, group, axis, residual
-        self._buf = None                             # codes, scale, zero, with room
-        self._dim = -3 if axis == "channel" else -2  # along which _buf grows
-        self._used = 0                               # of _buf along _dim
-        self.rest = None                             # tokens held as they came
-        self.done = 0                                # tokens quantized
-        self.generation = 0                          # counts the buffers' reallocations
+        self.layout = kernel.Layout(bits, group, axis)  # the buffers' state, as the kernels read it
+        self.residual = residual
+        self._dim = -3 if axis == "channel" else -2  # along which the buffers grow
+        self._used = 0                               # of the buffers along _dim
+        self.reader = None                           # kernel.Reader, from the first tokens
 
-    # The quantized tokens, views of _buf (None before the first): taken
-    # when asked, since a decode step asks the kernels, not these.
+    bits = _of_layout("bits", "The scheme's bits (UNQUANTIZED: never quantized).")
+    group = _of_layout("group", "Values per quantization group.")
+    axis = _of_layout("axis", "'token' or 'channel' (KIVI's keys: blocks of `group` tokens).")
+    rest = _of_layout("rest", "The tokens held as they came, [b, H, t, n].")
+    done = _of_layout("done", "Tokens quantized.")
+    generation = _of_layout("generation", "Counts the buffers' reallocations.")
+
+    # The quantized tokens, views of the buffers (None before the first):
+    # taken when asked, since a decode step asks the kernels, not these.
     codes = property(lambda self: self._view(0))
     scale = property(lambda self: self._view(1))
     zero = property(lambda self: self._view(2))
 
     @property
     def buffers(self):
-        """What the decode kernels read (kernel.py): (codes, scale, zero),
-        the buffers laid out for capacity() tokens, of which the first
-        `done` are quantized; None before the first.  They are replaced
-        when they grow, and `generation` then changes, so that a reader
-        may keep what it derives from them (pointers) until it does."""
-        return None if self._buf is None else tuple(self._buf)
+        """What the decode kernels read (kernel.py, through the Layout):
+        (codes, scale, zero), the buffers laid out for capacity() tokens, of
+        which the first `done` are quantized; None before the first.  They
+        are replaced when they grow, and `generation` then changes, so that
+        a reader may keep what it derives from them (pointers) until it
+        does."""
+        return self.layout.buffers
+
+    @property
+    def _buf(self):
+        return self.layout.buffers
 
     def _view(self, i):
         return self._buf[i].narrow(self._dim, 0, self._used) if self._used else None
@@ -185,6 +200,8 @@ class Store:
     def append(self, x, read=True):
         """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
         (None when not `read`)."""
+        if self.reader is None:  # the tokens' device and dtype known: chosen once
+            self.reader = kernel.reader(x)
         rest = x if self.rest is None or not self.rest.shape[-2] else torch.cat(
             [self.rest, x], -2)
         over = rest.shape[-2] - self.residual
@@ -204,7 +221,7 @@ class Store:
             b, H, T, n = x.shape
             x = x.view(b, H, T // self.group, self.group, n).transpose(-1, -2)
         dest, commit = self.reserve(x, -3 if self.axis == "channel" else -2)
-        if not kernel.quantize_into(x, self.bits, self.group, dest):
+        if not self.reader.quantize_into(x, self.bits, self.group, dest):
             for d, t in zip(dest, quantize(x, self.bits, self.group)):
                 d.copy_(t)
         commit()
@@ -232,7 +249,8 @@ class Store:
                 if used:
                     buf.narrow(dim, 0, used).copy_((self.codes, self.scale, self.zero)[i])
                 bufs.append(buf)
-            self._buf = bufs
+            self.layout.buffers = tuple(bufs)
+            self.layout.capacity = cap * self.group if dim == -3 else cap
             self.generation += 1
         bufs = self._buf
 
@@ -242,10 +260,7 @@ class Store:
 
     def capacity(self):
         """Tokens each (sequence, head) slice's buffers are laid out for."""
-        if self._buf is None:
-            return 0
-        n = self._buf[0].shape[-3 if self.axis == "channel" else -2]
-        return n * self.group if self.axis == "channel" else n
+        return self.layout.capacity
 
     def values(self, dtype):
         # Dequantized at every call, never kept: a float copy of the
@@ -264,12 +279,12 @@ class Store:
 
     def scores(self, q, out):
         """out [b, H, nq, N] += q [b, H, nq, n] times every token's columns,
-        in float32, read from the codes (kernel.py)."""
-        return kernel.scores([self], [0, q.shape[-1]], q, out)
+        in float32, read from the codes by the store's reader (kernel.py)."""
+        return self.reader.scores([self.layout], [0, q.shape[-1]], q, out)
 
     def weigh(self, p):
         """p [b, H, nq, N] times every token's columns: [b, H, nq, n] float32."""
-        return kernel.weigh([self], [0, self.rest.shape[-1]], p)
+        return self.reader.weigh([self.layout], [0, self.rest.shape[-1]], p)
 
     def nbytes(self, float_bytes=None):
         """Bytes of the tokens held (the store's use, without its buffers'
@@ -292,6 +307,7 @@ class RunStore:
         for n, _ in runs:
             self.cuts.append(self.cuts[-1] + n)
         self.parts = [Store(b, group, axis, residual) for _, b in runs]
+        self.reader = None  # kernel.Reader, from the first tokens: the runs'
 
     def __len__(self):
         return len(self.parts[0])
@@ -299,16 +315,17 @@ class RunStore:
     def append(self, x, read=True):
         """Adds rows x [b, H, T, n]; returns every token's values [b, H, len, n]
         (None when not `read`)."""
+        self._chosen(x)
         if not self._together(x):
             got = [s.append(x[..., a:b], read)
                    for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
             return torch.cat(got, -1) if read else None
         # Tokens quantized as they come, every run at once: one library call
-        # (kernel.quantize_runs) where a call per run cost more than the work.
+        # (Reader.quantize_runs) where a call per run cost more than the work.
         got = [s.reserve(x[..., a:b], -2) for s, a, b in zip(self.parts, self.cuts, self.cuts[1:])]
-        kernel.quantize_runs(x, [b - a for a, b in zip(self.cuts, self.cuts[1:])],
-                             [s.bits for s in self.parts], self.parts[0].group,
-                             [dest for dest, _ in got])
+        self.reader.quantize_runs(x, [b - a for a, b in zip(self.cuts, self.cuts[1:])],
+                                  [s.bits for s in self.parts], self.parts[0].group,
+                                  [dest for dest, _ in got])
         for s, (_, commit), a, b in zip(self.parts, got, self.cuts, self.cuts[1:]):
             commit()
             s.done += x.shape[-2]
@@ -324,16 +341,24 @@ class RunStore:
         quantized) through the library."""
         return all(s.axis == "token" and not s.residual and s.bits != UNQUANTIZED and
                    (s.rest is None or not s.rest.shape[-2]) for s in self.parts) and \
-            all(b > a for a, b in zip(self.cuts, self.cuts[1:])) and kernel.quantizes(x)
+            all(b > a for a, b in zip(self.cuts, self.cuts[1:])) and self._chosen(x).quantizes(x)
+
+    def _chosen(self, x):
+        """The runs' kernel.Reader, chosen by the first tokens x."""
+        if self.reader is None:
+            self.reader = kernel.reader(x)
+            for s in self.parts:
+                s.reader = self.reader
+        return self.reader
 
     def values(self, dtype):
         return torch.cat([s.values(dtype) for s in self.parts], -1)
 
     def scores(self, q, out):
-        return kernel.scores(self.parts, self.cuts, q, out)
+        return self.reader.scores([s.layout for s in self.parts], self.cuts, q, out)
 
     def weigh(self, p):
-        return kernel.weigh(self.parts, self.cuts, p)
+        return self.reader.weigh([s.layout for s in self.parts], self.cuts, p)
 
     def nbytes(self, float_bytes=None):
         return sum(s.nbytes(float_bytes) for s in self.parts)
@@ -351,6 +376,11 @@ class Rows:
     def __init__(self, make, pads):
         self.pads = [int(p) for p in pads]
         self.rows = [make() for _ in self.pads]
+
+    @property
+    def reader(self):
+        """The rows' kernel.Reader (each row's store chose the same)."""
+        return self.rows[0].reader
 
     def __len__(self):
         return self.pads[0] + len(self.rows[0])

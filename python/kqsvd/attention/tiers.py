@@ -31,7 +31,6 @@ import torch
 
 from ..compat import update_places
 from ..errors import KqsvdError
-from . import kernel
 from .cache import latent_columns
 from .decode import Codes, Exact, Floats, Reading
 from .layer import FixedLayer
@@ -65,16 +64,16 @@ class Tier:
             self.pos = p if self.pos is None else torch.cat([self.pos, p], -1)
         self.n += keys.shape[-2]
 
-    def reads_codes(self, x):
-        """Whether a step reads this tier's codes through the decode kernels
-        (kernel.py): quantized keys after RoPE, and the kernels serve
-        tensors like x."""
-        return self.cols is not None and not self.P.pre and kernel.available(x)
+    def reads_codes(self):
+        """Whether a step reads this tier's codes through the decode kernels:
+        quantized keys after RoPE, and a kernel reading its stores (their
+        kernel.Reader, chosen by its first tokens)."""
+        return self.cols is not None and not self.P.pre and self.cols.reader.reads
 
     def part(self, x, rotary):
         """The tier's tokens as a part of a step over tensors like x
         (decode.py): its codes, or its columns in floating point."""
-        if self.reads_codes(x):
+        if self.reads_codes():
             return Codes(self.P, self.cols)
         kc, vc = self.cols.read(x.dtype) if self.cols is not None else (self.kc, self.vc)
         pos = self.pos

@@ -3,10 +3,10 @@ contract as libkqsvd's kqsvd_codes_scores and kqsvd_codes_weigh (kernel.py),
 for tensors on a GPU, or on the CPU under TRITON_INTERPRET=1 (how the tests
 and CI run them without one).
 
-A quant.Store's buffers are read as they lie (docs/quantized-cache.md):
-codes packed eight at a time into `bits` bytes, little-endian, so that a
-row's code i starts at bit i * bits of the row; float16 scale and zero per
-group.  Per token (axis "token") a row is one token's columns, a group
+A store's buffers are read as they lie, from its kernel.Layout
+(docs/quantized-cache.md): codes packed eight at a time into `bits`
+bytes, little-endian, so that a row's code i starts at bit i * bits of
+the row; float16 scale and zero per group.  Per token (axis "token") a row is one token's columns, a group
 `group` adjacent columns; per channel (KIVI's keys, axis "channel") a row
 is one channel over a block of `group` tokens, that block its group.
 Each tile is decoded in registers and multiplied at once: the cache is
@@ -134,34 +134,36 @@ def _check_group(call, group):
         _fail(call, f"group {group!r}", "a positive integer")
 
 
-def _check_store(call, st):
-    """The buffers (codes, scale, zero) of a quant.Store holding quantized
-    tokens, their layout what the kernels index (module docstring): the
-    scheme's, contiguous, for capacity() tokens of which `done` are
-    quantized, and n columns (st.rest's)."""
-    bufs = getattr(st, "buffers", None)
-    if bufs is None or not getattr(st, "done", 0) or bufs[0].dim() < 2:
-        _fail(call, f"store {type(st).__name__}", "a quant.Store holding quantized tokens")
-    _check_bits(call, st.bits)
-    _check_group(call, st.group)
-    if st.axis not in AXES:
-        _fail(call, f"store axis {st.axis!r}", f"one of {', '.join(AXES)}")
+def _check_store(call, lay):
+    """The buffers (codes, scale, zero) of a store holding quantized
+    tokens, as its kernel.Layout `lay` has them, their layout what the
+    kernels index (module docstring): the scheme's, contiguous, for
+    `capacity` tokens of which `done` are quantized, and n columns
+    (lay.rest's)."""
+    bufs = getattr(lay, "buffers", None)
+    if bufs is None or not getattr(lay, "done", 0) or bufs[0].dim() < 2:
+        _fail(call, f"store {type(lay).__name__}",
+              "the kernel.Layout of a quant.Store holding quantized tokens")
+    _check_bits(call, lay.bits)
+    _check_group(call, lay.group)
+    if lay.axis not in AXES:
+        _fail(call, f"store axis {lay.axis!r}", f"one of {', '.join(AXES)}")
     codes = bufs[0]
     b, H = codes.shape[:2]
-    n, cap = st.rest.shape[-1], st.capacity()
-    if st.axis == "channel":
-        lead, width, groups = (b, H, cap // st.group, n), st.group, 1
+    n, cap = lay.rest.shape[-1], lay.capacity
+    if lay.axis == "channel":
+        lead, width, groups = (b, H, cap // lay.group, n), lay.group, 1
     else:
-        lead, width, groups = (b, H, cap), n, -(-n // st.group)
-    for name, t, dt, last in (("codes", codes, torch.uint8, (width + 7) // 8 * st.bits),
+        lead, width, groups = (b, H, cap), n, -(-n // lay.group)
+    for name, t, dt, last in (("codes", codes, torch.uint8, (width + 7) // 8 * lay.bits),
                               ("scale", bufs[1], torch.float16, groups),
                               ("zero", bufs[2], torch.float16, groups)):
         if t.dtype != dt or tuple(t.shape) != (*lead, last) or not t.is_contiguous() or \
                 t.device != codes.device:
             _fail(call, f"store {name} {t.dtype} {_shape(t)}",
                   f"{dt} [{', '.join(map(str, (*lead, last)))}], contiguous, on {codes.device}")
-    if st.done > cap or tuple(st.rest.shape[:2]) != (b, H):
-        _fail(call, f"store of {st.done} tokens in room for {cap}, rest {_shape(st.rest)}",
+    if lay.done > cap or tuple(lay.rest.shape[:2]) != (b, H):
+        _fail(call, f"store of {lay.done} tokens in room for {cap}, rest {_shape(lay.rest)}",
               f"at most {cap} tokens, rest [{b}, {H}, ., {n}]")
     return b, H, n
 
@@ -180,14 +182,14 @@ def _check_operand(call, name, t, lead, last, device, at_least=False):
               f"torch.float32 [{lead[0]}, {lead[1]}, nq, {size}] on {device}")
 
 
-def _layout(st):
-    """(packed bytes per row, groups per token row) of a quant.Store's
-    buffers, and its constants: bits, group, axis."""
-    n = st.rest.shape[-1]
-    channel = st.axis == "channel"
-    width = st.group if channel else n
-    return ((width + 7) // 8 * st.bits, -(-n // st.group)), \
-        dict(BITS=st.bits, GROUP=st.group, CHANNEL=channel)
+def _layout(lay):
+    """(packed bytes per row, groups per token row) of a store's buffers
+    (its kernel.Layout lay), and its constants: bits, group, axis."""
+    n = lay.rest.shape[-1]
+    channel = lay.axis == "channel"
+    width = lay.group if channel else n
+    return ((width + 7) // 8 * lay.bits, -(-n // lay.group)), \
+        dict(BITS=lay.bits, GROUP=lay.group, CHANNEL=channel)
 
 
 def _rows(nq):
@@ -195,46 +197,47 @@ def _rows(nq):
     return min(max(triton.next_power_of_2(nq), BQ_MIN), BQ_MAX)
 
 
-def scores(st, q, out):
+def scores(lay, q, out):
     """out [b, H, nq, N] += q [b, H, nq, n] (float32) times the first
-    st.done tokens of quant.Store st, read as codes; out float32,
-    contiguous, N >= st.done.  A non-contiguous q is copied (a step's
+    lay.done tokens of a store, its kernel.Layout lay, read as codes; out
+    float32, contiguous, N >= lay.done.  A non-contiguous q is copied (a step's
     queries, small beside the cache)."""
-    b, H, n = _check_store("scores", st)
-    codes, scale, zero = st.buffers
+    b, H, n = _check_store("scores", lay)
+    codes, scale, zero = lay.buffers
     _check_operand("scores", "q", q, (b, H), n, codes.device)
-    _check_operand("scores", "out", out, (b, H), st.done, codes.device, at_least=True)
+    _check_operand("scores", "out", out, (b, H), lay.done, codes.device, at_least=True)
     nq = q.shape[2]
     if out.shape[2] != nq or not out.is_contiguous():
         _fail("scores", f"out {_shape(out)}",
-              f"[{b}, {H}, {nq}, N >= {st.done}] (q's query rows), contiguous")
+              f"[{b}, {H}, {nq}, N >= {lay.done}] (q's query rows), contiguous")
     if not b * H * nq * n:  # no slices, query rows or columns: nothing to add
         return
     q = q.contiguous()
-    sizes, const = _layout(st)
+    sizes, const = _layout(lay)
     BQ = _rows(nq)
-    grid = (b * H, triton.cdiv(st.done, BT), triton.cdiv(nq, BQ))
+    grid = (b * H, triton.cdiv(lay.done, BT), triton.cdiv(nq, BQ))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # Triton: current device
-        _scores[grid](q, out, codes, scale, zero, nq, n, st.done, st.capacity(), *sizes,
+        _scores[grid](q, out, codes, scale, zero, nq, n, lay.done, lay.capacity, *sizes,
                       out.shape[-1], **const, BQ=BQ, BT=BT, BC=BC)
 
 
-def weigh(st, p):
-    """p [b, H, nq, N] (float32, N >= st.done) times the first st.done
-    tokens of quant.Store st, read as codes: [b, H, nq, n] float32."""
-    b, H, n = _check_store("weigh", st)
-    codes, scale, zero = st.buffers
-    _check_operand("weigh", "p", p, (b, H), st.done, codes.device, at_least=True)
+def weigh(lay, p):
+    """p [b, H, nq, N] (float32, N >= lay.done) times the first lay.done
+    tokens of a store, its kernel.Layout lay, read as codes: [b, H, nq, n]
+    float32."""
+    b, H, n = _check_store("weigh", lay)
+    codes, scale, zero = lay.buffers
+    _check_operand("weigh", "p", p, (b, H), lay.done, codes.device, at_least=True)
     nq, N = p.shape[2:]
     if not b * H * nq * n:
         return torch.zeros(b, H, nq, n, dtype=torch.float32, device=p.device)
     p = p.contiguous()
-    sizes, const = _layout(st)
-    splits = triton.cdiv(st.done, SPLIT_TOKENS)
+    sizes, const = _layout(lay)
+    splits = triton.cdiv(lay.done, SPLIT_TOKENS)
     part = torch.empty(splits, b * H, nq, n, dtype=torch.float32, device=p.device)
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         _weigh[(b * H, splits, triton.cdiv(n, BC))](
-            p, part, codes, scale, zero, nq, n, st.done, st.capacity(), *sizes, N, b * H,
+            p, part, codes, scale, zero, nq, n, lay.done, lay.capacity, *sizes, N, b * H,
             SPLIT_TOKENS, **const, BQ=_rows(nq), BT=BT, BC=BC)
     return (part[0] if splits == 1 else part.sum(0)).view(b, H, nq, n)
 
