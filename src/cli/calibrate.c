@@ -1,7 +1,6 @@
 /* kqsvd calibrate: the command line (options and help); the run is the
  * pipeline's kqsvd_calibrate (src/pipeline/calibrate.c). */
 #include <getopt.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +12,7 @@
 typedef struct calibrate_cmd {
   kqsvd_calib_config_t cfg;
   int policy_set;
-  char made[PATH_MAX]; /* the outermost folder of --checkpoint the run makes */
+  kqsvd_made_dirs_t made; /* the folders of --checkpoint this process made */
 } calibrate_cmd_t;
 
 static const char help_1[] =
@@ -178,10 +177,9 @@ static kqsvd_status_t operands(void *state, const kqsvd_run_opts_t *opts, int n,
   c->nshards = n;
   c->shards = args;
   c->mem_mib = opts->mem_mib;
-  /* Before the check makes the folder; a rank that finds it made by
-   * another finds nothing, and leaves the removal to that one. */
-  if (c->ckpt_dir && !c->manifest_path) kqsvd_missing_top(c->ckpt_dir, cmd->made, sizeof cmd->made);
-  KQSVD_CALL(kqsvd_calib_config_check(c));
+  /* A rank whose mkdir finds the folder made by another notes nothing, and
+   * leaves the removal to that one. */
+  KQSVD_CALL(kqsvd_calib_config_check(c, &cmd->made));
 done:
   return st;
 }
@@ -204,9 +202,9 @@ done:
  * empty (a stopped run keeps its checkpoints there); once every rank
  * knows, so that none is writing there still. */
 static void end(kqsvd_cli_t *cli, void *state, kqsvd_status_t st) {
-  const calibrate_cmd_t *cmd = state;
-  if (st != KQSVD_OK && cmd->made[0] && (cli->size == 1 || kqsvd_error_is_collective()))
-    kqsvd_rmdir_made(cmd->cfg.ckpt_dir, cmd->made);
+  calibrate_cmd_t *cmd = state;
+  if (st != KQSVD_OK && (cli->size == 1 || kqsvd_error_is_collective()))
+    kqsvd_rmdir_made(&cmd->made);
 }
 
 const kqsvd_command_t kqsvd_command_calibrate = {

@@ -329,7 +329,7 @@ static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t 
   kqsvd_monitor_t *mon = NULL;
   kqsvd_progress_t prog;
   int64_t *lens = NULL, *first = NULL, done_rows = 0;
-  char made[PATH_MAX] = ""; /* the outermost folder of --out the run makes */
+  kqsvd_made_dirs_t made = {.n = 0}; /* the folders of --out rank 0 made */
   st = kqsvd_synth_init(&o->cfg, &gen);
   if (st != KQSVD_OK) return kqsvd_usage_error(cli, "synth", st);
   kqsvd_dims_t dims;
@@ -339,8 +339,7 @@ static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t 
   if (cli->rank == 0) local = kqsvd_check_folder_output("--out", o->out);
   if (cli->rank == 0 && local == KQSVD_OK) local = check_set(o, 0);
   KQSVD_CALL(kqsvd_mpi_agree(cli->comm, local));
-  if (cli->rank == 0) kqsvd_missing_top(o->out, made, sizeof made);
-  if (cli->rank == 0 && kqsvd_mkdir_p(o->out) != 0)
+  if (cli->rank == 0 && kqsvd_mkdir_made(o->out, &made) != 0)
     local = kqsvd_error_set(KQSVD_ERR_IO, __FILE__, __LINE__, __func__, "cannot create %s: %s",
                             o->out, strerror(errno));
   if (cli->rank == 0 && local == KQSVD_OK && o->force) local = check_set(o, 1);
@@ -375,8 +374,7 @@ static kqsvd_status_t run(kqsvd_cli_t *cli, void *state, const kqsvd_run_opts_t 
 done:
   /* A set not written leaves no folder it made; once every rank knows,
    * so that none is writing there still. */
-  if (st != KQSVD_OK && cli->rank == 0 && (cli->size == 1 || kqsvd_error_is_collective()))
-    kqsvd_rmdir_made(o->out, made);
+  if (st != KQSVD_OK && (cli->size == 1 || kqsvd_error_is_collective())) kqsvd_rmdir_made(&made);
   kqsvd_monitor_free(&mon);
   kqsvd_synth_free(&gen);
   free(lens);

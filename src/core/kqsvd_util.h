@@ -3,6 +3,7 @@
 #ifndef KQSVD_UTIL_H
 #define KQSVD_UTIL_H
 
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -30,15 +31,23 @@ void kqsvd_normal2(uint64_t key, uint64_t counter, double *a, double *b);
  * -1 with errno set. */
 int kqsvd_mkdir_p(const char *path);
 
-/* Into top (n bytes): the outermost folder of `path` that does not exist,
- * i.e. the first one kqsvd_mkdir_p(path) would make; "" when path exists
- * (or does not fit).  Call before kqsvd_mkdir_p, and kqsvd_rmdir_made
- * after a failure: a run that wrote nothing leaves no folder either. */
-void kqsvd_missing_top(const char *path, char *top, size_t n);
+/* The folders one kqsvd_mkdir_made made itself (its mkdir succeeded, not
+ * EEXIST): the first end[i] bytes of `path` (the path asked for, repeated
+ * and trailing '/' dropped), outermost first. */
+typedef struct kqsvd_made_dirs {
+  char path[PATH_MAX];
+  unsigned short end[PATH_MAX / 2 + 1];
+  int n;
+} kqsvd_made_dirs_t;
 
-/* Removes `path` and the folders above it up to `top` (from
- * kqsvd_missing_top; nothing when ""), as long as they are empty. */
-void kqsvd_rmdir_made(const char *path, const char *top);
+/* kqsvd_mkdir_p, noting in `made` (may be NULL) the folders it made, for
+ * kqsvd_rmdir_made after a failure: a run that wrote nothing leaves no
+ * folder either, and never one that was there before or another made. */
+int kqsvd_mkdir_made(const char *path, kqsvd_made_dirs_t *made);
+
+/* Removes the folders `made` holds, deepest first, those that are empty;
+ * then forgets them. */
+void kqsvd_rmdir_made(kqsvd_made_dirs_t *made);
 
 /* Longest suffix kqsvd appends to an output's name while writing it
  * (kqsvd_tmp_path: ".tmp-", a process id, "-" and a counter). */

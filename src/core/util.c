@@ -74,48 +74,58 @@ const char *kqsvd_fmt_duration(double s, char *buf, size_t n) {
   return buf;
 }
 
-int kqsvd_mkdir_p(const char *path) {
-  char buf[PATH_MAX];
-  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
-    errno = ENAMETOOLONG;
+int kqsvd_mkdir_p(const char *path) { return kqsvd_mkdir_made(path, NULL); }
+
+/* A mkdir of each component in turn, on the path with its repeated and
+ * trailing '/' dropped: a component is recorded only when this mkdir made
+ * it, so a folder that was there (or that another made meanwhile, or that
+ * a ".." leads back to) is never counted as this run's. */
+int kqsvd_mkdir_made(const char *path, kqsvd_made_dirs_t *made) {
+  kqsvd_made_dirs_t own;
+  kqsvd_made_dirs_t *r = made ? made : &own;
+  size_t n = 0;
+  r->n = 0;
+  r->path[0] = '\0';
+  for (const char *p = path; *p; p++) {
+    if (*p == '/' && n > 0 && r->path[n - 1] == '/') continue;
+    if (n + 1 >= sizeof r->path) {
+      r->path[0] = '\0';
+      errno = ENAMETOOLONG;
+      return -1;
+    }
+    r->path[n++] = *p;
+  }
+  if (n > 1 && r->path[n - 1] == '/') n--;
+  r->path[n] = '\0';
+  if (n == 0) {
+    errno = ENOENT;
     return -1;
   }
-  for (char *p = buf + 1; *p; p++)
-    if (*p == '/') {
-      *p = '\0';
-      if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
-      *p = '/';
+  for (size_t i = 1; i <= n; i++) {
+    if (i < n && r->path[i] != '/') continue;
+    r->path[i] = '\0';
+    const int rc = mkdir(r->path, 0777);
+    const int e = errno;
+    if (i < n) r->path[i] = '/';
+    if (rc == 0)
+      r->end[r->n++] = (unsigned short)i;
+    else if (e != EEXIST) {
+      errno = e;
+      return -1;
     }
-  if (mkdir(buf, 0777) != 0 && errno != EEXIST) return -1;
+  }
   return 0;
 }
 
-void kqsvd_missing_top(const char *path, char *top, size_t n) {
-  struct stat sb;
-  char buf[PATH_MAX];
-  top[0] = '\0';
-  if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf || strlen(buf) >= n) return;
-  while (buf[0] && lstat(buf, &sb) != 0) {
-    snprintf(top, n, "%s", buf);
-    char *slash = strrchr(buf, '/');
-    while (slash && slash > buf && slash[1] == '\0') { /* a trailing '/' */
-      *slash = '\0';
-      slash = strrchr(buf, '/');
-    }
-    if (!slash || slash == buf) break;
-    *slash = '\0';
+void kqsvd_rmdir_made(kqsvd_made_dirs_t *made) {
+  /* Deepest first; each one that is not empty stays (rmdir refuses it). */
+  for (int k = made->n - 1; k >= 0; k--) {
+    const char c = made->path[made->end[k]];
+    made->path[made->end[k]] = '\0';
+    rmdir(made->path);
+    made->path[made->end[k]] = c;
   }
-}
-
-void kqsvd_rmdir_made(const char *path, const char *top) {
-  char buf[PATH_MAX];
-  if (!top[0] || snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return;
-  for (;;) {
-    if (rmdir(buf) != 0 || strcmp(buf, top) == 0) return;
-    char *slash = strrchr(buf, '/');
-    if (!slash || slash == buf) return;
-    *slash = '\0';
-  }
+  made->n = 0;
 }
 
 int kqsvd_tmp_path(const char *path, char *tmp, size_t n) {

@@ -58,7 +58,7 @@ kqsvd_status_t calib_manifest(calib_t *base) {
     st = kqsvd_check_output("OUTPUT_H5", m.e[i].output, 1);
     if (st == KQSVD_OK && base->cfg.ckpt_dir) {
       snprintf(ckpt, sizeof ckpt, "%s/%s", base->cfg.ckpt_dir, m.e[i].name);
-      st = kqsvd_check_checkpoint_dir(ckpt, m.e[i].output);
+      st = kqsvd_check_checkpoint_dir(ckpt, m.e[i].output, NULL);
     }
     if (st != KQSVD_OK) {
       char where[PATH_MAX + 32];

@@ -49,7 +49,7 @@ void kqsvd_calib_config_default(kqsvd_calib_config_t *cfg) {
   cfg->device = KQSVD_DEVICE_AUTO;
 }
 
-kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c) {
+kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c, kqsvd_made_dirs_t *made) {
   kqsvd_status_t st = KQSVD_OK;
   KQSVD_CHECK(c->qr != KQSVD_CALIB_QR_SCALAPACK || !c->ckpt_dir, KQSVD_ERR_USAGE,
               "--checkpoint does not work with --qr scalapack, which keeps no running "
@@ -77,7 +77,7 @@ kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *c) {
   KQSVD_CHECK(c->model_path, KQSVD_ERR_USAGE, "--model is required (or --manifest)");
   KQSVD_CHECK(c->out_path, KQSVD_ERR_USAGE, "--out is required");
   KQSVD_CHECK(c->nshards > 0, KQSVD_ERR_USAGE, "no cache shards given");
-  if (c->ckpt_dir) KQSVD_CALL(kqsvd_check_checkpoint_dir(c->ckpt_dir, c->out_path));
+  if (c->ckpt_dir) KQSVD_CALL(kqsvd_check_checkpoint_dir(c->ckpt_dir, c->out_path, made));
   {
     const char *named[] = {c->model_path}, *opts[] = {"--model"};
     KQSVD_CALL(kqsvd_check_file_args("--out", c->out_path, 1, named, opts, c->shards, c->nshards));

@@ -15,6 +15,7 @@
 #include "kqsvd_proj.h"
 #include "kqsvd_rank.h"
 #include "kqsvd_report.h"
+#include "kqsvd_util.h"
 
 /* Where a run happens: a communicator and this process's place in it.
  * comm MPI_COMM_NULL (size 1) for the steps that run without MPI. */
@@ -72,9 +73,10 @@ void kqsvd_calib_config_default(kqsvd_calib_config_t *cfg);
 /* Checks a config before any work: the options agree with each other and
  * the files can be made (kqsvd_check_output, kqsvd_check_file_args,
  * kqsvd_check_checkpoint_dir).  Not collective, but reads the file system:
- * callers on several ranks agree on the outcome.  Errors: KQSVD_ERR_USAGE
- * naming the option. */
-kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *cfg);
+ * callers on several ranks agree on the outcome.  Into `made` (may be
+ * NULL): the --checkpoint folders it made.  Errors: KQSVD_ERR_USAGE naming
+ * the option. */
+kqsvd_status_t kqsvd_calib_config_check(const kqsvd_calib_config_t *cfg, kqsvd_made_dirs_t *made);
 
 /* Collective over ctx->comm: calibrates one model, or every model of
  * cfg->manifest_path in turn, writing each projections file (under a
@@ -180,8 +182,10 @@ kqsvd_status_t kqsvd_check_folder_output(const char *opt, const char *dir);
 /* Checks a --checkpoint folder before any work: not the output's path, not
  * a file, creatable and writable (as kqsvd_check_output_place), and
  * not holding `out` (may be NULL), whose neighbours are deleted at the end.
- * Creates the folder.  Not collective.  Errors: KQSVD_ERR_USAGE. */
-kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out);
+ * Creates the folder, noting in `made` (may be NULL) the folders this call
+ * made (kqsvd_mkdir_made).  Not collective.  Errors: KQSVD_ERR_USAGE. */
+kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out,
+                                          kqsvd_made_dirs_t *made);
 
 /* What kqsvd_scan_shards learns of a set of cache shards. */
 typedef struct kqsvd_shard_set {

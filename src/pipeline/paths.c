@@ -193,7 +193,8 @@ done:
   return st;
 }
 
-kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
+kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out,
+                                          kqsvd_made_dirs_t *made) {
   kqsvd_status_t st = KQSVD_OK;
   struct stat sb;
   char real_dir[PATH_MAX], out_dir[PATH_MAX], real_out[PATH_MAX], name[PATH_MAX + 16];
@@ -201,8 +202,8 @@ kqsvd_status_t kqsvd_check_checkpoint_dir(const char *dir, const char *out) {
               "--checkpoint %s is the --out path; give the checkpoints a folder of their own", dir);
   KQSVD_CHECK(stat(dir, &sb) != 0 || S_ISDIR(sb.st_mode), KQSVD_ERR_USAGE,
               "--checkpoint %s exists and is not a folder", dir);
-  KQSVD_CHECK(kqsvd_mkdir_p(dir) == 0, KQSVD_ERR_USAGE, "--checkpoint %s: cannot create it (%s)",
-              dir, strerror(errno));
+  KQSVD_CHECK(kqsvd_mkdir_made(dir, made) == 0, KQSVD_ERR_USAGE,
+              "--checkpoint %s: cannot create it (%s)", dir, strerror(errno));
   /* Found now, not after the first segment has been streamed. */
   snprintf(name, sizeof name, "--checkpoint %s", dir);
   KQSVD_CALL(probe_folder(name, dir));

@@ -82,6 +82,7 @@ def options():
                       extra=["--checkpoint", ckpt], expect=None), "inside the --checkpoint",
             code=2)
     check(not os.path.exists(ckpt), "a refused run left the --checkpoint folder it made")
+    made_folders_only(wd, model, out, shards)
     refused(calibrate(model, out, shards, extra=["--force", "--checkpoint", out], expect=None),
             "--checkpoint", code=2)
     under_file = os.path.join(shards[0], "ckpt")
@@ -111,6 +112,29 @@ def options():
         p = run([v])
         check(p.stdout.startswith("kqsvd "), f"kqsvd {v}: {p.stdout[:200]}")
     finish("options")
+
+
+def made_folders_only(wd, model, out, shards):
+    """A refused run (an existing --out) takes away only the --checkpoint
+    folders its own mkdir made, and only empty ones: not one that was there
+    before (a ".." leading back to it, an empty folder given as is, or the
+    parent of a new one), and a trailing "/" changes nothing."""
+    def refused_ckpt(ck, np_=1):
+        refused(calibrate(model, out, shards, np_=np_, extra=["--checkpoint", ck], expect=None),
+                "--out", "already exists", code=2)
+    mine, made = os.path.join(wd, "mine"), os.path.join(wd, "made")
+    os.makedirs(mine)
+    refused_ckpt(os.path.join(made, "..", "mine"))
+    check(os.path.isdir(mine), "a refused run removed a folder there before it, through ..")
+    check(not os.path.exists(made), "a refused run left the folder it made before a ..")
+    for np_ in (1, 2):  # on 2 ranks, the one whose mkdir made them takes them away
+        refused_ckpt(os.path.join(made, "ck") + "/", np_)
+        check(not os.path.exists(made), f"--checkpoint {made}/ck/ on {np_} ranks: left {made}")
+    refused_ckpt(mine)
+    refused_ckpt(os.path.join(mine, "ck"))
+    check(os.path.isdir(mine) and not os.listdir(mine),
+          "a refused run removed an empty --checkpoint folder, or its parent, it did not make")
+    os.rmdir(mine)
 
 
 def special_places(wd, model, shards):

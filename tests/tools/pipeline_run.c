@@ -86,7 +86,7 @@ int main(int argc, char **argv) {
   cfg.device = KQSVD_DEVICE_CPU;
   cfg.out_path = path[0];
   cfg.ranks = (kqsvd_rank_policy_t){KQSVD_RANKS_BUDGET, 0.4};
-  kqsvd_status_t st = kqsvd_calib_config_check(&cfg);
+  kqsvd_status_t st = kqsvd_calib_config_check(&cfg, NULL);
   if (st == KQSVD_OK) st = kqsvd_calibrate(&ctx, &cfg, &obs);
   if (rec.f) fprintf(rec.f, "calibrate %d\n", (int)st);
   rec_counts(&rec, "calibrate");

@@ -3,7 +3,7 @@
  * 61: two runs of one command, the later rename silently replacing the
  * earlier file), kqsvd_publish (--force) does, and so do the writers of
  * evaluate's --json report and calibrate's output; kqsvd_tmp_claim learns of
- * a full disk before HDF5 writes, leaving nothing; kqsvd_missing_top and
+ * a full disk before HDF5 writes, leaving nothing; kqsvd_mkdir_made and
  * kqsvd_rmdir_made take away only the folders a run made. */
 #include <errno.h>
 #include <stdio.h>
@@ -38,7 +38,7 @@ static const char *text_of(const char *path) {
 }
 
 int main(void) {
-  char dir[] = "/tmp/kqsvd-publish-XXXXXX", out[256], tmp[300], top[256], deep[300];
+  char dir[] = "/tmp/kqsvd-publish-XXXXXX", out[256], tmp[300], deep[300];
   CHECK(mkdtemp(dir) != NULL, "mkdtemp: %s", strerror(errno));
   snprintf(out, sizeof out, "%s/proj.h5", dir);
   snprintf(tmp, sizeof tmp, "%s.tmp-1-0", out);
@@ -90,19 +90,33 @@ int main(void) {
         claimed, kqsvd_error_message());
   kqsvd_error_clear();
 
-  /* Folders: only those made go, and only while empty. */
-  snprintf(deep, sizeof deep, "%s/a/b/c", dir);
-  kqsvd_missing_top(deep, top, sizeof top);
+  /* Folders: only those this process's mkdir made go, and only while empty. */
+  kqsvd_made_dirs_t made;
   char want[300];
+  snprintf(deep, sizeof deep, "%s/a/b/c//", dir);
+  CHECK(kqsvd_mkdir_made(deep, &made) == 0, "mkdir -p %s", deep);
+  snprintf(want, sizeof want, "%s/a/b/c", dir);
+  CHECK(made.n == 3 && strcmp(made.path, want) == 0, "made %d in %s", made.n, made.path);
+  kqsvd_rmdir_made(&made);
   snprintf(want, sizeof want, "%s/a", dir);
-  CHECK(strcmp(top, want) == 0, "top %s, expected %s", top, want);
-  CHECK(kqsvd_mkdir_p(deep) == 0, "mkdir -p %s", deep);
-  kqsvd_rmdir_made(deep, top);
   CHECK(access(want, F_OK) != 0, "%s stayed", want);
-  kqsvd_missing_top(dir, top, sizeof top);
-  CHECK(top[0] == '\0', "%s exists, yet top %s", dir, top);
-  kqsvd_rmdir_made(dir, top);
+  CHECK(kqsvd_mkdir_made(dir, &made) == 0 && made.n == 0, "%s exists, yet made %d", dir, made.n);
+  kqsvd_rmdir_made(&made);
   CHECK(access(out, F_OK) == 0, "a folder that existed was touched");
+  /* One that was there (another's, or one a ".." leads back to) stays. */
+  snprintf(want, sizeof want, "%s/y", dir);
+  CHECK(mkdir(want, 0777) == 0, "mkdir %s", want);
+  snprintf(deep, sizeof deep, "%s/x/../y", dir);
+  CHECK(kqsvd_mkdir_made(deep, &made) == 0 && made.n == 1, "%s: made %d", deep, made.n);
+  kqsvd_rmdir_made(&made);
+  CHECK(access(want, F_OK) == 0, "%s, there before, was removed", want);
+  snprintf(deep, sizeof deep, "%s/x", dir);
+  CHECK(access(deep, F_OK) != 0, "%s, made, stayed", deep);
+  snprintf(deep, sizeof deep, "%s/y/z", dir);
+  CHECK(kqsvd_mkdir_made(deep, &made) == 0 && made.n == 1, "%s: made %d", deep, made.n);
+  kqsvd_rmdir_made(&made);
+  CHECK(access(deep, F_OK) != 0 && access(want, F_OK) == 0, "%s: the wrong folders went", deep);
+  rmdir(want);
 
   remove(out);
   rmdir(dir);
