@@ -29,6 +29,7 @@ typedef struct {
   int64_t nseg, work; /* local segments; work units done */
   double last_save;
   int saves;
+  int kept;     /* a checkpoint of this rank is in the folder (loaded or saved) */
   int signal;   /* the signal that stopped this rank (0: none) */
   int delay_ms; /* test hook: KQSVD_TEST_READ_DELAY_MS per read */
 } stream_t;
@@ -82,6 +83,7 @@ static kqsvd_status_t save_checkpoint(stream_t *s, int64_t seg, int64_t item) {
       c->nitems * CAL_NR * (int64_t)kqsvd_tri_size((int)c->d), c->state));
   s->last_save = kqsvd_now();
   s->saves++;
+  s->kept = 1;
   /* Test hook: die like `kill -9` right after the n-th checkpoint. */
   const char *kill_after = getenv("KQSVD_TEST_KILL_AFTER_CHECKPOINTS");
   const char *kill_rank = getenv("KQSVD_TEST_KILL_RANK");
@@ -226,13 +228,17 @@ static kqsvd_status_t stream_segments(stream_t *s) {
    * GPU the factors of the stopped item are already changed, so the last
    * regular checkpoint stands. */
   if (stop && c->cfg.ckpt_dir && !c->gpu && k < s->nseg) KQSVD_CALL(save_checkpoint(s, k, i));
+  /* A GPU run stopped before its first checkpoint has none to name (and
+   * leaves no empty folder it made). */
+  const int saved = c->cfg.ckpt_dir && (s->kept || !c->gpu);
+  if (stop && s->signal && saved)
+    KQSVD_FAIL(KQSVD_ERR_INTERRUPTED,
+               "interrupted by %s; checkpoint saved in %s: run the same command again to resume",
+               strsignal(s->signal), c->cfg.ckpt_dir);
   if (stop && s->signal)
-    KQSVD_FAIL(KQSVD_ERR_INTERRUPTED, "interrupted by %s; %s%s%s", strsignal(s->signal),
-               c->cfg.ckpt_dir ? "checkpoint saved in "
-                               : "no --checkpoint was given, so nothing "
-                                 "is kept",
-               c->cfg.ckpt_dir ? c->cfg.ckpt_dir : "",
-               c->cfg.ckpt_dir ? ": run the same command again to resume" : "");
+    KQSVD_FAIL(
+        KQSVD_ERR_INTERRUPTED, "interrupted by %s; %s, so nothing is kept", strsignal(s->signal),
+        c->cfg.ckpt_dir ? "it stopped before its first checkpoint" : "no --checkpoint was given");
   if (stop)
     st = KQSVD_ERR_REMOTE; /* the failing rank reports */
   else if (c->gpu)
@@ -302,6 +308,7 @@ kqsvd_status_t calib_stream(calib_t *c) {
   kqsvd_observe_begin(c->obs, "calibrate", c->tokens, base, &show, &show_ctx, &every);
   KQSVD_CALL(kqsvd_monitor_init(comm, total, show, show_ctx, every, &s.mon));
   s.last_save = kqsvd_now();
+  s.kept = found;
   const double t0 = kqsvd_now();
   /* A signal now stops every rank at its next block, with a checkpoint. */
   kqsvd_signal_defer(1);
