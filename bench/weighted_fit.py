@@ -27,7 +27,9 @@ they are read back changes.
 Not part of the tool: the shards' contract has no row weights, so this
 refits in numpy from the shards.  Prints one table; writes
 WORK/unweighted.h5 (the check's refit), WORK/weighted.h5 (the weighted
-projections) and WORK/weighted.json, replacing them."""
+projections) and WORK/weighted.json, replacing them (a link among them
+replaced itself, never its target written): each under a temporary name,
+all three renamed at the end, so that a run that fails leaves none."""
 import argparse
 import glob
 import os
@@ -40,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
 from kqsvd.formats import h5io  # noqa: E402
-from kqsvd.formats.files import check_outputs, json_writer, write_atomic  # noqa: E402
+from kqsvd.formats.files import Staged, cannot_write, check_outputs, json_writer, write_all  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 OUTPUTS = ("unweighted.h5", "weighted.h5", "weighted.json")
@@ -121,18 +123,30 @@ def optimal_pair(CX, CY):
     return np.linalg.pinv(RX, rcond=1e-12) @ U, RX.T @ U, s
 
 
-def refit(work, shards, weights, out, L, H, g):
-    """WORK/proj.h5 with the kqsvd group refitted (weights None: unweighted).
+def refit(work, shards, weights, out, staged, L, H, g):
+    """WORK/proj.h5 with the kqsvd group refitted (weights None: unweighted),
+    written at staged.tmp(out), out's temporary name (the copy and h5py
+    write a file of the run's own, never what out is or links to).
     Returns the largest relative difference of the rank-16 maps from
-    proj.h5's (the unweighted refit's check)."""
-    import h5py
+    proj.h5's (the unweighted refit's check).  KqsvdError naming out when
+    it cannot be written."""
     CK, CQ, CV = grams(shards, weights, L, H, g)
     with h5io.open_file(os.path.join(work, "train", "model.h5"), "model") as f:
         O = h5io.decode(f["o_proj"][...], h5io.is_bf16(f["o_proj"])).astype(np.float64)
+    tmp = staged.tmp(out)
+    try:
+        shutil.copyfile(os.path.join(work, "proj.h5"), tmp)
+        return refit_into(tmp, O, CK, CQ, CV, L, H, g)
+    except OSError as e:
+        raise cannot_write(out, e, tmp) from None
+
+
+def refit_into(path, O, CK, CQ, CV, L, H, g):
+    """refit's new kqsvd maps from the Grams, written into the copy at path."""
+    import h5py
     d = CK.shape[-1]
-    shutil.copy(os.path.join(work, "proj.h5"), out)
     worst = 0.0
-    with h5py.File(out, "r+") as f:
+    with h5py.File(path, "r+") as f:
         for l in range(L):
             for h in range(H):
                 blocks = O[l][:, h * g * d:(h + 1) * g * d]  # the group's W^O blocks side by side
@@ -203,11 +217,20 @@ def main():
     a = ap.parse_args()
     if not 1 <= a.calib_seqs <= 24 - 4 * (a.tune > 0):
         ap.error("--calib-seqs: 1 to 24 of the demo's windows, and 4 left to check --tune")
-    try:
+    try:  # an output refused at the start, 2 as the commands; an input, or a write later, 1
         shards = work_files(a.work)
-    except (UsageError, KqsvdError) as e:  # an output, 2 as the commands; an input, 1
+        with Staged() as staged:  # left without write_all: the written outputs go
+            study(a, shards, staged)
+    except (UsageError, KqsvdError) as e:
         print(f"weighted_fit.py: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
+    return 0
+
+
+def study(a, shards, staged):
+    """The study of --work's shards, main's options `a`: the refits staged
+    (read back from their temporary names), the table printed, and the
+    three outputs renamed together with weighted.json."""
     import torch
     from kqsvd import models
     from kqsvd.quality.allocate import allocate
@@ -217,15 +240,15 @@ def main():
     L, H = info.num_layers, info.num_kv_heads
     g = info.num_heads // H
     train = models.token_windows(tok, TEXT, 256, 24, "train", bos=True)[0]
-    check = refit(a.work, shards, None, os.path.join(a.work, "unweighted.h5"), L, H, g)
+    check = refit(a.work, shards, None, os.path.join(a.work, "unweighted.h5"), staged, L, H, g)
     if check > 1e-9:
         sys.exit(f"weighted_fit.py: the unweighted refit differs from proj.h5 by {check:.2e}: "
                  "not the demo's 24 windows?")
     w = attention_weights(model, train, L, H, g)
     print(f"weights: the first token of a window weighs {np.median(w[..., ::256] / w.mean(-1, keepdims=True)):.0f}"
           f" times the mean (median over layers and heads)", file=sys.stderr)
-    weighted = os.path.join(a.work, "weighted.h5")
-    refit(a.work, shards, w, weighted, L, H, g)
+    refit(a.work, shards, w, os.path.join(a.work, "weighted.h5"), staged, L, H, g)
+    weighted = staged.tmp(os.path.join(a.work, "weighted.h5"))
     ev = models.token_windows(tok, TEXT, 256, 8, "validation", bos=True)[0]
     ref = full_logprobs(model, ev)
     cal = train[:a.calib_seqs]
@@ -245,10 +268,9 @@ def main():
     print("| fit | ranks | perplexity | KL / token | top-1 |\n| --- | --- | ---: | ---: | ---: |")
     for name, pol, r in rows:
         print(f"| {name} | {pol} | {r['perplexity']:.2f} | {r['kl']:.3f} | {100 * r['top1']:.1f}% |")
-    write_atomic(os.path.join(a.work, "weighted.json"),
-                 json_writer([dict(fit=n, ranks=p, **r) for n, p, r in rows]), force=True)
+    write_all([(os.path.join(a.work, "weighted.json"),
+                json_writer([dict(fit=n, ranks=p, **r) for n, p, r in rows]))], staged, force=True)
     print(f"weighted_fit.py: done in {time.time() - t0:.0f} s", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -6,11 +6,16 @@ held to the commands' rules (issue 61), with no GPU and no model load:
   --force and left as it is;
 - weighted_fit opens its --work files as the kqsvd files they are: a FIFO
   among its inputs or outputs is refused in one line before the model
-  loads, not waited on.
+  loads, not waited on; its outputs are written under temporary names and
+  renamed together at the end, so that a link among them is replaced, not
+  followed, and a write that fails after the model load is one line and
+  leaves none of them.
 
 gpu_decode runs in this process on its tiny random model on the CPU, each
 row's measure made up; weighted_fit in a child, under a timeout so that a
-script that waits on a FIFO fails the test instead of hanging it."""
+script that waits on a FIFO fails the test instead of hanging it, or in
+this process with its model and measures made up (its refits and writes
+its own)."""
 import contextlib
 import importlib.util
 import io
@@ -19,21 +24,28 @@ import os
 import subprocess
 import sys
 import unittest
+from types import SimpleNamespace
 from unittest import mock
 
 from common import KQSVD, ROOT, run, workdir
+from kqsvd.formats import h5io
 
 GPU_DECODE = os.path.join(ROOT, "bench", "gpu_decode.py")
 WEIGHTED_FIT = os.path.join(ROOT, "bench", "weighted_fit.py")
 ENV = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
 ROW = dict(tokens_per_s=1.0, bytes=1, peak_bytes=0, prefill_s=0.0)
+OUTPUTS = ("unweighted.h5", "weighted.h5", "weighted.json")
 
 
-def gpu_decode():
-    spec = importlib.util.spec_from_file_location("gpu_decode_under_test", GPU_DECODE)
+def load_script(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def gpu_decode():
+    return load_script("gpu_decode_under_test", GPU_DECODE)
 
 
 def theirs(path, text):
@@ -97,10 +109,11 @@ class WeightedFitWork(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         """A --work folder as bench/rank_allocation.sh leaves it, in small:
-        train/ (a model file and a shard) and proj.h5 calibrated from it."""
+        train/ (a model file and a shard) and proj.h5 calibrated from it;
+        more rows than d = 64, so that the unweighted refit is proj.h5's."""
         cls.work = workdir("bench-weighted-fit")
-        run([KQSVD, "synth", "--out", os.path.join(cls.work, "train"), "--seqs", "2",
-             "--seq-len", "16", "--shards", "1", "--progress", "off"])
+        run([KQSVD, "synth", "--out", os.path.join(cls.work, "train"), "--seqs", "8",
+             "--seq-len", "32", "--shards", "1", "--progress", "off"])
         run([KQSVD, "calibrate", "--progress", "off", "--ranks", "fixed:4", "--model",
              os.path.join(cls.work, "train", "model.h5"), "--out",
              os.path.join(cls.work, "proj.h5"), os.path.join(cls.work, "train", "shard-0000.h5")])
@@ -137,6 +150,79 @@ class WeightedFitWork(unittest.TestCase):
         for name in ("unweighted.h5", "weighted.h5", "weighted.json"):
             with self.subTest(name):
                 self.refused(name, 2, "error:", "is not a regular file")
+
+    def setUp(self):
+        self.addCleanup(self.remove_outputs)
+
+    def remove_outputs(self):
+        for name in OUTPUTS:
+            path = os.path.join(self.work, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            elif os.path.lexists(path):
+                os.remove(path)
+
+    def study(self, during=None):
+        """(exit status, stderr) of weighted_fit's main() in this process on
+        the small --work, its model and measures made up (the refits and
+        the writes are the script's); `during` runs in the held-out measure,
+        after the model load and before the outputs are written."""
+        import numpy as np
+        mod = load_script("weighted_fit_under_test", WEIGHTED_FIT)
+        with h5io.open_file(os.path.join(self.work, "train", "shard-0000.h5"), "cache") as f:
+            L, H, rows, _ = f["keys"].shape
+            Hq = f["queries"].shape[1]
+        info = SimpleNamespace(num_layers=L, num_kv_heads=H, num_heads=Hq)
+
+        def held_out(*_):
+            if during:
+                during()
+            return dict(perplexity=1.0, kl=0.0, top1=1.0)
+        err = io.StringIO()
+        with mock.patch("kqsvd.models.load", lambda *_, **__: (None, None, info)), \
+                mock.patch("kqsvd.models.token_windows",
+                           lambda *_, **__: (np.zeros((24, 4), np.int64),)), \
+                mock.patch("kqsvd.quality.kl.full_logprobs", lambda *_: None), \
+                mock.patch("kqsvd.quality.allocate.allocate",
+                           lambda *_, **__: {"kqsvd": dict(rank_k=[[4] * H] * L,
+                                                           rank_v=[[4] * H] * L)}), \
+                mock.patch.object(mod, "attention_weights", lambda *_: np.ones((L, H, rows))), \
+                mock.patch.object(mod, "held_out", held_out), \
+                mock.patch.object(sys, "argv", ["weighted_fit.py", "--work", self.work]), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = mod.main()
+        return code, err.getvalue()
+
+    def test_an_output_that_is_a_link_is_replaced_not_followed(self):
+        theirs_dir = workdir("bench-weighted-fit-theirs")
+        links = {}
+        for name in OUTPUTS:
+            target = os.path.join(theirs_dir, name)
+            with open(target, "w") as f:
+                f.write("another's file")
+            links[name] = os.path.join(self.work, name)
+            os.symlink(target, links[name])
+        code, err = self.study()
+        self.assertEqual(code, 0, err)
+        for name in OUTPUTS:
+            with open(os.path.join(theirs_dir, name)) as f:
+                self.assertEqual(f.read(), "another's file", f"{name}: its link's target written")
+            self.assertFalse(os.path.islink(links[name]), name)
+        with h5io.open_file(links["weighted.h5"], "projections") as f:
+            self.assertIn("kqsvd", f)
+
+    def test_a_failed_last_write_is_one_line(self):
+        report = os.path.join(self.work, "weighted.json")
+        code, err = self.study(during=lambda: os.path.isdir(report) or os.mkdir(report))
+        lines = [ln for ln in err.splitlines() if "error" in ln]  # beside the study's log
+        self.assertEqual((code, len(lines)), (1, 1), err)
+        self.assertNotIn("Traceback", err)
+        self.assertTrue(err.endswith(lines[0] + "\n"), err)
+        self.assertIn(f"weighted_fit.py: error: {report}", lines[0])
+        # all or none: the projections it wrote before went with the report
+        for name in ("unweighted.h5", "weighted.h5"):
+            self.assertFalse(os.path.lexists(os.path.join(self.work, name)), name)
+        self.assertFalse([n for n in os.listdir(self.work) if n.endswith(".tmp")])
 
 
 if __name__ == "__main__":
