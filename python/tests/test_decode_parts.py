@@ -3,7 +3,8 @@ one decode attention over parts, its softmax in decode.py alone;
 one table of the tiered cache's scorers, by the names a layout writes;
 one map from attention modules to what each registered function reads
 for them; a site's tiers one frozen record; the cache layers' shared
-base; a reader chosen once per store, handed the store's layout."""
+base; a reader chosen once per store, handed the store's layout; a
+layer's projections in units."""
 import ast
 import dataclasses
 import inspect
@@ -11,14 +12,15 @@ import os
 import unittest
 import unittest.mock
 
+import numpy as np
 import torch
 
 from common import cache_kw, orthonormal_projections, tiny_lm
 
 from kqsvd import compat
 from kqsvd.compat import output_cache
-from kqsvd.attention import (cache, compressed, decode, function, kernel, layer, scorers,
-                             tiers)
+from kqsvd.attention import (cache, compressed, decode, function, kernel, layer, projection,
+                             scorers, tiers)
 from kqsvd.attention.compressed import Site, SiteTiers
 from kqsvd.calibration import capture
 from kqsvd.errors import KqsvdError
@@ -209,3 +211,36 @@ def triton_source():
     """triton_decode.py's tree (read, not imported: Triton may be missing)."""
     return ast.parse(open(os.path.join(os.path.dirname(kernel.__file__),
                                        "triton_decode.py")).read())
+
+
+class Units(unittest.TestCase):
+    """A LayerProjection works unit by unit: one unit for a layer whose
+    heads share their ranks, one per KV head otherwise; nothing outside
+    projection.py asks which."""
+
+    def test_no_ragged_outside_projection(self):
+        folder = os.path.dirname(decode.__file__)
+        for root, _, files in os.walk(os.path.dirname(folder)):
+            for f in files:
+                path = os.path.join(root, f)
+                if f.endswith(".py") and path != projection.__file__:
+                    tree = ast.parse(open(path).read())
+                    self.assertFalse([n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                      and n.attr == "ragged"], path)
+
+    def test_one_unit_or_one_per_kv_head(self):
+        model = tiny_lm("llama", 97, seed=3, heads=4, kv_heads=2, hidden=64)
+        p = orthonormal_projections(model, 8, seed=1)
+        P = projection.LayerProjection(p, 0, 4, torch.float64, "cpu")
+        self.assertEqual(len(P.units), 1)
+        self.assertIs(P.A, P.units[0].A)
+        heads = np.array([[8, 5]] * p.num_layers)
+        cut = [m.copy() for m in p.key_down]
+        for m in cut:
+            m[1, :, 5:] = 0
+        p = dataclasses.replace(p, key_down=cut, query_down=cut, rank_k_heads=heads,
+                                rank_v_heads=heads.copy())
+        P = projection.LayerProjection(p, 0, 4, torch.float64, "cpu")
+        self.assertEqual([(u.kv, u.q, u.A.shape[-1]) for u in P.units],
+                         [(slice(0, 1), slice(0, 2), 8), (slice(1, 2), slice(2, 4), 5)])
+        self.assertEqual([a.shape[-1] for a in P.A], [8, 5])

@@ -182,7 +182,7 @@ def latent_columns(P, residual=None):
     """The Columns of a latent under LayerProjection P (quantized);
     residual replaces the scheme's."""
     scheme = P.quant if residual is None else dataclasses.replace(P.quant, residual=residual)
-    return Columns(P.quant_slices(), scheme, -1 if P.ragged else 1)
+    return Columns(P.quant_slices(), scheme, P.slice_axis)
 
 
 class QuantLayer(FixedLayer):

@@ -6,7 +6,10 @@ function and probe mode.
 Shapes: keys and values [b, Hkv, T, d]; queries [b, Hq, T, d], Hq = g Hkv.
 The cache holds K A and V A_v, [b, Hkv, T, r]; with ranks per head
 (`ragged`) each KV head's own columns side by side, [b, 1, T, sum of ranks],
-so the cache holds exactly the bytes the ranks say.
+so the cache holds exactly the bytes the ranks say.  Every method works
+unit by unit (Unit: heads that share one set of ranks): one unit for a
+layer whose heads have the same ranks, one per KV head otherwise; only
+the construction tells the two apart.
 
 Head groups (a file with head_groups G, docs/formats.md 5.3): the
 projections are the model's group view's, each of its Hkv / G heads a
@@ -163,6 +166,54 @@ def bit_runs(proj, layer):
     return orders, runs
 
 
+class Unit:
+    """Heads of one layer that share one set of ranks: every head of a
+    layer whose heads have the same ranks, or one (view) KV head and its
+    query heads.  kv, q: its KV heads and query heads (slices); k, v: its
+    columns of the cache's row of keys and of values; A, Av [KV heads, d,
+    r] (one head's: [d, r]) and, once set_up() has run, Bq, BkT and BvT."""
+
+    def __init__(self, kv, q, k, v, A, Av):
+        self.kv, self.q, self.k, self.v, self.A, self.Av = kv, q, k, v, A, Av
+        self.Bq = self.BkT = self.BvT = None
+
+    def kv_heads(self, hkv):
+        """How many of a layer's hkv (view) KV heads are the unit's."""
+        return len(range(hkv)[self.kv])
+
+    def q_heads(self, hq):
+        """How many of a layer's hq query heads are the unit's."""
+        return len(range(hq)[self.q])
+
+
+def _heads(x, which):
+    """x's heads `which` (a slice of axis 1); x itself for all of them."""
+    return x if which == slice(None) else x[:, which]
+
+
+def _columns(x, which):
+    """x's columns `which` (a slice of the last axis); x itself for all."""
+    return x if which == slice(None) else x[..., which]
+
+
+def _joined(parts, dim):
+    """The parts side by side along dim (the one part itself, uncopied)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _of_units(name):
+    """A matrix of a LayerProjection, its one unit's or a list of every
+    unit's (as with ranks per head, a unit per KV head), read and set."""
+    def get(self):
+        got = [getattr(u, name) for u in self.units]
+        return got if self.ragged else got[0]
+
+    def put(self, value):
+        for u, m in zip(self.units, value if self.ragged else [value]):
+            setattr(u, name, m)
+    return property(get, put)
+
+
 class LayerProjection:
     """One layer's matrices as tensors of the model's dtype and device.
     Tuning and allocation replace A, Av, Bq, BkT and BvT by tensors that
@@ -192,24 +243,25 @@ class LayerProjection:
                 mats = [rotate(m, [[n for n, _ in r] for r in runs])
                         for m, runs in zip(mats, (rk, rk, rv, rv))]
         kd, qd, vd, vu = mats
-        self.A = t(kd)                                                       # [Hkv, d, rk]
-        self.Av = t(vd)                                                      # [Hkv, d, rv]
         self.rope = proj.rope
         self.o_folded = fold_o_proj(o_weight, vu, heads, G) if fold else None
         self.ragged = proj.per_head(layer)
-        if self.ragged:
+        A, Av = t(kd), t(vd)                                                 # [Hkv, d, r]
+        if self.ragged:  # a unit per (view) KV head, with its own ranks
             rk, rv = proj.rank_k_heads[layer], proj.rank_v_heads[layer]
             self.rk, self.rv = [int(x) for x in rk], [int(x) for x in rv]
-            self.ko = [0] + torch.tensor(self.rk).cumsum(0).tolist()
-            self.vo = [0] + torch.tensor(self.rv).cumsum(0).tolist()
-            self.A = [self.A[j, :, :r] for j, r in enumerate(self.rk)]
-            self.Av = [self.Av[j, :, :r] for j, r in enumerate(self.rv)]
+            ko, vo = ([0] + torch.tensor(r).cumsum(0).tolist() for r in (self.rk, self.rv))
+            self.units = [Unit(slice(j, j + 1), slice(j * q_per_kv, (j + 1) * q_per_kv),
+                               slice(ko[j], ko[j + 1]), slice(vo[j], vo[j + 1]),
+                               A[j, :, :self.rk[j]], Av[j, :, :self.rv[j]])
+                          for j in range(self.hkv)]
             if self.o_folded is not None:  # each head's own columns of the padded fold
                 wide = int(rv.max())
                 cols = [h * wide + c for h in range(heads) for c in range(self.rv[h // q_per_kv])]
                 self.o_folded = self.o_folded[:, cols]
-        else:
-            self.rk, self.rv = int(self.A.shape[-1]), int(self.Av.shape[-1])
+        else:  # one unit: every head, every column
+            self.rk, self.rv = int(A.shape[-1]), int(Av.shape[-1])
+            self.units = [Unit(slice(None), slice(None), slice(None), slice(None), A, Av)]
         if self.o_folded is not None:
             self.o_folded = self.o_folded.to(dtype=dtype, device=device)
         self.set_up(t(qd), t(vu))
@@ -217,61 +269,76 @@ class LayerProjection:
     def quant_slices(self):
         """[(cut, key runs, value runs)] of each slice of cached columns that
         its own stores hold, runs [(count, bits)] of its columns
-        (bit_runs): the whole layer when all its heads have the same runs,
-        else each (view) KV head; cut(x, side) takes the slice's columns
-        of keys (side 0) or values (side 1)."""
+        (bit_runs): the whole layer when it is one unit whose heads all
+        have the same runs, else each (view) KV head; cut(x, side) takes the
+        slice's columns of keys (side 0) or values (side 1)."""
         same = lambda runs: all(r == runs[0] for r in runs)  # noqa: E731
-        if not self.ragged and same(self.runs_k) and same(self.runs_v):
+        if len(self.units) == 1 and same(self.runs_k) and same(self.runs_v):
             return [(None, self.runs_k[0], self.runs_v[0])]
-        if self.ragged:
-            return [((lambda x, side, j=j: x[..., (self.ko, self.vo)[side][j]:
-                                              (self.ko, self.vo)[side][j + 1]]), bk, bv)
-                    for j, (bk, bv) in enumerate(zip(self.runs_k, self.runs_v))]
-        return [((lambda x, side, j=j: x[:, j:j + 1]), bk, bv)
-                for j, (bk, bv) in enumerate(zip(self.runs_k, self.runs_v))]
+        heads = [(u, h) for u in self.units for h in range(u.kv_heads(self.hkv))]
+        return [((lambda x, side, u=u, h=h: x[..., (u.k, u.v)[side]][:, h:h + 1]), bk, bv)
+                for (u, h), bk, bv in zip(heads, self.runs_k, self.runs_v)]
 
-    def slice_queries(self, q, per_unit):
+    @property
+    def slice_axis(self):
+        """The axis quant_slices()'s slices lie side by side on in the
+        cache: the columns, where each is a unit of its own ranks; the KV
+        heads of the one unit otherwise."""
+        return -1 if len(self.units) > 1 else 1
+
+    def slice_queries(self, q, per_head):
         """Queries after RoPE [b, Hq, T, d] brought down to each slice of
         cached columns (quant_slices) and laid out for the decode kernels:
-        [b, units, q_per_kv T, r] per slice, one slice for every unit
-        (per_unit False), else each (view) KV head's, as with ranks per
-        head.  Keys after RoPE only."""
-        b, Hq, T, _ = q.shape
-        g = self.q_per_kv
-        if self.ragged:
-            return [(q[:, j * g:(j + 1) * g] @ self.Bq[j]).reshape(b, 1, g * T, -1)
-                    for j in range(self.hkv)]
-        qv = (q @ self.Bq).reshape(b, Hq // g, g * T, -1)
-        return [qv[:, j:j + 1] for j in range(qv.shape[1])] if per_unit else [qv]
+        [b, KV heads, q_per_kv T, r] per slice, one slice per unit
+        (per_head False: a layer of one slice), else each (view) KV head's.
+        Keys after RoPE only."""
+        b, _, T, _ = q.shape
+        g, out = self.q_per_kv, []
+        for u in self.units:
+            qu = _heads(q, u.q)
+            qv = (qu @ u.Bq).reshape(b, qu.shape[1] // g, g * T, -1)
+            out += [qv[:, j:j + 1] for j in range(qv.shape[1])] if per_head else [qv]
+        return out
 
     def bring_up(self, outs):
         """Each slice's outputs in the latent, [b, heads, T, rv] in
         slice_queries' order, brought up: the heads' output [b, Hq, T, d]
         through B_v, or the folded o_proj's input [b, T, Hq rv]."""
-        if self.ragged:
+        ups, at = [], 0
+        for u in self.units:  # each unit's slices, its query heads side by side
+            n, heads = u.q_heads(self.heads), 0
+            mine = []
+            while heads < n:
+                mine.append(outs[at])
+                heads += outs[at].shape[1]
+                at += 1
+            o = torch.cat(mine, 1)
             if self.o_folded is not None:
-                return torch.cat([o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
-                                  for o in outs], -1)
-            return torch.cat([o @ bvT for o, bvT in zip(outs, self.BvT)], 1)
-        o = torch.cat(outs, 1)
-        if self.o_folded is not None:
-            return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
-        return o @ self.BvT
+                ups.append(o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1))
+            else:
+                ups.append(o @ u.BvT)
+        return _joined(ups, -1 if self.o_folded is not None else 1)
 
     def set_up(self, qd, vu):
         """Sets the up-projections from one layer's B and B_v as the file
         has them, [Hkv, d, r] (tuning passes tensors that carry gradients):
-        Bq [Hq, d, rk] (each query head's block), BkT [Hkv, rk, d] (keys
-        brought back before RoPE) and BvT [Hq, rv, d]; with ranks per head,
-        each KV head's own columns and query heads."""
-        g = self.q_per_kv
-        self.Bq = per_query(qd, self.heads, self.G)
-        self.BkT = qd.transpose(1, 2)
-        self.BvT = per_query(vu, self.heads, self.G).transpose(1, 2)
-        if self.ragged:
-            self.Bq = [self.Bq[j * g:(j + 1) * g, :, :r] for j, r in enumerate(self.rk)]
-            self.BkT = [self.BkT[j, :r] for j, r in enumerate(self.rk)]
-            self.BvT = [self.BvT[j * g:(j + 1) * g, :r] for j, r in enumerate(self.rv)]
+        each unit's Bq [query heads, d, rk] (each query head's block), BkT
+        [KV heads, rk, d] (keys brought back before RoPE) and BvT [query
+        heads, rv, d]; a unit of one KV head of its own ranks takes that
+        head's own columns, its BkT [rk, d]."""
+        Bq = per_query(qd, self.heads, self.G)
+        BkT = qd.transpose(1, 2)
+        BvT = per_query(vu, self.heads, self.G).transpose(1, 2)
+        for j, u in enumerate(self.units):
+            if u.kv == slice(None):
+                u.Bq, u.BkT, u.BvT = Bq, BkT, BvT
+            else:
+                rk, rv = u.A.shape[-1], u.Av.shape[-1]
+                u.Bq, u.BkT, u.BvT = Bq[u.q, :, :rk], BkT[j, :rk], BvT[u.q, :rv]
+
+    # The matrices as tuning and allocation read and replace them: the one
+    # unit's of a uniform layer, a list of each unit's otherwise.
+    A, Av, Bq, BkT, BvT = (_of_units(n) for n in ("A", "Av", "Bq", "BkT", "BvT"))
 
     @property
     def pre(self):
@@ -300,22 +367,15 @@ class LayerProjection:
         if self.pre:
             keys = unrope(keys, cos, sin)
         keys, values = self.to_view(keys), self.to_view(values)
-        if self.ragged:
-            return (torch.cat([keys[:, j:j + 1] @ a for j, a in enumerate(self.A)], -1),
-                    torch.cat([values[:, j:j + 1] @ a for j, a in enumerate(self.Av)], -1))
-        return keys @ self.A, values @ self.Av
+        return (_joined([_heads(keys, u.kv) @ u.A for u in self.units], -1),
+                _joined([_heads(values, u.kv) @ u.Av for u in self.units], -1))
 
     def groups(self, q, kc, vc):
-        """(queries, cached keys, cached values, B^T or None, Bq or None,
-        B_v^T) per group of heads that share one set of ranks: the whole
-        layer, or with ranks per head each KV head and its g query heads."""
-        if not self.ragged:
-            yield q, kc, vc, self.BkT, self.Bq, self.BvT
-            return
-        g = self.q_per_kv
-        for j in range(self.hkv):
-            yield (q[:, j * g:(j + 1) * g], kc[..., self.ko[j]:self.ko[j + 1]],
-                   vc[..., self.vo[j]:self.vo[j + 1]], self.BkT[j], self.Bq[j], self.BvT[j])
+        """(queries, cached keys, cached values, B^T, Bq, B_v^T) per unit,
+        the heads that share one set of ranks: the whole layer, or with
+        ranks per head each KV head and its q_per_kv query heads."""
+        for u in self.units:
+            yield (_heads(q, u.q), _columns(kc, u.k), _columns(vc, u.v), u.BkT, u.Bq, u.BvT)
 
     def spaces(self, q, kc, vc, rotary):
         """Attention's inputs per group of heads that share one set of
@@ -357,7 +417,7 @@ class Identity:
     def __init__(self, hkv):
         self.hkv = hkv
 
-    def slice_queries(self, q, per_unit):
+    def slice_queries(self, q, per_head):
         """The queries [b, Hq, T, d] as one slice, a KV head's query heads
         stacked as rows: [b, Hkv, Hq / Hkv T, d]."""
         b, Hq, T, d = q.shape
