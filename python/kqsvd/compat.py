@@ -5,6 +5,7 @@ same range (python/tests check that they agree).  What the package reads
 or writes of transformers beyond its public calls is here too: the one
 place to look when a release changes it."""
 import dataclasses
+import inspect
 import weakref
 
 from .errors import KqsvdError
@@ -39,7 +40,7 @@ def check_transformers(version=None):
     when transformers (or `version`, for tests) is outside the range.
     Not collective."""
     if version is None:
-        import transformers
+        import transformers  # not at the top: the package loads without it (formats, calibration)
         version = transformers.__version__
     low, high = TRANSFORMERS
     if not _key(low) <= _key(version) < _key(high):
@@ -54,7 +55,6 @@ def cache_kwarg(module):
     maps the old name, with a deprecation warning).  Read from the
     signature of module.forward, so that it follows the installed release
     rather than a version number."""
-    import inspect
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -66,7 +66,7 @@ def no_init_weights():
     """transformers' context that skips the random initialisation of a model
     whose every weight is then overwritten (a GGUF file's): in
     transformers.initialization from 5.0, in modeling_utils before."""
-    try:
+    try:  # transformers here, not at the top: the package loads without it
         from transformers.initialization import no_init_weights as skip
     except ImportError:  # 4.56 .. 4.57
         from transformers.modeling_utils import no_init_weights as skip

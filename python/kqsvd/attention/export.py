@@ -1,18 +1,18 @@
 """Projections for programs outside Python's HDF5 stack: safetensors files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
+import torch
 
 from ..errors import UsageError
 from ..formats.files import check_outputs, write_atomic
 from ..formats.projections import Projections, load_projections
-
-if TYPE_CHECKING:
-    import torch
+from .projection import fold_o_proj
 
 DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": None}
 
@@ -81,7 +81,7 @@ def export_safetensors(proj: Projections | str | os.PathLike, path: str | os.Pat
     --------
     >>> kqsvd.export_safetensors("proj.h5", "proj.safetensors", ranks="budget:0.25")
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # an optional dependency, wanted here alone
     if dtype not in DTYPES:
         raise UsageError(f"export_safetensors: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     if not isinstance(proj, (Projections, str, os.PathLike)):
@@ -114,8 +114,6 @@ def _check_o_proj(p, o_proj):
 
 def _tensors(p, o_proj, dtype):
     """The file's tensors: every layer's matrices, and its folded o_proj."""
-    import torch
-    from .projection import fold_o_proj
     tdtype = getattr(torch, dtype)
     out = {}
     for l in range(p.num_layers):
@@ -140,7 +138,6 @@ def _metadata(p):
                                  "num_kv_heads", "head_dim", "hidden_size")}),
             "head_groups": str(p.head_groups)}
     if p.bits_k is not None:  # a quantized latent: its size and its reading depend on these
-        import dataclasses
         form = "cols" if p.bits_k.ndim == 3 else "heads"
         meta.update({f"bits_k_{form}": json.dumps(p.bits_k.tolist()),
                      f"bits_v_{form}": json.dumps(p.bits_v.tolist())},

@@ -111,7 +111,7 @@ def _triton_decode():
     (and Triton is not wanted where no store asks for it)."""
     if not _TRITON:
         try:
-            from . import triton_decode
+            from . import triton_decode  # triton at its top, only for the stores that ask
         except ImportError:
             triton_decode = None
         _TRITON.append(triton_decode)

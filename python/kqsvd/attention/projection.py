@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from ..errors import KqsvdError
+from ..formats.quant import column_runs
 from ..renamed import attribute
+from .quant import hadamard
 
 
 def _rot_half(x):
@@ -140,7 +142,6 @@ def rotate(M, ranks):
     multiplied by the Hadamard matrix of that size (quant.hadamard); or,
     ranks a list of each head's run lengths, each run of columns by its
     own (the columns of one number of bits)."""
-    from .quant import hadamard
     M = M.clone()
     for j, runs in enumerate(ranks):
         at = 0
@@ -155,7 +156,6 @@ def bit_runs(proj, layer):
     by bits (formats.quant.column_runs): (order_k, order_v) [Hkv] lists of
     column orders (the head's first rank columns, widest bits first) and
     (runs_k, runs_v) [Hkv] lists of [(count, bits)]."""
-    from ..formats.quant import column_runs
     orders, runs = ([], []), ([], [])
     for side, (bits, ranks) in enumerate(((proj.bits_k, proj.rank_k_heads),
                                           (proj.bits_v, proj.rank_v_heads))):

@@ -113,7 +113,7 @@ class Capture:
         return hook
 
     def _slice(self, l, parts):
-        import torch
+        import torch  # torch here, not at the top: capture.py is read without it (KEYS, rope_of)
 
         def hook(_mod, _inp, out):
             b, t, _ = out.shape
@@ -164,6 +164,7 @@ _REGISTERED = []
 
 def _capture_with(own):
     """The capture attention function that computes as `own` does."""
+    # transformers here, not at the top: capture.py is read without it (KEYS, rope_of)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def capture_attention(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
@@ -185,6 +186,7 @@ def _register():
     if _REGISTERED:
         return
     _REGISTERED.append(True)
+    # transformers here, not at the top: capture.py is read without it (KEYS, rope_of)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
     for own, mask in (("eager", eager_mask), ("sdpa", sdpa_mask)):
