@@ -123,7 +123,7 @@ class OneAttention(unittest.TestCase):
                            for c in ast.walk(fn)):
                         calls.setdefault(f, set()).add(fn.name)
         # the prefill's scorers and probe mode's eager measurement are no decode step
-        self.assertEqual(calls, {"decode.py": {"attend"}, "function.py": {"_probe"},
+        self.assertEqual(calls, {"decode.py": {"attend"}, "projected.py": {"_measure"},
                                  "scorers.py": {"_share", "expected"}})
 
     def test_latent_attention_fits(self):

@@ -62,20 +62,6 @@ def unrope(x, cos, sin):
     return torch.cat([back, x[..., rd:]], dim=-1)
 
 
-def key_positions(position_ids, T, N):
-    """The positions of the N keys a layer attends to, the last T of them the
-    current tokens': [b or 1, N].  A dynamic cache keeps keys by index; key n
-    sits at the model's position n - (N - 1 - p), p the newest token's
-    position (never padding), so left padding shifts each row as the
-    model's own positions do."""
-    if N == T:
-        return position_ids
-    offset = (N - 1) - position_ids[:, -1:]
-    # Padding keys before a row's first token would get negative positions;
-    # the mask hides them, the clamp keeps them in the tables' range.
-    return (torch.arange(N, device=position_ids.device)[None] - offset).clamp(min=0)
-
-
 def per_query(M, num_heads, head_groups=1):
     """Each query head's d rows of one layer's B or B_v: M [Hkv / G, G d, r]
     (the file's, G = head_groups) gives [Hq, d, r], query head h taking the
