@@ -209,17 +209,17 @@ class TierLayer(FixedLayer):
         given = places.position_ids
         at = positions(update_places(cache_kwargs, None), self.seen, key_states)  # the cache's own
         self.seen += T
-        for i, h in enumerate(self.held):
-            rows = slice(None) if len(self.held) == 1 else slice(i, i + 1)
+        each = [slice(None) if len(self.held) == 1 else slice(i, i + 1)
+                for i in range(len(self.held))]
+        for rows, h in zip(each, self.held):
             if given is None:  # a row's positions skip the tokens its prefill hid
                 pos = at - h.hidden
             else:
                 pos = given.reshape(-1, T)
                 pos = pos[rows] if pos.shape[0] > 1 else pos
             h.enter(key_states[rows], value_states[rows], pos)
-        rows = [(slice(None) if len(self.held) == 1 else slice(i, i + 1), h.parts(key_states))
-                for i, h in enumerate(self.held)]
-        reading = Reading(tuple(rows), self.seen, selects=True,
+        reading = Reading(tuple((rows, h.parts(key_states)) for rows, h in zip(each, self.held)),
+                          self.seen, selects=True,
                           check=Shown(self.shown, self.shown_key, self.seen))
         return self.hand_shapes(key_states, value_states, self.seen, reading, None)
 
