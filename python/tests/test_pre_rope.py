@@ -224,18 +224,18 @@ class PreRope(unittest.TestCase):
     def test_quality_budget_on_pre_rope_keys(self):
         """The allocation's costs come from the keys the projections act on."""
         from kqsvd.quality import allocate as al
-        from kqsvd.calibration import capture
-        ropes, original = [], capture.Capture
+        # spied on where allocate looks it up (the name it imported)
+        ropes, original = [], al.Capture
 
         def spy(*a, **kw):
             ropes.append(kw.get("rope", "post"))
             return original(*a, **kw)
-        capture.Capture = spy
+        al.Capture = spy
         try:
             seqs = self.ids(4, SEQ, "train").numpy()
             got = al.allocate(self.lm, self.info, self.proj_pre, 0.5, seqs, ["kqsvd"], rounds=2)
         finally:
-            capture.Capture = original
+            al.Capture = original
         self.assertEqual(ropes, ["pre"])
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim
         r = got["kqsvd"]
