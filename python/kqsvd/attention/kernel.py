@@ -49,14 +49,8 @@ _LIB = []  # [library or None], once looked for
 
 def library():
     """libkqsvd with the decode functions typed, or None when it is not
-    there, is older than they are, or KQSVD_DECODE=torch."""
-    if os.environ.get("KQSVD_DECODE", "").lower() == "torch":
-        return None
-    return _library()
-
-
-def _library():
-    """library(), whatever KQSVD_DECODE says."""
+    there or is older than they are.  Whether a store uses it is reader()'s
+    choice (KQSVD_DECODE is read there, not here)."""
     if not _LIB:
         lib = native.load_library(required=False)
         if lib is not None and hasattr(lib, "kqsvd_codes_quantize_runs"):
@@ -128,7 +122,7 @@ def reader(x):
     if mode not in _MODES:
         raise KqsvdError(f"KQSVD_DECODE={mode}: expected one of {', '.join(_MODES[1:])}")
     cpu = x.device.type == "cpu"
-    lib = None if mode == "torch" else _library()
+    lib = None if mode == "torch" else library()
     # libkqsvd quantizes CPU tensors below float64: the same codes as
     # quant.quantize, faster
     quantizer = lib if cpu and x.dtype != torch.float64 else None
