@@ -41,25 +41,22 @@ def _script():
     return mod
 
 
-class HostilePasskey(HostileCase):
-    WORK = "hostile-passkey"
-
-    @classmethod
-    def setUpClass(cls):
-        super().setUpClass()
-        cls.bench = _script()
+class ScriptCase(HostileCase):
+    """A bench script (self.bench, a module with main()) run in this
+    process on the tiny model's fixture."""
+    PROG = "passkey.py"
 
     # -- helpers --------------------------------------------------------------
     def call(self, argv, loads=False, cwd=None):
-        """The script on argv in this process, as `python bench/passkey.py`
-        runs it: (exit status, stdout, stderr)."""
+        """The script on argv in this process, as `python bench/PROG` runs
+        it: (exit status, stdout, stderr)."""
         out, err = io.StringIO(), io.StringIO()
         here = os.getcwd()
         try:
             if cwd:
                 os.chdir(cwd)
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), \
-                    mock.patch.object(sys, "argv", ["passkey.py"] + argv), \
+                    mock.patch.object(sys, "argv", [self.PROG] + argv), \
                     (contextlib.nullcontext() if loads else NO_LOAD):
                 try:
                     code = self.bench.main()
@@ -80,6 +77,15 @@ class HostilePasskey(HostileCase):
         before = set(listing(self.out))
         got, _, err = self.call(argv, loads, cwd)
         return self.one_error(code, got, err, words, before)
+
+
+class HostilePasskey(ScriptCase):
+    WORK = "hostile-passkey"
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.bench = _script()
 
     def args(self, *extra, json_path="x.json", proj=True):
         """A tiny run: one short prompt, int4 and the calibrated file."""
