@@ -128,10 +128,12 @@ def launched_rank():
     return 0
 
 
-def run_command(prog, body, every_rank=False):
+def run_command(prog, body, every_rank=False, interrupted=None):
     """Runs body() for a command line and returns its exit status (module
     docstring): KqsvdError becomes one line 'PROG: error: ...' on stderr;
-    SIGTERM and Ctrl-C exit 130 with nothing written.
+    SIGTERM and Ctrl-C exit 130 with nothing written, or with what
+    interrupted(), where given, says is kept (a report written as a run
+    goes).
     Under MPI only rank 0 prints, unless every_rank (for errors that one
     rank alone raises, as calibrate_hf's agree() arranges)."""
     prog = _script() or prog
@@ -156,7 +158,7 @@ def run_command(prog, body, every_rank=False):
         say(f"error: {e}")
         return 1
     except KeyboardInterrupt:
-        say("interrupted; nothing written")
+        say("interrupted; " + ((interrupted and interrupted()) or "nothing written"))
         return 130
     except ModuleNotFoundError as e:  # a plain `pip install .` has no torch
         top = (e.name or "").split(".")[0]

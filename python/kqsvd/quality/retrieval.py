@@ -104,10 +104,11 @@ def _prompt(tok, filler, length, depth, intro, needle, question):
     return head + filler[:at] + needle + filler[at:body], question
 
 
-def answer(model, context, question, config, new=DIGITS + 1, held=None):
+def answer(model, context, question, config, new=DIGITS + 1, held=None, stop=None):
     """The greedy continuation (new token ids) of context + question through
     `config`: the context prefilled into its cache, the question as one
-    chunk, then one token at a time; the bytes its cache holds after the
+    chunk, then one token at a time, up to `new` tokens or until
+    stop(the ids so far) is true; the bytes its cache holds after the
     prefill appended to the list `held` when one is given.  Not
     collective."""
     import torch
@@ -130,7 +131,7 @@ def answer(model, context, question, config, new=DIGITS + 1, held=None):
             cache = output_cache(out)
             at += step.shape[1]
             got.append(int(out.logits[0, -1].argmax()))
-            if len(got) == new:
+            if len(got) == new or (stop is not None and stop(got)):
                 return got
             step = torch.tensor([[got[-1]]], device=dev)
 
