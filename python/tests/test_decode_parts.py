@@ -172,7 +172,7 @@ class AReaderPerStore(unittest.TestCase):
     KQSVD_DECODE is read), and the kernels are handed the store's Layout."""
 
     def test_the_environment_read_where_the_reader_is_chosen(self):
-        for mod, allowed in ((kernel, {"library", "reader"}), (triton_source(), set())):
+        for mod, allowed in ((kernel, {"reader"}), (triton_source(), set())):
             tree = ast.parse(open(mod.__file__).read()) if hasattr(mod, "__file__") else mod
             readers = {fn.name for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef)
                        and "os.environ" in ast.unparse(fn)}
