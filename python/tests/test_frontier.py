@@ -113,6 +113,30 @@ class Frontier(unittest.TestCase):
             np.testing.assert_allclose(r["ratio_windows"], np.array(r["perplexity_windows"]) /
                                        np.array(full["perplexity_windows"]), rtol=1e-12)
         self.assertRegex(self.p.stdout, r"int4 .*x +\d\.\d{3}-\d\.\d{3} ")
+        # the units cover every scored token, and pool to each nll
+        self.assertEqual(sum(full["unit_tokens"]), N * (CONT))
+        self.assertAlmostEqual(sum(full["unit_nll"]) / sum(full["unit_tokens"]), full["nll"],
+                               delta=1e-12)
+        peers = [r for r in self.report["results"] if r["family"].split()[0] not in
+                 ("kqsvd", "ksvd", "eigen")]
+        for r in self.report["results"]:
+            self.assertAlmostEqual(sum(r["unit_nll"]) / sum(full["unit_tokens"]), r["nll"],
+                                   delta=1e-12)
+            lo, hi = r["ratio_interval"]
+            self.assertLessEqual(lo, r["perplexity"] / full["perplexity"] * (1 + 1e-12))
+            self.assertGreaterEqual(hi, r["perplexity"] / full["perplexity"] * (1 - 1e-12))
+            if r in peers:
+                self.assertNotIn("against_peer", r)
+                continue
+            near = [p for p in peers if abs(p["kept"] - r["kept"]) <= 0.1 * r["kept"]]
+            p = r["against_peer"]
+            if not near:
+                self.assertIsNone(p, r["label"])
+                continue
+            best = min(near, key=lambda p: p["perplexity"])
+            self.assertEqual(p["label"], best["label"])
+            self.assertAlmostEqual(p["ratio"], r["perplexity"] / best["perplexity"], delta=1e-9)
+            self.assertLessEqual(p["low"], p["ratio"] * (1 + 1e-12))
 
     def test_bytes_are_what_each_cache_holds(self):
         L, H, d = self.info.num_layers, self.info.num_kv_heads, self.info.head_dim

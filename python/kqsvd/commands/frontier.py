@@ -49,6 +49,7 @@ from ..formats.projections import METHODS, check_sizes, file_sizes, policy_ranks
 from ..formats.quant import AXES, BITS, GROUP_MAX, QuantScheme
 from ..formats.tiers import check_width
 from ..progress import Progress
+from ..quality import intervals
 from ..quality.configs import Latent, PlainQuant
 from ..quality.frontier import pareto, score
 from ..quality.measure import resolve_policies
@@ -322,10 +323,12 @@ def table(report):
     # bench/decode_speed.py --annotate adds each configuration's decode rate
     # against the full cache's, measured in one run
     speed = "decode_full" in report
-    print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'windows':>16}"
+    print(f"{'configuration':<{w}}{'kept':>8}{'perplexity':>12}{'ratio':>8}{'95% interval':>16}"
           f"{'KL/token':>11}{'top-1':>8}{'  decode' if speed else ''}  front (perplexity, KL)")
     for r in sorted(report["results"], key=lambda r: -r["kept"]):
-        each = r.get("ratio_windows") or [r["perplexity"] / f["perplexity"]]
+        # a report from before the intervals: the windows' range
+        each = r.get("ratio_interval") or r.get("ratio_windows") or \
+            [r["perplexity"] / f["perplexity"]]
         rate = f"{_decode_ratio(r):>7.2f}x" if speed and "decode" in r else \
             f"{'-':>8}" if speed else ""
         print(f"{r['label']:<{w}}{100 * r['kept']:>7.1f}%{r['perplexity']:>12.3f}"
@@ -333,10 +336,33 @@ def table(report):
               f"{f'{min(each):.3f}-{max(each):.3f}':>16}{r['kl']:>11.4f}"
               f"{100 * r['top1']:>7.1f}%{rate}  {'*' if r['front'] else ' '} "
               f"{'*' if r['front_kl'] else ''}")
+    rows = [r for r in report["results"] if r.get("against_peer")]
+    if rows:
+        print("against the best peer at the same bytes (within "
+              f"{100 * intervals.SAME_BYTES:.0f}%), paired 95% interval:")
+    for r in sorted(rows, key=lambda r: -r["kept"]):
+        p = r["against_peer"]
+        print(f"  {r['label']:<{w}}{p['ratio']:.3f}x ({p['low']:.3f}-{p['high']:.3f}) of "
+              f"{p['label']}'s perplexity")
     if speed:
         d = report["decode_full"][0]
         print(f"decode: tokens/s against the full cache's {d['decode_tok_s']:.2f} (SDPA, "
               f"generate()'s cache) at {d['context']} tokens, batch {d['batch']}")
+
+
+def _against_peers(results, full):
+    """Each of kqsvd's results gets against_peer: the best peer at the same
+    bytes (intervals.best_peer), its ratio to that peer's perplexity and
+    the paired interval, or None where no peer holds the same bytes."""
+    peers = [r for r in results if not _ours(r)]
+    for r in results:
+        if not _ours(r):
+            continue
+        p = intervals.best_peer(r, peers)
+        r["against_peer"] = None if p is None else dict(zip(
+            ("label", "ratio", "low", "high"),
+            (p["label"],) + intervals.paired_ratio(r["unit_nll"], p["unit_nll"],
+                                                   full["unit_tokens"])))
 
 
 def _decode_ratio(result):
@@ -433,6 +459,7 @@ def run(a):
     for i, (c, r) in enumerate(zip(configs, results)):
         report["results"].append(dict(label=c.label, family=c.family, front=i in front,
                                       front_kl=i in front_kl, **r))
+    _against_peers(report["results"], full)
     report["elapsed_s"] = time.time() - t0
     write_report(report, a.json, a.plot, plot, table, force=a.force)
     return report

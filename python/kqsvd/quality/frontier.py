@@ -11,6 +11,7 @@ import math
 
 from ..compat import cache_kwarg, output_cache
 from .configs import Config
+from .intervals import paired_ratio, units
 from .tally import Tally
 
 
@@ -42,8 +43,11 @@ def score(model, seqs, context, configs, chunk=1, progress=None):
     """Scores every configuration on the windows seqs (int64 [n, T]) against
     the full model.  Returns (full, [result per configuration]), each a
     dict of perplexity, nll, kl, top1 (not for full), bytes_context,
-    bytes_end and, for the configurations, kept (bytes_context over the
-    full model's) and kept_end.  Not collective."""
+    bytes_end, unit_nll (the NLL summed over each unit of scored tokens,
+    intervals.units) and, for the configurations, kept (bytes_context
+    over the full model's), kept_end and ratio_interval (the perplexity
+    ratio's paired bootstrap interval against the full model).  Not
+    collective."""
     import torch
     full, tallies = _Sums(), [_Sums() for _ in configs]
     dev = next(model.parameters()).device
@@ -69,6 +73,7 @@ def score(model, seqs, context, configs, chunk=1, progress=None):
         # Each window's perplexity over the full model's on it: the spread
         # between windows, stated beside the pooled ratio.
         r["ratio_windows"] = [math.exp(a - b) for a, b in zip(t.window_nll, full.window_nll)]
+        r["ratio_interval"] = list(paired_ratio(t.unit_nll, full.unit_nll, full.unit_tokens)[1:])
         out.append(r)
     return base, out
 
@@ -82,10 +87,14 @@ class _Sums(Tally):
     def __init__(self):
         super().__init__()
         self.window_nll, self.window_kl = [], []
+        self.unit_nll, self.unit_tokens = [], []
 
     def add(self, logp, targets, ref=None, first=0, last=0):
         nll, kl, n = self.nll, self.kl, self.tokens
         super().add(logp, targets, ref)
+        sums, counts = units((-logp.gather(1, targets[:, None])[:, 0]).tolist())
+        self.unit_nll += sums
+        self.unit_tokens += counts
         self.window_nll.append((self.nll - nll) / (self.tokens - n))
         self.window_kl.append((self.kl - kl) / (self.tokens - n))
         self.first, self.last = max(self.first, first), max(self.last, last)
@@ -94,7 +103,8 @@ class _Sums(Tally):
         r = super().result()
         r.pop("cache_bytes", None)
         r.update(bytes_context=self.first, bytes_end=self.last,
-                 perplexity_windows=[math.exp(x) for x in self.window_nll])
+                 perplexity_windows=[math.exp(x) for x in self.window_nll],
+                 unit_nll=list(self.unit_nll), unit_tokens=list(self.unit_tokens))
         if self.compared:
             r["kl_windows"] = list(self.window_kl)
         return r
