@@ -6,7 +6,7 @@ and each compressed configuration through the cache it ships.
 
     .venv/bin/python3 bench/decode_speed.py [--contexts 1024,4096,8160] [--batches 1,8]
         [--steps 32] [--repeats 3] [--rounds 1] [--threads 2] [--prefill-chunk N]
-        [--mmap-threshold B] [--config SPEC ...] [--json OUT [--force]]
+        [--mmap-threshold B] [--cache-budget BYTES] [--config SPEC ...] [--json OUT [--force]]
 
 Every (configuration, context, batch) runs in a process of its own, so the
 peak memory is its own; in it, one short generate() warms up, then
@@ -17,6 +17,15 @@ time from the first to the last.  Medians with their range over the
 repeats; with --rounds R, the whole list of configurations runs R times
 in turn and each ratio is the median of the rounds' ratios, each to its
 own round's full cache (on a shared machine, speed drifts between runs).
+--cache-budget BYTES (1GiB, 512MiB, or bytes) runs, in place of
+--batches, each configuration at the largest batch whose cache, as
+measured, fits BYTES (bench/cache_budget.py: batch 1 for its size, then
+the batch a line through the sizes measured so far predicts, run and
+measured, until one fits and the line puts one row more over): its row
+has the batch, its tokens/s over the whole batch, the ratio to the full
+cache's at its own largest batch, the sizes tried and the bytes one row
+more would take.  Each row's prefill runs batch x context tokens: on a
+CPU, at 8k tokens, tens of seconds a row and repeat.
 The cache's bytes are taken from the last call's cache, values held as
 computed counted as bf16: `cache MB` what it references, measured
 (kqsvd.cache_bytes: its capacity, the room its buffers keep for more
@@ -71,15 +80,14 @@ report and output is checked before the model loads and any run starts;
 errors are one line: exit 2 for the command line and outputs, 1 for an
 input file or a failed run, 130 for Ctrl-C or SIGTERM (nothing written)."""
 import argparse
-import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,13 +95,12 @@ for _p in (os.path.join(ROOT, "python"), os.path.dirname(os.path.abspath(__file_
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from decode_child import MODEL, latent_spec, one, resolved  # noqa: E402
 from decode_frontier import annotate, frontier_specs, read_report  # noqa: E402
-from kqsvd.compat import cache_kwarg, output_cache  # noqa: E402
 from kqsvd.errors import KqsvdError, UsageError  # noqa: E402
 from kqsvd.formats.numbers import whole  # noqa: E402
 
 PROG = "decode_speed.py"
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Absolute: the docs' tables name files of the repository's data/, wherever
 # the command runs; a kqsvd:PATH the user gives is the current folder's.
 ALIASES = {"kqsvd-32": "kqsvd:" + os.path.join(ROOT, "data", "rank-allocation-post-rope",
@@ -113,19 +120,6 @@ def spec_of(name):
         return spec
     path, eq, rest = spec[6:].partition("=")
     return "kqsvd:" + (os.path.abspath(path) if path else "") + eq + rest
-
-
-def latent_spec(spec):
-    """kqsvd:PATH[=[METHOD/]POLICY] -> (absolute file, method, policy), the
-    policy as formats.policy reads it (stored by default; @B bits, a
-    tiers: layout), the method kqsvd unless given."""
-    from kqsvd.formats.policy import parse
-    path, _, pol = spec[6:].partition("=")
-    head, slash, rest = (pol or "stored").partition("/")
-    # a part before '/' that looks like no policy is a method, named if unknown
-    method, pol = (head, rest) if slash and not any(c in head for c in ":@") and \
-        head != "stored" else ("kqsvd", pol or "stored")
-    return (os.path.abspath(path) if path else path, method, parse(pol).text)
 
 
 def check(spec, info, contexts, scheme, what=None):
@@ -194,144 +188,9 @@ def _check_latent(spec, info, scheme, what):
     check_sizes(file_sizes(path, [method]), path, info.sizes(), MODEL)
     # read whole as the run reads it: a bad dataset is found here, not after the full cache's run
     from kqsvd.formats.policy import parse
-    _resolved(path, method, pol, info.num_layers, scheme, what)
+    resolved(path, method, pol, info.num_layers, scheme, what)
     st = os.stat(path)  # a link to a file is that file; fixed:08 is fixed:8
     return ("kqsvd", st.st_dev, st.st_ino, method, parse(pol).key), path
-
-
-def _resolved(path, method, pol, layers, scheme, what):
-    """(label, Projections) of a policy of the file, as the frontier
-    resolves it (quality.measure.resolve_policies)."""
-    from kqsvd.quality.measure import resolve_policies
-    try:
-        [(label, _, proj)] = resolve_policies(path, [pol], [method], layers, scheme)
-    except (UsageError, KqsvdError) as e:
-        raise type(e)(f"{what}: {e}") from None
-    return label, proj
-
-
-def install(model, info, spec, scheme, context):
-    """Sets the model up for `spec`; returns generate()'s extra keyword
-    arguments (a fresh cache per call, or none for generate()'s own), the
-    context each generate() runs in, and the bytes a cache it leaves holds
-    (sizes()); `spec` has passed check()."""
-    none, held = contextlib.nullcontext, sizes
-    key = cache_kwarg(model)  # cache from transformers 5.24 on: the old name warns there
-    if spec == "full":
-        model.set_attn_implementation("sdpa")
-        return (lambda: {}), none, held
-    if spec == "sdpa-off":
-        return (lambda: {}), none, held
-    model.set_attn_implementation("sdpa")
-    if spec.startswith("int") and whole(spec[3:]) is not None:
-        from kqsvd.attention import reading_codes
-        from kqsvd.attention.cache import QuantCache
-        b, plain = whole(spec[3:]), dataclasses.replace(scheme, rotate=False)  # as the frontier's
-        return ((lambda: {key: QuantCache(info.num_layers, plain, (b, b))}),
-                lambda: reading_codes(model), held)
-    if spec.startswith("press:"):
-        from kqsvd.quality.peers import PressPeer
-        name, _, kept = spec[6:].partition(":")
-        peer = PressPeer(name, float(kept), context)
-        peer.check()
-        return (lambda: {}), (lambda: peer.prefill(model)), held
-    if spec.split(":")[0] in ("quanto", "hqq", "composite"):
-        from kqsvd.quality.peers import QuantizedCachePeer, composite_of, press_over_quantized
-        kind, _, rest = spec.partition(":")
-        peer = press_over_quantized(*composite_of(rest), context, scheme.group) \
-            if kind == "composite" else QuantizedCachePeer(kind, int(rest), scheme.group)
-        peer.check()
-        return ((lambda: {key: peer.cache(model)}),
-                (lambda: peer.prefill(model)), lambda cache: sizes(cache, peer.nbytes))
-    from kqsvd.attention import compress, latent_cache
-    path, method, pol = latent_spec(spec)
-    compress(model, _resolved(path, method, pol, info.num_layers, scheme, spec)[1])
-    return (lambda: {key: latent_cache(model)}), none, held
-
-
-def sizes(cache, counted=None):
-    """A cache's bytes, values held as computed counted as bf16: what it
-    references, measured (cache_bytes: its capacity, the room of its
-    buffers included), and the bytes of the tokens it holds (its use;
-    `counted(cache)` for QuantizedCache, as its peer counts them)."""
-    from kqsvd.attention import cache_bytes
-    return dict(cache_bytes=cache_bytes(cache, 2),
-                cache_bytes_held=counted(cache) if counted else cache_bytes(cache, 2, held=True))
-
-
-def one(spec, context, batch, steps, repeats, threads, scheme, chunk=None):
-    """Runs one configuration in this process (its prompt prefilled in
-    pieces of `chunk` tokens, when given); returns its figures."""
-    import torch
-    torch.set_num_threads(threads)
-    from transformers import LogitsProcessor, LogitsProcessorList
-    from kqsvd import models
-    from kqsvd.formats.quant import QuantScheme
-    model, tok, info = models.load(MODEL, dtype=torch.float32)
-    extra, around, held = install(model, info, spec, QuantScheme(**scheme), context)
-
-    class Clock(LogitsProcessor):
-        def __init__(self):
-            self.times = []
-
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=g)
-
-    def run(n, new):
-        clock = Clock()
-        t0 = time.perf_counter()
-        with around():
-            out = model.generate(input_ids=ids[:, :n], attention_mask=torch.ones_like(ids[:, :n]),
-                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, return_dict_in_generate=True,
-                                 logits_processor=LogitsProcessorList([clock]),
-                                 prefill_chunk_size=chunk if chunk and n > chunk else None,
-                                 **extra())
-        t = clock.times
-        return t[0] - t0, (len(t) - 1) / (t[-1] - t[0]), output_cache(out), out.sequences[:, n:]
-
-    peak = _Peak()
-    with torch.no_grad():
-        run(min(128, context), 4)  # warm-up: first calls, allocator (presses need a window)
-        got = [run(context, steps) for _ in range(repeats)]
-    cache, new = got[-1][2], got[-1][3]
-    prefill = [p for p, *_ in got]
-    decode = [d for _, d, *_ in got]
-    return dict(config=spec, context=context, batch=batch, steps=steps, prefill_chunk=chunk,
-                attn=model.config._attn_implementation,
-                prefill_s=statistics.median(prefill), prefill_range=[min(prefill), max(prefill)],
-                decode_tok_s=statistics.median(decode) * batch,
-                decode_range=[min(decode) * batch, max(decode) * batch],
-                **held(cache), peak_above_model_mb=peak.stop(), new_tokens=new.tolist())
-
-
-def _rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _Peak:
-    """The most resident memory above what the loaded model holds, sampled
-    every 5 ms (the load's own peak, GGUF dequantization, is left out)."""
-
-    def __init__(self):
-        self.base, self.top, self.run = _rss(), 0, True
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-
-    def _watch(self):
-        while self.run:
-            self.top = max(self.top, _rss() - self.base)
-            time.sleep(0.005)
-
-    def stop(self):
-        self.run = False
-        self.thread.join()
-        return max(self.top, _rss() - self.base) / 2**20
 
 
 def run_one(cmd, env, what):
@@ -366,6 +225,47 @@ def run_one(cmd, env, what):
     raise KqsvdError(f"{what}: the run failed: {why}")
 
 
+def child_cmd(spec, n, b, a, steps=None, repeats=None):
+    """The command line of one configuration's process (--one)."""
+    return ([sys.executable, os.path.abspath(__file__), "--one", spec, str(n), str(b),
+             "--steps", str(steps or a.steps), "--repeats", str(repeats or a.repeats),
+             "--threads", str(a.threads), "--scheme", json.dumps(a.scheme)]
+            + (["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []))
+
+
+def at_budget(named, n, a, env):
+    """Every configuration of `named` at context n and the largest batch
+    whose measured cache fits --cache-budget, the full cache first: a row
+    each (batch 0 and `error` where batch 1 does not fit).  A run that
+    fails at batch 1 ends the command; one above (memory) ends the search
+    there, noted in the row."""
+    from cache_budget import largest_batch
+    out, full = [], None
+    for name, spec, _ in named:
+        def go(b, probe, name=name, spec=spec):
+            try:
+                r = run_one(child_cmd(spec, n, b, a, repeats=1 if probe else None), env,
+                            f"{name} at {n} x {b}")
+            except KqsvdError as e:
+                if b == 1:
+                    raise
+                return dict(error=str(e))
+            fits = "fits" if r["cache_bytes"] <= a.cache_budget else "over"
+            print(f"  {name[:60]} at {n} x {b}: cache {r['cache_bytes'] / 2**20:.1f} MiB, "
+                  f"{fits}" + ("" if probe else f", {r['decode_tok_s']:.2f} tokens/s"),
+                  file=sys.stderr, flush=True)
+            return r
+        r = dict(largest_batch(go, a.cache_budget), name=name, config=spec, context=n,
+                 mmap_threshold=a.mmap_threshold)
+        if spec == "full":
+            full = r
+        if "decode_tok_s" in r:
+            r["against_full"] = r["decode_tok_s"] / full["decode_tok_s"] \
+                if full and "decode_tok_s" in full else None
+        out.append(r)
+    return out
+
+
 def measure(named, n, b, a, scheme, env):
     """Every configuration of `named` at context n and batch b, the full
     cache first, --rounds times in turn (full, A, B, ..., full, A, B,
@@ -375,11 +275,7 @@ def measure(named, n, b, a, scheme, env):
     runs = {spec: [] for _, spec, _ in named}
     for k in range(a.rounds):
         for name, spec, _ in named:
-            r = run_one([sys.executable, os.path.abspath(__file__), "--one", spec, str(n), str(b),
-                         "--steps", str(a.steps), "--repeats", str(a.repeats),
-                         "--threads", str(a.threads), "--scheme", json.dumps(scheme)]
-                        + (["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []),
-                        env, f"{name} at {n} x {b}")
+            r = run_one(child_cmd(spec, n, b, a), env, f"{name} at {n} x {b}")
             r["against_full"] = r["decode_tok_s"] / runs["full"][k]["decode_tok_s"] \
                 if spec != "full" else 1.0
             runs[spec].append(r)
@@ -403,15 +299,18 @@ def measure(named, n, b, a, scheme, env):
 
 
 def _options():
-    from kqsvd.commands.cli import ArgumentParser, count, listed
+    from kqsvd.commands.cli import ArgumentParser, count, listed, size
     ap = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="\n\n".join(__doc__.split("\n\n")[3:]))
     ap.add_argument("--contexts", type=listed(count(1)), metavar="N,...",
                     help="prompt lengths; each + --steps within the model's positions "
                          "[1024,4096,8192 - --steps; with --frontier the report's context]")
-    ap.add_argument("--batches", type=listed(count(1)), default=[1], metavar="B,...",
+    ap.add_argument("--batches", type=listed(count(1)), metavar="B,...",
                     help="prompts decoded together [1]")
+    ap.add_argument("--cache-budget", type=size, metavar="BYTES",
+                    help="in place of --batches: each configuration at the largest batch "
+                         "whose measured cache fits BYTES (1GiB, 512MiB, bytes)")
     ap.add_argument("--steps", type=count(2), default=32, help="new tokens per generate() [32]")
     ap.add_argument("--repeats", type=count(1), default=3, help="timed generate() calls [3]")
     ap.add_argument("--threads", type=count(1), default=2, help="torch threads per run [2]")
@@ -448,6 +347,10 @@ def parse(argv):
         raise UsageError("--annotate and --front-only go with --frontier, --plot with --annotate")
     if a.frontier and a.config:
         raise UsageError("--frontier measures the report's configurations: no --config with it")
+    if a.cache_budget and (a.batches or a.rounds > 1 or a.frontier):
+        raise UsageError("--cache-budget chooses each configuration's batch, in one round: "
+                         "no --batches, --rounds or --frontier with it")
+    a.batches = a.batches or [1]
     from kqsvd import models
     from kqsvd.commands.cli import check_plot
     from kqsvd.formats.files import check_outputs
@@ -529,17 +432,21 @@ def run(a):
     print(f"{'config':<44}{'context':>8}{'batch':>6}{'prefill s':>11}{'decode tok/s':>14}"
           f"{'range':>16}{'x full':>8}{'cache MB':>10}{'held MB':>9}{'peak MB':>9}", flush=True)
     for n in a.contexts:
-        for b in a.batches:
-            got = measure(named, n, b, a, a.scheme, env)
+        for b in [None] if a.cache_budget else a.batches:
+            got = at_budget(named, n, a, env) if b is None else \
+                measure(named, n, b, a, a.scheme, env)
             for name, r in zip((x[0] for x in named), got):
                 path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
                 label = "kqsvd:" + os.path.basename(path) + eq + pol \
                     if name.startswith("kqsvd:") else name
                 rows.append(r)
+                if "decode_tok_s" not in r:
+                    print(f"{label[:43]:<44}{n:>8}{0:>6}  {r['error']}", flush=True)
+                    continue
                 lo, hi = r["decode_range"]
-                print(f"{label[:43]:<44}{n:>8}{b:>6}{r['prefill_s']:>11.2f}"
+                print(f"{label[:43]:<44}{n:>8}{r['batch']:>6}{r['prefill_s']:>11.2f}"
                       f"{r['decode_tok_s']:>14.2f}{f'{lo:.2f}-{hi:.2f}':>16}"
-                      f"{r['against_full']:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
+                      f"{r['against_full'] or math.nan:>8.2f}{r['cache_bytes'] / 2**20:>10.1f}"
                       f"{r.get('cache_bytes_held', r['cache_bytes']) / 2**20:>9.1f}"
                       f"{r['peak_above_model_mb']:>9.0f}", flush=True)
     from kqsvd.commands.cli import write_report

@@ -27,13 +27,20 @@ untimed steps), the cache's bytes over the full cache's, the device's
 peak memory (the prefill's included), and the prefill's time.  Points run
 in the order given (the (16384, 8) point first by default) until
 --budget-s is spent; the rest are listed as not run; --json is rewritten
-after every row.  --shape tiny --device cpu runs the same code on a small
+after every row.  --cache-budget BYTES (1GiB, 24GiB) runs, in place of
+--points, each configuration at each of --contexts with the largest
+batch whose cache, measured after the run, fits BYTES
+(bench/cache_budget.py: batch 1 for its size, then the batch a line
+through the sizes measured predicts, run, until one fits and the line
+puts one row more over); the ratio is to the full cache's tokens/s at
+its own largest batch.  --shape tiny --device cpu runs the same code on a small
 random model (Triton's interpreter: set TRITON_INTERPRET=1 and
 KQSVD_DECODE=triton), which is how it is tested.
 
     bench/gpu_decode.py [--points 16384x8,8192x1,...] [--configs full,kqsvd,hqq:4,quanto:4]
                         [--steps 16] [--warmup 4] [--rank 96] [--bits 4] [--budget-s 300]
                         [--json F] [--quanto-ready F]
+    bench/gpu_decode.py --cache-budget 16GiB [--contexts 8192,...] [--configs ...] ...
 """
 import argparse
 import os
@@ -42,6 +49,7 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.realpath(__file__)), ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 SHAPES = {  # layers, query heads, KV heads, head_dim, hidden, MLP, vocab
     "llama7b": (32, 32, 8, 128, 4096, 14336, 32000),
@@ -149,6 +157,10 @@ def parse(argv):
     ap.add_argument("--rank", type=int, default=96)
     ap.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--cache-budget", metavar="BYTES",
+                    help="in place of --points: at each of --contexts, the largest batch "
+                         "whose measured cache fits BYTES")
+    ap.add_argument("--contexts", help="with --cache-budget: N,... [8192]")
     ap.add_argument("--json", help="the rows, rewritten after each")
     ap.add_argument("--force", action="store_true", help="replace --json if it exists")
     ap.add_argument("--quanto-ready", help="a file that exists once optimum-quanto's CUDA "
@@ -159,6 +171,18 @@ def parse(argv):
         assert all(len(p) == 2 and min(p) > 0 for p in a.points)
     except (ValueError, AssertionError):
         ap.error(f"--points {a.points!r}: expected CONTEXTxBATCH,... (16384x8)")
+    if a.contexts and not a.cache_budget:
+        ap.error("--contexts goes with --cache-budget (--points otherwise)")
+    if a.cache_budget:
+        from kqsvd.commands.cli import size
+        a.contexts = a.contexts or "8192"
+        try:
+            a.cache_budget = size(a.cache_budget)
+            a.contexts = [int(x) for x in a.contexts.split(",")]
+            assert min(a.contexts) > 0
+        except (ValueError, AssertionError, argparse.ArgumentTypeError) as e:
+            ap.error(f"--cache-budget {a.cache_budget} --contexts {a.contexts}: {e}")
+        a.points = [(n, 0) for n in a.contexts]  # the batch is the search's
     a.configs = a.configs.split(",")
     bad = [c for c in a.configs if c not in ("full", "kqsvd") and
            not (c.split(":")[0] in ("quanto", "hqq") and c.split(":")[-1] in ("2", "4"))]
@@ -174,6 +198,22 @@ def parse(argv):
     except KqsvdError as e:
         ap.error(str(e))
     return a
+
+
+def at_budget(model, proj, config, N, a, sync):
+    """The row of the largest batch whose measured cache fits
+    --cache-budget at context N (cache_budget.largest_batch); batch 1
+    runs as the others do (the same steps: the same tokens held)."""
+    from cache_budget import largest_batch
+
+    def go(b, probe):
+        r = measure(model, proj, config, N, b, a, sync)
+        print(f"  {config} at {N} x {b}: " + (r["error"][:100] if "error" in r else
+              f"cache {r['bytes'] / 2**20:.1f} MiB"), flush=True)
+        return r if "error" in r else dict(r, cache_bytes=r["bytes"])
+    r = largest_batch(go, a.cache_budget)
+    r.pop("cache_bytes", None)
+    return r
 
 
 def measure(model, proj, config, N, B, a, sync):
@@ -249,14 +289,17 @@ def main(argv=None):
         row = dict(context=N, batch=B, config=config)
         if time.time() - t0 > a.budget_s:
             row["error"] = f"not run: --budget-s {a.budget_s:g} spent"
+        elif a.cache_budget:
+            row.update(at_budget(model, proj, config, N, a, sync))
+            B = row["batch"]
         else:
             row.update(measure(model, proj, config, N, B, a, sync))
         if "error" in row:
             print(f"| {N} | {B} | {config} | {row['error'][:120]} | | | | |", flush=True)
         else:
             if config == "full":
-                full[N, B] = row
-            f = full.get((N, B))
+                full[N, B if not a.cache_budget else 0] = row
+            f = full.get((N, B if not a.cache_budget else 0))
             row["ratio_to_full"] = row["tokens_per_s"] / f["tokens_per_s"] if f else None
             row["bytes_over_full"] = row["bytes"] / f["bytes"] if f else None
             print(f"| {N} | {B} | {config} | {row['tokens_per_s']:.1f} | "
@@ -268,7 +311,7 @@ def main(argv=None):
             try:
                 report.write(dict(device=name, torch=torch.__version__, shape=a.shape,
                                   steps=a.steps, warmup=a.warmup, rank=a.rank, bits=a.bits,
-                                  rows=rows))
+                                  cache_budget=a.cache_budget, rows=rows))
             except KqsvdError as e:  # another run's file there, a full disk: one line
                 print(f"gpu_decode: error: {e}", file=sys.stderr)
                 return 1

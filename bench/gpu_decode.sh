@@ -15,15 +15,26 @@
 # installed into /tmp/site.  quanto compiles its CUDA extension on first
 # use; it is built here in the background while the tests and the other
 # rows run, and its rows run last, once it is there.
+# With --cache-budget BYTES, step 2 runs each configuration at the largest
+# batch whose measured cache fits BYTES, at each of --contexts (8192 by
+# default), in place of the fixed points (bench/cache_budget.py).
 # Outputs: $OUT (the device tool's folder) or bench-out/.
 #
-#   bench/gpu_decode.sh
+#   bench/gpu_decode.sh [--cache-budget 24GiB [--contexts 8192,16384]]
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 out=${OUT:-$root/bench-out}
 mkdir -p "$out"
 py=${PYTHON:-python3}
+mode=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --cache-budget|--contexts) [ $# -ge 2 ] || { echo "gpu_decode.sh: $1 needs a value" >&2; exit 2; }
+                               mode+=("$1" "$2"); shift 2 ;;
+    *) echo "gpu_decode.sh: unknown option $1 (--cache-budget BYTES, --contexts N,...)" >&2; exit 2 ;;
+  esac
+done
 export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -38,7 +49,7 @@ get_extension('quanto_cuda').lib" >"$out/quanto-build.txt" 2>&1 && touch "$ready
 timeout 150 $py python/tests/run.py test_gpu.TritonOnTheGPU 2>&1 | tee "$out/tests.txt" | tail -n 4
 echo "gpu_decode.sh: tests done at $((SECONDS - t0)) s"
 timeout 300 $py bench/gpu_decode.py --budget-s 240 --json "$out/gpu_decode.json" --force \
-  --quanto-ready "$ready" 2>&1 | grep -v Warning | tee "$out/gpu_decode.txt"
+  --quanto-ready "$ready" "${mode[@]}" 2>&1 | grep -v Warning | tee "$out/gpu_decode.txt"
 echo "gpu_decode.sh: decode done at $((SECONDS - t0)) s"
 timeout 90 $py bench/gpu_insitu.py --models llama7b --methods gram --windows 6 --profile 2>&1 |
   tee "$out/gpu_insitu.txt"

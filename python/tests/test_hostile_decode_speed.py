@@ -417,6 +417,40 @@ class HostileDecodeSpeed(unittest.TestCase):
         self.refused(["--frontier", report, "--annotate", a, "--json", a, "--force"], 2,
                      "give each output its own file")
 
+    def test_a_cache_budget_chooses_the_batch(self):
+        """--cache-budget: refused with what chooses the batch otherwise
+        and for sizes that are none; run, each configuration's row is the
+        largest batch whose (made-up, measured) cache fits."""
+        report = self.report()
+        for argv, words in ((["--batches", "2"], ["--cache-budget", "--batches"]),
+                            (["--rounds", "2"], ["--rounds"]),
+                            (["--frontier", report], ["--frontier"])):
+            self.refused(["--contexts", "64", "--cache-budget", "1GiB"] + argv, 2, *words)
+        for bad in ("0", "-1", "1XB", "GiB", "1e-3"):
+            self.refused(["--contexts", "64", "--cache-budget", bad, "--config", "int4"], 2,
+                         f"--cache-budget: '{bad}'")
+        rows = os.path.join(self.out, "rows.json")
+        runs = []
+
+        def child(cmd):  # the full cache 1,000 bytes a row, int4 300, both 100 more
+            spec, n, b = cmd[cmd.index("--one") + 1:][:3]
+            runs.append((spec, int(b), cmd[cmd.index("--repeats") + 1]))
+            row = dict(fake_row(cmd), cache_bytes=100 + (1000 if spec == "full" else 300) * int(b))
+            return 0, json.dumps(row) + "\n", ""
+        got, out, err = self.call(["--contexts", "64", "--cache-budget", "10000", "--repeats", "3",
+                                   "--config", "int4", "--json", rows], child=child)
+        self.assertEqual(got, 0, err)
+        with open(rows) as f:
+            got = json.load(f)
+        self.assertEqual([(r["config"], r["batch"]) for r in got], [("full", 9), ("int4", 33)])
+        self.assertEqual([r["against_full"] for r in got], [1.0, 1.5])
+        self.assertTrue(all(r["largest_confirmed"] and r["budget_bytes"] == 10000 for r in got))
+        # batch 1 sizes the cache in one repeat, each guess runs with --repeats: int4's
+        # first (25, by the line through 0) fits, the line through 1 and 25 then gives 33
+        self.assertEqual(runs, [("full", 1, "1"), ("full", 9, "3"), ("int4", 1, "1"),
+                                ("int4", 25, "3"), ("int4", 33, "3")])
+        self.assertIn("int4", out.splitlines()[-1])
+
     def test_main_takes_argv_and_returns_the_status(self):
         err = io.StringIO()
         with contextlib.redirect_stderr(err), NO_LOAD:

@@ -296,6 +296,35 @@ class Bench(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("--points '16k': expected CONTEXTxBATCH", r.stderr.splitlines()[-1])
 
+    def test_cache_budget(self):
+        """--cache-budget: at each context, each configuration's largest
+        batch whose measured cache fits, the kqsvd quarter's several
+        times the full cache's; the batch above it is over the budget."""
+        from common import workdir
+        bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "gpu_decode.py")
+        out = os.path.join(workdir("gpu-decode-budget"), "rows.json")
+        budget = 96 * 2**10
+        r = subprocess.run([sys.executable, bench, "--shape", "tiny", "--device", "cpu",
+                            "--cache-budget", "96KiB", "--contexts", "40", "--configs",
+                            "full,kqsvd", "--steps", "2", "--chunk", "32", "--rank", "8",
+                            "--json", out, "--force"],
+                           capture_output=True, text=True, timeout=300)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        with open(out) as f:
+            report = json.load(f)
+        full, latent = report["rows"]
+        self.assertEqual(report["cache_budget"], budget)
+        for x in (full, latent):
+            self.assertLessEqual(x["bytes"], budget)
+            self.assertGreater(x["next_batch_bytes"], budget)
+            self.assertTrue(x["largest_confirmed"])
+            self.assertEqual(x["tried"][str(x["batch"])], x["bytes"])
+        self.assertGreater(latent["batch"], 2 * full["batch"])
+        r = subprocess.run([sys.executable, bench, "--cache-budget", "lots"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--cache-budget lots", r.stderr.splitlines()[-1])
+
 
 def load_tests(loader, tests, pattern):
     suite = unittest.TestSuite()

@@ -89,6 +89,24 @@ def between(least, most):
     return parse
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def size(text):
+    """A number of bytes above 0: a whole number, or a number with a unit
+    (512MiB, 1GiB, 1.5GB; KiB/MiB/GiB/TiB powers of 1,024, KB/MB/GB/TB
+    of 1,000), rounded down to whole bytes."""
+    t = text.strip()
+    digits = t.rstrip("KMGTiBkmgtb")
+    unit = t[len(digits):].strip().upper()
+    v = number(digits.strip()) if unit in _UNITS else None
+    if v is None or not math.isfinite(v) or int(v * _UNITS[unit]) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size in bytes above 0 "
+                                         "(a whole number, or with a unit: 512MiB, 1GiB)")
+    return int(v * _UNITS[unit])
+
+
 def listed(parse):
     """A comma-separated list of items each read by `parse` (one of the
     types above): at least one item, no empty item, none given twice (a
