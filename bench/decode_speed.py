@@ -266,7 +266,7 @@ def at_budget(named, n, a, env):
     return out
 
 
-def measure(named, n, b, a, scheme, env):
+def measure(named, n, b, a, env):
     """Every configuration of `named` at context n and batch b, the full
     cache first, --rounds times in turn (full, A, B, ..., full, A, B,
     ...): a row per configuration, its figures the medians over rounds and
@@ -434,7 +434,7 @@ def run(a):
     for n in a.contexts:
         for b in [None] if a.cache_budget else a.batches:
             got = at_budget(named, n, a, env) if b is None else \
-                measure(named, n, b, a, a.scheme, env)
+                measure(named, n, b, a, env)
             for name, r in zip((x[0] for x in named), got):
                 path, eq, pol = name[6:].partition("=")  # a file by its name, not its folders
                 label = "kqsvd:" + os.path.basename(path) + eq + pol \
