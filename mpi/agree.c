@@ -1,4 +1,6 @@
+#include <limits.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "kqsvd_mpi.h"
 
@@ -43,4 +45,29 @@ kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local) {
   if (agreed != 0) kqsvd_error_set_origin((kqsvd_status_t)agreed);
 done:
   return st;
+}
+
+void kqsvd_mpi_rmdir_made(MPI_Comm comm, kqsvd_made_dirs_t *made) {
+  int rank = 0;
+  if (comm == MPI_COMM_NULL) {
+    kqsvd_rmdir_made(made);
+    return;
+  }
+  /* The shallowest component any rank made: all below it were made by
+   * this run, by one rank or another (the path is the same on each). */
+  int mine = made->n > 0 ? (int)made->end[0] : INT_MAX, shallowest = INT_MAX;
+  if (MPI_Comm_rank(comm, &rank) != MPI_SUCCESS ||
+      MPI_Allreduce(&mine, &shallowest, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS) {
+    made->n = 0;
+    return;
+  }
+  if (rank == 0 && shallowest != INT_MAX) {
+    kqsvd_made_dirs_t all = {.n = 0};
+    memcpy(all.path, made->path, sizeof all.path);
+    const size_t len = strlen(all.path);
+    for (size_t i = (size_t)shallowest; i <= len; i++)
+      if (i == len || all.path[i] == '/') all.end[all.n++] = (unsigned short)i;
+    kqsvd_rmdir_made(&all);
+  }
+  made->n = 0;
 }

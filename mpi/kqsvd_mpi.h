@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "kqsvd_error.h"
+#include "kqsvd_util.h"
 
 /* MPI return-code checker (communicators must use MPI_ERRORS_RETURN). */
 kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int line,
@@ -21,6 +22,15 @@ kqsvd_status_t kqsvd_mpi_check_(int rc, const char *call, const char *file, int 
  * error marked collective and reported here; no MPI call.
  * Errors: KQSVD_ERR_MPI (not collective: main() then aborts). */
 kqsvd_status_t kqsvd_mpi_agree(MPI_Comm comm, kqsvd_status_t local);
+
+/* Collective.  kqsvd_rmdir_made for a folder every rank asked kqsvd_mkdir_made
+ * for (the same path on each): once every rank is past its mkdir, rank 0
+ * removes, deepest first, each component that some rank made and that is
+ * empty.  Each rank removing only its own would race: the parent one rank
+ * made is not yet empty while another still holds the child it made.
+ * comm == MPI_COMM_NULL: kqsvd_rmdir_made.  Errors: none reported (an MPI
+ * failure leaves the folders, as a non-empty one is left). */
+void kqsvd_mpi_rmdir_made(MPI_Comm comm, kqsvd_made_dirs_t *made);
 
 /* A contiguous row range [row0, row1) of one shard. */
 typedef struct kqsvd_segment {

@@ -7,6 +7,7 @@
 
 #include "kqsvd_cli.h"
 #include "kqsvd_linalg.h"
+#include "kqsvd_mpi.h"
 #include "kqsvd_util.h"
 
 typedef struct calibrate_cmd {
@@ -200,11 +201,12 @@ done:
 
 /* A run that fails leaves no --checkpoint folder it made, as long as it is
  * empty (a stopped run keeps its checkpoints there); once every rank
- * knows, so that none is writing there still. */
+ * knows, so that none is writing there still, and removed by one rank,
+ * since the ranks' mkdirs share the path's components out among them. */
 static void end(kqsvd_cli_t *cli, void *state, kqsvd_status_t st) {
   calibrate_cmd_t *cmd = state;
   if (st != KQSVD_OK && (cli->size == 1 || kqsvd_error_is_collective()))
-    kqsvd_rmdir_made(&cmd->made);
+    kqsvd_mpi_rmdir_made(cli->size > 1 ? cli->comm : MPI_COMM_NULL, &cmd->made);
 }
 
 const kqsvd_command_t kqsvd_command_calibrate = {

@@ -127,9 +127,14 @@ def made_folders_only(wd, model, out, shards):
     refused_ckpt(os.path.join(made, "..", "mine"))
     check(os.path.isdir(mine), "a refused run removed a folder there before it, through ..")
     check(not os.path.exists(made), "a refused run left the folder it made before a ..")
-    for np_ in (1, 2):  # on 2 ranks, the one whose mkdir made them takes them away
-        refused_ckpt(os.path.join(made, "ck") + "/", np_)
-        check(not os.path.exists(made), f"--checkpoint {made}/ck/ on {np_} ranks: left {made}")
+    # On several ranks the mkdirs race and share the components out among
+    # them: every one made goes, whichever rank made it (tried a few times,
+    # since a race is not lost every time).
+    for np_, tries in ((1, 1), (2, 4), (3, 4)):
+        for _ in range(tries):
+            refused_ckpt(os.path.join(made, "a", "b", "ck") + "/", np_)
+            check(not os.path.exists(made),
+                  f"--checkpoint {made}/a/b/ck/ on {np_} ranks: left {made}")
     refused_ckpt(mine)
     refused_ckpt(os.path.join(mine, "ck"))
     check(os.path.isdir(mine) and not os.listdir(mine),
