@@ -102,12 +102,10 @@ def _filler(a, text):
 def run(a):
     filler, projs, folders = check(a)
     import numpy as np
-    import torch
-    from kqsvd import models
     from kqsvd.quality.retrieval import accuracy, passkey
     t0 = time.time()
     configs = cli.configs(a, projs)
-    model, tok, _ = models.load(a.model, dtype=getattr(torch, a.dtype))
+    model, tok = cli.load(a)
     total = len(a.lengths) * len(a.depths) * (1 + len(configs))
     done = [0]
 
@@ -121,7 +119,7 @@ def run(a):
     kept = {label: {str(n): float(np.mean([r["kept"] for r in got if r["length"] == n]))
                     for n in a.lengths} for label, got in rows.items()}
     report = dict(model=a.model, task=a.task, text=os.path.basename(a.text), lengths=a.lengths,
-                  depths=a.depths, dtype=a.dtype, seed=a.seed, kept=kept, results=rows,
+                  depths=a.depths, dtype=a.dtype, attention=a.attention, seed=a.seed, kept=kept, results=rows,
                   elapsed_s=time.time() - t0)
     cli.write(a.json, report, folders, a.force)
     w = max(len(k) for k in rows) + 2

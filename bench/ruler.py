@@ -7,7 +7,7 @@ bench/passkey.py runs its trials.
 
     .venv-peers/bin/python bench/ruler.py --proj FILE [--proj FILE ...] \\
         [--tasks niah_single_1,vt,...] [--samples 25] [--lengths 4096,8192] \\
-        [--question agnostic|aware|both] [--plain 4,3] \\
+        [--question agnostic|aware|both] [--plain 4,3] [--attention sdpa|eager] \\
         [--presses expected:0.25,snapkv:0.125] \\
         [--composites expected:quanto:4:0.125] [--seed 0] [--json OUT]
 
@@ -24,8 +24,8 @@ value is in them (more tokens could not change the grade).
 The report is written after every sample, under a temporary name renamed,
 with "complete": false until the last: run the same command again to go
 on from where a run stopped (its settings must be the same; --force
-starts afresh).  A sample at 4,096 tokens takes about 30 s per
-configuration on 2 cores in float32, so the full suite is hours.
+starts afresh).  A sample at 4,096 tokens takes about 12 s for the full
+model on 2 cores in float32 (SDPA; 50 s eager), so the full suite is hours.
 
 Errors are those of bench/passkey.py: one line, exit 2 for the command
 line and the output, 1 for an input file, 130 for Ctrl-C or SIGTERM (the
@@ -82,7 +82,8 @@ def parse(argv):
 def settings(a, labels):
     """What makes a report this run's: a resumed run must have the same."""
     return dict(model=a.model, text=os.path.abspath(a.text), tasks=a.tasks, lengths=a.lengths,
-                samples=a.samples, seed=a.seed, dtype=a.dtype, modes=a.modes, configs=labels)
+                samples=a.samples, seed=a.seed, dtype=a.dtype, attention=a.attention, modes=a.modes,
+                configs=labels)
 
 
 def _previous(a, want):
@@ -160,8 +161,6 @@ def answer_one(model, tok, s, config, mode, held):
 def run(a, state):
     """The run; state["path"] and state["samples"] say what its report holds."""
     words, tok, configs, records, folders = check(a)
-    import torch
-    from kqsvd import models
     from kqsvd.quality.configs import Config
     t0 = time.time()
     labels = ["full"] + [c.label for c in configs]
@@ -172,7 +171,7 @@ def run(a, state):
     left = sum(any((t, n, i, c.label, m) not in done for c, m in everyone) for n, t, i in todo)
     print(f"ruler: {len(todo)} samples x {len(everyone)} answers, {len(todo) - left} done "
           "before", file=sys.stderr, flush=True)
-    model = models.load(a.model, dtype=getattr(torch, a.dtype))[0]
+    model = cli.load(a)[0]
     finished = 0
     for n, task, index in todo:
         runs = [(c, m) for c, m in everyone if (task, n, index, c.label, m) not in done]

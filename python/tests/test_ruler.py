@@ -208,10 +208,11 @@ class Bench(ScriptCase):
             return json.load(f)
 
     def test_a_stopped_run_goes_on(self):
-        real, calls = self.bench.answer_one, []
+        real, calls, seen = self.bench.answer_one, [], set()
 
         def counted(*a, **k):
             calls.append(a[2]["task"])
+            seen.add(a[0].config._attn_implementation)  # the full model's, and int4's
             if len(calls) == 12:  # in the third sample (5 answers a sample)
                 raise KeyboardInterrupt
             return real(*a, **k)
@@ -242,6 +243,9 @@ class Bench(ScriptCase):
         for r in done["results"]:
             self.assertEqual(r["correct"], ruler.found(r["answer"], r["answers"]) == r["of"])
         self.assertIn("beyond the model", out)
+        # SDPA unless asked: what users run, 4 times eager's speed
+        self.assertEqual(seen, {"sdpa"})
+        self.assertEqual(done["settings"]["attention"], "sdpa")
         # complete: not replaced without --force; other settings: not gone on from
         self.refused(self.args("--question", "both"), 2, "--json", "complete", "--force")
         done["complete"] = False
@@ -249,6 +253,8 @@ class Bench(ScriptCase):
             json.dump(done, f)
         self.refused(self.args("--question", "both", "--seed", "1"), 2, "--json", "seed",
                      "--force")
+        self.refused(self.args("--question", "both", "--attention", "eager"), 2, "--json",
+                     "attention", "--force")
 
     def test_refusals_before_the_load(self):
         for opt, value in (("--tasks", "niah_single_9"), ("--tasks", "vt,vt"),
