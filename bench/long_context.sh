@@ -75,8 +75,7 @@ score() {  # NAME TEXT, then the frontier's own options
 # keys-after-RoPE calibration (its tiers decode through the kernels)
 post=$work/g3-post.h5
 if [ $reuse = 0 ] || [ ! -f "$post" ]; then
-  mpirun -np 2 $py -m kqsvd.calibrate_hf --model "$model" --text "$text" --seq-len "$calib_len" \
-    --num-seqs 4 --keys post-rope --head-groups 3 --out "$post" --force
+  g3_post "$post"
 fi
 qt=$work/g3.tiers.quality-tiers  # named after --json
 if [ $reuse = 0 ] || [ ! -f "$qt-0.25.h5" ]; then
