@@ -66,6 +66,12 @@ def add_options(ap, default_json, lengths_help, lengths="2048"):
     ap.add_argument("--plain", type=_or_none(listed(_bits)), default="4,3",
                     help=f"bits of plain quantized caches, each one of "
                     f"{', '.join(map(str, BITS))}, or none [%(default)s]")
+    ap.add_argument("--kivi", type=_or_none(listed(_bits)), default="none",
+                    help="bits of KIVI's caches: int-b as --plain, the newest --kivi-residual "
+                    "tokens held unquantized (counted at bf16's 2 bytes), or none [%(default)s]")
+    ap.add_argument("--kivi-residual", type=count(1), default=128,
+                    help="tokens KIVI's caches hold unquantized, at most the shortest --lengths "
+                    "[%(default)s, KIVI's]")
     ap.add_argument("--presses", type=_or_none(listed(_press)),
                     default="expected:0.25,expected:0.125",
                     help=f"kvpress presses PRESS:KEPT, PRESS one of {', '.join(PRESSES)} and "
@@ -167,6 +173,9 @@ def check(a, new, task, replace=False):
     except UnicodeDecodeError as e:
         raise KqsvdError(f"--text {a.text}: not UTF-8 text (byte {e.start})") from None
     _check_proj_items(a.proj)
+    if a.kivi and a.kivi_residual > min(a.lengths):
+        raise UsageError(f"--kivi-residual {a.kivi_residual}: at most the shortest --lengths, "
+                         f"{min(a.lengths)} (or give --kivi none)")
     for name, kept in a.presses:
         try:  # kvpress importable, and with this transformers
             PressPeer(name, kept, 1 << 20).check()
@@ -242,6 +251,8 @@ def configs(a, projs):
     from kqsvd.formats.quant import QuantScheme
     from kqsvd.quality.configs import Latent, PlainQuant
     out = [PlainQuant(b, QuantScheme()) for b in a.plain]
+    out += [PlainQuant(b, QuantScheme(residual=a.kivi_residual), kivi=True)
+            for b in a.kivi]
     out += [PressPeer(name, kept, 1 << 20) for name, kept in a.presses]
     out += a.composites
     for stem, pol, p in projs:

@@ -10,7 +10,8 @@
 #   - kvpress's ExpectedAttention, SnapKV and StreamingLLM keeping F of the
 #     context, and ExpectedAttention and SnapKV over quanto's int4 cache at F
 #     of the bytes;
-#   - at a quarter, the plain int4 and int3 caches too.
+#   - at a quarter, the plain int4 and int3 caches too, and KIVI's (the
+#     same with the newest 128 tokens unquantized).
 #
 #   bench/ruler_suite.sh [--work DIR] [--lengths 4096] [--samples 25]
 #                        [--fractions "0.125 0.25 0.0625"] [--full-only]
@@ -74,7 +75,7 @@ post=$work/g3-post.h5
 for f in $fractions; do
   plain=none
   [ "$f" != 0.25 ] || plain=4,3
-  part "$work/ruler-$tag-$f.json" .venv-peers/bin/python --tasks "$solved" --plain $plain \
+  part "$work/ruler-$tag-$f.json" .venv-peers/bin/python --tasks "$solved" --plain $plain --kivi $plain \
     --presses "expected:$f,snapkv:$f,streaming:$f" \
     --composites "expected:quanto:4:$f,snapkv:quanto:4:$f" \
     --proj "$post=tiers:${tiers[$f]}" --proj "$post=fixed:${latent[$f]}@3"

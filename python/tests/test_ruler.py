@@ -262,7 +262,24 @@ class Bench(ScriptCase):
             with self.subTest(opt=opt, value=value):
                 self.refused(self.args(opt, value), 2, opt)
         self.refused(self.args("--lengths", "100"), 2, "--lengths 100")
+        self.refused(self.args("--kivi", "4", "--kivi-residual", "401"), 2,
+                     "--kivi-residual 401", "400")
+        self.refused(self.args("--kivi", "5"), 2, "--kivi", "5")
         self.refused(self.args("--lengths", "600"), 2, "--lengths 600", "512")
         with open(os.path.join(self.out, "r.json"), "w") as f:
             f.write("not a report\n")
         self.refused(self.args(), 2, "--json", "not a ruler.py report")
+
+    def test_kivi_holds_its_residual_unquantized(self):
+        code, out, err = self.call(self.args("--kivi", "4", "--kivi-residual", "64", "--samples",
+                                             "1", proj=False), loads=True)
+        self.assertEqual(code, 0, err)
+        rows = {(r["task"], r["config"]): r for r in self._report()["results"]}
+        kivi = "int4 + 64 residual (KIVI)"
+        self.assertIn(kivi, out)
+        for task in ("niah_single_1", "vt"):
+            full, int4, k = (rows[task, c]["held"] for c in ("full", "int4", kivi))
+            # 64 tokens at bf16 against int4's codes (4 bits and a scale and
+            # zero per 32 values): more bytes than int4, fewer than the full
+            self.assertGreater(k, int4)
+            self.assertLess(k, full)

@@ -48,11 +48,13 @@ class Config:
 
 class PlainQuant(Config):
     """The model's own keys and values quantized as kqsvd quantizes latents
-    (the scheme without rotation): the plain intN cache."""
+    (the scheme without rotation): the plain intN cache, or KIVI's, with
+    the newest scheme.residual tokens unquantized, where a caller compares
+    both (`kivi`: its label says so)."""
     family = "int-N cache"
 
-    def __init__(self, bits, scheme):
-        super().__init__(f"int{bits}")
+    def __init__(self, bits, scheme, kivi=False):
+        super().__init__(f"int{bits}" + (f" + {scheme.residual} residual (KIVI)" if kivi else ""))
         self.bits, self.scheme = bits, scheme
 
     def cache(self, model):
