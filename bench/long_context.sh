@@ -11,7 +11,7 @@
 #
 #   bench/long_context.sh [--work DIR] [--context 3840] [--continuation 256]
 #                         [--num-seqs 3] [--calib-len 4096] [--dtype float32]
-#                         [--texts "jargon kjv"] [--reuse]
+#                         [--texts "jargon kjv"] [--reuse] [--headline]
 #
 # Calibration: 4 windows of --calib-len tokens from the Jargon File's start
 # (its train split), keys before RoPE and, for the tiers' serving, after;
@@ -27,9 +27,14 @@
 # comes with its range over the windows.  About 7 hours on 2 cores at the
 # defaults.  Writes DIR/{jargon,kjv}{,-kivi,-composite,-tiers}.{json,txt,png}
 # and DIR/{jargon,kjv}-{passkey,span}.{json,txt}.
+# --headline scores README's headline rows alone, on 8 windows unless
+# --num-seqs says otherwise, each ratio with its paired bootstrap interval
+# against the full model and against the best peer at the same bytes:
+# DIR/{jargon,kjv}-headline{,-kivi}.{json,txt,png}, about 80 minutes a
+# text after the fits.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-work="" context=3840 continuation=256 nseqs=3 calib_len=4096 dtype=float32 reuse=0
+work="" context=3840 continuation=256 nseqs="" calib_len=4096 dtype=float32 reuse=0 headline=0
 texts="jargon kjv"
 while [ $# -gt 0 ]; do
   case $1 in
@@ -41,11 +46,13 @@ while [ $# -gt 0 ]; do
     --dtype) dtype=$2; shift 2 ;;
     --texts) texts=$2; shift 2 ;;
     --reuse) reuse=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    --headline) headline=1; shift ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "long_context.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 work=${work:-data/long-context}
+[ -n "$nseqs" ] || { nseqs=3; [ $headline = 0 ] || nseqs=8; }
 text=examples/data/jargon-file-4.4.7.txt
 . bench/smollm2.sh
 py=.venv/bin/python
@@ -94,6 +101,18 @@ declare -A file=([jargon]=$text [kjv]=examples/data/kjv-genesis-exodus.txt)
 for name in $texts; do
   [ -n "${file[$name]:-}" ] || { echo "long_context.sh: --texts: unknown text $name" >&2; exit 2; }
   set -- "$name" "${file[$name]}"
+  if [ $headline = 1 ]; then
+    # README's rows: the tiers, the every-token latent, int3, and the best
+    # press alone and over int4 (ExpectedAttention or SnapKV); KIVI's rows
+    # apart, since --residual holds the newest tokens of every cache
+    score "$1-headline" "$2" --methods kqsvd "${tiered[@]}" --proj "$fit-0.25.h5=kqsvd/stored" \
+      --proj "$fit-0.125.h5=kqsvd/stored" --plain 3 --quantized-cache none \
+      --presses expected,snapkv --press-kept 0.125,0.0625 --press-quantized quanto:4 \
+      --press-bytes 0.25,0.125,0.0625
+    score "$1-headline-kivi" "$2" --plain 4,3 --residual 128 --quantized-cache none \
+      --presses none
+    continue
+  fi
   score "$1" "$2" --methods kqsvd --proj "$fit-0.25.h5=kqsvd/stored" \
     --proj "$fit-0.125.h5=kqsvd/stored" --proj "$fit-0.0625.h5=kqsvd/stored" \
     --plain 8,4,3,2 --quantized-cache quanto:4,quanto:2 \
