@@ -15,15 +15,19 @@
 #
 #   bench/ruler_suite.sh [--work DIR] [--lengths 4096] [--samples 25]
 #                        [--fractions "0.125 0.25 0.0625"] [--full-only]
+#                        [--question agnostic|aware]
 #
 # Each part writes its own report, DIR/ruler-L-full.json and
 # DIR/ruler-L-F.json, after every sample: run the same command again to go
 # on from where it stopped (a finished part is not run again).  A sample
 # takes about 12 s for the full model at 4,096 tokens on 2 cores, and 2 to
 # 3 minutes for a fraction's nine configurations, so the suite is hours.
+# --question aware compresses the question with the context (kvpress's
+# question-aware case), each fraction's report then DIR/ruler-L-F-aware.json.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work=data/long-context lengths=4096 samples=25 fractions="0.125 0.25 0.0625" full_only=0
+question=agnostic
 text=examples/data/jargon-file-4.4.7.txt  # where g3-post.h5 is calibrated, as long_context.sh
 while [ $# -gt 0 ]; do
   case $1 in
@@ -32,7 +36,8 @@ while [ $# -gt 0 ]; do
     --samples) samples=$2; shift 2 ;;
     --fractions) fractions=$2; shift 2 ;;
     --full-only) full_only=1; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --question) question=$2; shift 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "ruler_suite.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -46,6 +51,11 @@ for f in $fractions; do
   [ -n "${tiers[$f]:-}" ] || {
     echo "ruler_suite.sh: --fractions: $f is not one of ${!tiers[*]}" >&2; exit 2; }
 done
+case $question in
+  agnostic) aware="" ;;
+  aware) aware=-aware ;;
+  *) echo "ruler_suite.sh: --question: $question is not agnostic or aware" >&2; exit 2 ;;
+esac
 tag=${lengths//,/-}
 complete() { [ -f "$1" ] && $py -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1]))["complete"])' "$1"; }
 part() {  # REPORT PYTHON, then bench/ruler.py's options
@@ -75,7 +85,8 @@ post=$work/g3-post.h5
 for f in $fractions; do
   plain=none
   [ "$f" != 0.25 ] || plain=4,3
-  part "$work/ruler-$tag-$f.json" .venv-peers/bin/python --tasks "$solved" --plain $plain --kivi $plain \
+  part "$work/ruler-$tag-$f$aware.json" .venv-peers/bin/python --tasks "$solved" --question "$question" \
+    --plain $plain --kivi $plain \
     --presses "expected:$f,snapkv:$f,streaming:$f" \
     --composites "expected:quanto:4:$f,snapkv:quanto:4:$f" \
     --proj "$post=tiers:${tiers[$f]}" --proj "$post=fixed:${latent[$f]}@3"
